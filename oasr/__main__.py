@@ -1,0 +1,27 @@
+"""``python -m oasr <command>``: demo (the main job), bench, kernels."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("oasr.commands.demo", "run the streaming demo (the main job)"),
+    "bench": ("oasr.commands.bench", "reference against fast, as ratios measured in one run"),
+    "kernels": ("oasr.commands.kernels", "compile every CUDA kernel with NVRTC and report resources"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: python -m oasr {" + ",".join(COMMANDS) + "} [options]\n")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:8s} {text}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

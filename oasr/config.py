@@ -1,0 +1,216 @@
+"""``CacheConfig``: the one geometry every cache of a stream is built from.
+
+Positions and blocks
+--------------------
+A stream's K/V lives in fixed-size blocks of ``block_size_frames`` frames.
+Its block table maps *logical* block ``i`` (table column ``i``) to a physical
+block id in the shared pool. A chunk may start and end anywhere inside a
+block: a new block is allocated only when a write crosses into a logical block
+the stream does not hold yet.
+
+With eviction on (``num_left_chunks >= 0``) a chunk attends to exactly the last
+``W = num_left_chunks * chunk_size`` frames of history plus itself. Positions
+below are *table positions* (frame index relative to logical block 0)::
+
+     block:   |   0   |   1   |   2   |   3   |   4   |       bs = 4, chunk = 6, W = 12
+     frames:  0 1 2 3 4 5 6 7 8 9 ...
+                       ^seqstart               ^seqlen
+              [ evictable ][.. visible history ..][ current chunk .....]
+                   (whole blocks before seqstart are freed at commit)
+
+     cache_seqstarts = max(0, cache_seqlens - W)   first visible position
+     cache_seqlens   = frames committed so far     (minus what eviction shifted)
+
+At commit, every block lying *entirely* before the next chunk's first visible
+position is returned to the pool and the table shifts left by that many
+columns; ``cache_seqlens`` and ``cache_seqstarts`` drop by the same multiple of
+``block_size_frames``. The first visible position may therefore sit inside a
+block, which is why the view carries ``cache_seqstarts`` and not only lengths.
+
+How many blocks can a stream hold at once? While a chunk is in flight it spans
+``[seqlen - W, seqlen + chunk_size)``, ``W + chunk_size`` frames, starting at an
+offset ``o`` inside its first block. Every commit is a multiple of
+``chunk_size`` (only a stream's last chunk may be short) and every eviction a
+multiple of ``block_size_frames``, so ``o`` is a multiple of
+``g = gcd(chunk_size, block_size_frames)`` and at most ``bs - g``::
+
+     max_logical_blocks = ceil((bs - g + W + chunk_size) / bs)
+
+That is exact for aligned geometries (``bs == chunk``: ``num_left_chunks + 1``)
+and needs no "chunk <= block" restriction, which the design we started from had
+only because it allocated one block per chunk.
+
+With eviction off (``num_left_chunks == -1``) history is unlimited and each
+stream is capped at ``blocks_per_stream = min(max_blocks_per_seq,
+max_num_blocks // max_batch_size)`` blocks; ``max_stream_frames`` is that cap in
+frames. The manager's ``at_capacity`` says when a stream's next chunk would
+pass it, so a scheduler can finish the stream instead of failing mid-forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+_POSITIVE_FIELDS = (
+    "num_layers",
+    "n_kv_head",
+    "head_dim",
+    "hidden_dim",
+    "kernel_size",
+    "chunk_size",
+    "block_size_frames",
+    "max_num_blocks",
+    "max_batch_size",
+    "max_blocks_per_seq",
+)
+
+
+def _as_dtype(value) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value in _DTYPES:
+        return _DTYPES[value]
+    raise ValueError(f"CacheConfig.dtype: expected a torch dtype or one of {sorted(_DTYPES)}, got {value!r}")
+
+
+@dataclass
+class CacheConfig:
+    """Geometry and capacity of a stream's caches.
+
+    Fields are validated in ``__post_init__``; every message names the fields
+    and the numbers involved. ``device`` and ``dtype`` accept strings
+    (``"cpu"``, ``"cuda:0"``, ``"bfloat16"``) and are normalised to torch types.
+    """
+
+    num_layers: int = 12
+    n_kv_head: int = 4
+    head_dim: int = 64
+    hidden_dim: int = 256
+    kernel_size: int = 15
+    chunk_size: int = 16
+    num_left_chunks: int = -1
+    block_size_frames: int = 16
+    max_num_blocks: int = 1024
+    max_batch_size: int = 32
+    max_blocks_per_seq: int = 512
+    prefill_kv_window: bool = False
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype | str = torch.float32
+
+    def __post_init__(self):
+        for name in _POSITIVE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+        if (
+            isinstance(self.num_left_chunks, bool)
+            or not isinstance(self.num_left_chunks, int)
+            or self.num_left_chunks < -1
+        ):
+            raise ValueError(
+                f"CacheConfig.num_left_chunks must be -1 (unlimited) or >= 0, got {self.num_left_chunks!r}"
+            )
+        self.device = torch.device(self.device)
+        self.dtype = _as_dtype(self.dtype)
+        self.prefill_kv_window = bool(self.prefill_kv_window)
+
+        if self.prefill_kv_window and self.history_frames is None:
+            raise ValueError(
+                "CacheConfig.prefill_kv_window=True needs a window: set num_left_chunks >= 1 "
+                "(got num_left_chunks=-1, unlimited history)"
+            )
+        if self.prefill_kv_window and self.history_frames == 0:
+            raise ValueError(
+                "CacheConfig.prefill_kv_window=True with num_left_chunks=0 prefills an empty window; "
+                "use num_left_chunks >= 1 or prefill_kv_window=False"
+            )
+        if self.eviction:
+            need = self.max_logical_blocks
+            if self.max_blocks_per_seq < need:
+                raise ValueError(
+                    f"CacheConfig.max_blocks_per_seq={self.max_blocks_per_seq} is too narrow: a stream "
+                    f"holds up to max_logical_blocks={need} blocks (num_left_chunks={self.num_left_chunks}, "
+                    f"chunk_size={self.chunk_size}, block_size_frames={self.block_size_frames})"
+                )
+            if self.max_num_blocks < self.max_batch_size * need:
+                raise ValueError(
+                    f"CacheConfig.max_num_blocks={self.max_num_blocks} is too small: max_batch_size="
+                    f"{self.max_batch_size} streams x max_logical_blocks={need} = "
+                    f"{self.max_batch_size * need} blocks at their worst case"
+                )
+        else:
+            one_chunk = math.ceil(self.chunk_size / self.block_size_frames)
+            if self.blocks_per_stream < one_chunk:
+                raise ValueError(
+                    f"CacheConfig: a stream may hold blocks_per_stream={self.blocks_per_stream} blocks "
+                    f"(min(max_blocks_per_seq={self.max_blocks_per_seq}, max_num_blocks={self.max_num_blocks}"
+                    f" // max_batch_size={self.max_batch_size})) but one chunk of {self.chunk_size} frames "
+                    f"needs {one_chunk}"
+                )
+
+    # ---- derived geometry -------------------------------------------------
+    @property
+    def kv_last_dim(self) -> int:
+        """Last dimension of the packed dense K|V layout: ``2 * head_dim``."""
+        return 2 * self.head_dim
+
+    @property
+    def cnn_cache_frames(self) -> int:
+        """Left-context frames the causal depthwise conv keeps: ``kernel_size - 1``."""
+        return self.kernel_size - 1
+
+    @property
+    def eviction(self) -> bool:
+        """True when history is bounded (``num_left_chunks >= 0``)."""
+        return self.num_left_chunks >= 0
+
+    @property
+    def history_frames(self) -> int | None:
+        """``W``: frames of history a chunk attends to, or None when unlimited."""
+        return self.num_left_chunks * self.chunk_size if self.eviction else None
+
+    @property
+    def max_logical_blocks(self) -> int | None:
+        """Most blocks one stream can hold at once with eviction on (see the module docstring)."""
+        if not self.eviction:
+            return None
+        bs = self.block_size_frames
+        g = math.gcd(self.chunk_size, bs)
+        return math.ceil((bs - g + self.history_frames + self.chunk_size) / bs)
+
+    @property
+    def blocks_per_stream(self) -> int:
+        """A stream's block ceiling: ``max_logical_blocks`` with eviction, else its share of the pool."""
+        if self.eviction:
+            return self.max_logical_blocks
+        return min(self.max_blocks_per_seq, self.max_num_blocks // self.max_batch_size)
+
+    @property
+    def max_stream_frames(self) -> int | None:
+        """Longest stream in frames with eviction off; None (no ceiling) with eviction on."""
+        if self.eviction:
+            return None
+        return self.blocks_per_stream * self.block_size_frames
+
+    @property
+    def prefill_frames(self) -> int:
+        """Frames a stream reports as cached at admission: ``W`` with prefill, else 0."""
+        return self.history_frames if self.prefill_kv_window else 0
+
+    @property
+    def prefill_blocks(self) -> int:
+        """Blocks allocated (and zeroed) at admission."""
+        return math.ceil(self.prefill_frames / self.block_size_frames)

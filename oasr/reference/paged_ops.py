@@ -1,0 +1,89 @@
+"""Reference ``append_kv`` and ``paged_attention``: gather the pages, run plain attention.
+
+This is the oracle. It loops over rows in Python, gathers each row's pages
+into a contiguous tensor and runs textbook fp32 attention. Its fast twin is
+``oasr.fast.paged_ops`` (vectorised torch on CPU, the CUDA kernels in
+``kernels_cu/`` on a GPU), which must agree with it.
+
+Semantics (see ``oasr.paged`` for the view)::
+
+    append_kv:        row b, frame t < chunk_lens[b]  ->  table position cache_seqlens[b] + t
+    paged_attention:  row b, query t < chunk_lens[b] attends to table positions
+                      [cache_seqstarts[b], cache_seqlens[b] + chunk_lens[b])
+                      (causal=True: only up to cache_seqlens[b] + t, inclusive)
+
+Queries past a row's length, and rows with nothing to attend to, get zeros.
+Softmax runs in fp32; the output has ``q``'s dtype. GQA: query head ``h`` reads
+KV head ``h // (n_head // n_kv_head)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from oasr.paged import PagedKVCache, check_chunk_lens, check_kv_chunk, check_query
+
+
+def _table_slots(cache: PagedKVCache, row: int, start: int, end: int):
+    """Physical (block, offset) of table positions ``[start, end)`` of one row."""
+    positions = torch.arange(start, end, device=cache.block_table.device)
+    blocks = cache.block_table[row, positions // cache.block_size].long()
+    return blocks, positions % cache.block_size
+
+
+def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=None) -> None:
+    """Write a cohort's chunk ``k, v`` of shape ``(B, T, n_kv_head, head_dim)`` into the pages."""
+    check_kv_chunk(cache, k, v)
+    B, T = k.shape[:2]
+    lens = check_chunk_lens(chunk_lens, B, T, k.device).tolist()
+    seqlens = cache.cache_seqlens.tolist()
+    for b in range(B):
+        n = lens[b]
+        if not 0 <= n <= T:
+            raise ValueError(f"append_kv: chunk_lens[{b}]={n} outside [0, T={T}]")
+        blocks, offsets = _table_slots(cache, b, seqlens[b], seqlens[b] + n)
+        cache.k_cache[blocks, offsets] = k[b, :n].to(cache.k_cache.dtype)
+        cache.v_cache[blocks, offsets] = v[b, :n].to(cache.v_cache.dtype)
+
+
+def gather_row(cache: PagedKVCache, row: int, start: int, end: int):
+    """Contiguous ``(end - start, n_kv_head, head_dim)`` K and V of one row's table positions."""
+    blocks, offsets = _table_slots(cache, row, start, end)
+    return cache.k_cache[blocks, offsets], cache.v_cache[blocks, offsets]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    chunk_lens=None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Chunk attention of queries ``(B, n_head, T, head_dim)`` over each row's own pages."""
+    check_query(cache, q)
+    B, n_head, T, D = q.shape
+    group = n_head // cache.n_kv_head
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    lens = check_chunk_lens(chunk_lens, B, T, q.device).tolist()
+    seqlens = cache.cache_seqlens.tolist()
+    seqstarts = cache.cache_seqstarts.tolist()
+    out = torch.zeros_like(q)
+    for b in range(B):
+        n = lens[b]
+        if not 0 <= n <= T:
+            raise ValueError(f"paged_attention: chunk_lens[{b}]={n} outside [0, T={T}]")
+        start, end = seqstarts[b], seqlens[b] + n
+        if n == 0 or end <= start:
+            continue
+        k, v = gather_row(cache, b, start, end)  # (L, Hkv, D)
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = q[b, :, :n].float() @ k.transpose(1, 2) * scale  # (H, n, L)
+        if causal:
+            key_pos = torch.arange(start, end, device=q.device)
+            query_pos = seqlens[b] + torch.arange(n, device=q.device)
+            scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        out[b, :, :n] = (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
+    return out
