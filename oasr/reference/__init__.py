@@ -1,0 +1,27 @@
+"""The reference twin: pure torch, Python free list, dense gathers, eager loops.
+
+This is the oracle every fast path and kernel is checked against. It stays
+naive on purpose; its fast twin is ``oasr.fast`` with the same names and API.
+"""
+
+from oasr.reference.attention_cache import AttentionCacheManager, StreamKVInfo
+from oasr.reference.block_pool import BlockPool
+from oasr.reference.paged_ops import append_kv, paged_attention
+from oasr.reference.slot_pool import StreamSlotPool
+from oasr.reference.slot_state import CnnCacheManager, SlotStateCache, StateView
+from oasr.state_spec import StreamStateSpec
+from oasr.stream_context import StreamContext
+
+__all__ = [
+    "AttentionCacheManager",
+    "BlockPool",
+    "CnnCacheManager",
+    "SlotStateCache",
+    "StateView",
+    "StreamContext",
+    "StreamKVInfo",
+    "StreamSlotPool",
+    "StreamStateSpec",
+    "append_kv",
+    "paged_attention",
+]

@@ -1,0 +1,157 @@
+"""Reference ``BlockPool``: the shared K/V pool and a Python free list under a lock.
+
+Readable oracle; its fast twin is ``oasr.fast.block_pool.BlockPool``.
+
+Layout::
+
+    k_pool, v_pool   (num_layers, max_num_blocks + scratch_blocks, block_size_frames, n_kv_head, head_dim)
+
+One block id addresses the same frames in every layer. Ids ``[0, max_num_blocks)``
+are allocatable; the ``scratch_blocks`` ids after them are scratch: never on the
+free list, refused by ``free``, and the target of every table entry that maps
+no stream data (padding-lane rows, unused table columns).
+
+Invariants (checked by the tests after every operation):
+  * free ids are unique and disjoint from allocated ids and scratch ids;
+  * allocated + free == max_num_blocks;
+  * ``allocate`` pops from the head of the free list, ``free`` appends in the
+    order given, so block ids are deterministic for a given op sequence.
+
+``allocate`` and ``free`` are thread-safe; everything else is called from the
+engine's step loop only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from oasr.config import CacheConfig
+from oasr.errors import PoolExhaustedError
+
+
+class BlockPool:
+    def __init__(self, config: CacheConfig, scratch_blocks: int = 1):
+        if isinstance(scratch_blocks, bool) or not isinstance(scratch_blocks, int) or scratch_blocks < 0:
+            raise ValueError(f"BlockPool: scratch_blocks must be an int >= 0, got {scratch_blocks!r}")
+        self.config = config
+        self.scratch_blocks = scratch_blocks
+        shape = (
+            config.num_layers,
+            config.max_num_blocks + scratch_blocks,
+            config.block_size_frames,
+            config.n_kv_head,
+            config.head_dim,
+        )
+        self.k_pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.v_pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self._free = deque(range(config.max_num_blocks))
+        self._is_free = [True] * config.max_num_blocks
+        self._lock = threading.Lock()
+
+    # ---- counts -----------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        """Allocatable blocks (``max_num_blocks``), scratch excluded."""
+        return self.config.max_num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def scratch_block_ids(self) -> list[int]:
+        return list(range(self.num_blocks, self.num_blocks + self.scratch_blocks))
+
+    @property
+    def null_block(self) -> int:
+        """Block id written into table entries that map no stream data: the first scratch block
+        (block 0 when the pool has no scratch, which then must never be written through)."""
+        return self.num_blocks if self.scratch_blocks else 0
+
+    def free_block_ids(self) -> list[int]:
+        """The free list, head first (a copy)."""
+        with self._lock:
+            return list(self._free)
+
+    # ---- allocation -------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Pop ``n`` block ids from the head of the free list; all or nothing."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"BlockPool.allocate: n must be an int >= 0, got {n!r}")
+        with self._lock:
+            if n > len(self._free):
+                raise PoolExhaustedError(n, len(self._free))
+            ids = [self._free.popleft() for _ in range(n)]
+            for i in ids:
+                self._is_free[i] = False
+            return ids
+
+    def free(self, block_ids) -> None:
+        """Return ``block_ids`` to the tail of the free list, in order; all or nothing."""
+        ids = [int(i) for i in block_ids]
+        with self._lock:
+            seen = set()
+            for i in ids:
+                if self.num_blocks <= i < self.num_blocks + self.scratch_blocks:
+                    raise ValueError(f"BlockPool.free: block {i} is a scratch block and is never freed")
+                if not 0 <= i < self.num_blocks:
+                    raise ValueError(f"BlockPool.free: block id {i} outside [0, {self.num_blocks})")
+                if self._is_free[i] or i in seen:
+                    raise ValueError(f"BlockPool.free: block {i} is already free (double free)")
+                seen.add(i)
+            for i in ids:
+                self._is_free[i] = True
+                self._free.append(i)
+
+    def zero_blocks(self, block_ids) -> None:
+        """Zero K and V of ``block_ids`` in every layer."""
+        for i in block_ids:
+            i = int(i)
+            if not 0 <= i < self.num_blocks + self.scratch_blocks:
+                raise ValueError(f"BlockPool.zero_blocks: block id {i} outside the pool")
+        for i in block_ids:
+            self.k_pool[:, int(i)].zero_()
+            self.v_pool[:, int(i)].zero_()
+
+    # ---- tensor entry points ----------------------------------------------
+    def get_kv_view(self, layer: int):
+        """``(k, v)`` of one layer, each ``(num_pool_blocks, block_size, n_kv_head, head_dim)``."""
+        return self.k_pool[layer], self.v_pool[layer]
+
+    def get_kv_block_view(self, layer: int, block_id: int):
+        """``(k, v)`` of one block in one layer, each ``(block_size, n_kv_head, head_dim)``."""
+        return self.k_pool[layer, block_id], self.v_pool[layer, block_id]
+
+    def gather_kv_blocks(self, block_ids, start: int = 0, num_frames: int | None = None) -> torch.Tensor:
+        """Dense packed K|V of frames ``[start, start + num_frames)`` of the concatenated blocks.
+
+        Returns ``(num_layers, n_kv_head, num_frames, 2 * head_dim)``, K in the first half of the
+        last dimension, V in the second.
+        """
+        ids = [int(i) for i in block_ids]
+        bs = self.config.block_size_frames
+        total = len(ids) * bs
+        if num_frames is None:
+            num_frames = total - start
+        if start < 0 or num_frames < 0 or start + num_frames > total:
+            raise ValueError(
+                f"gather_kv_blocks: frames [{start}, {start + num_frames}) outside the {total} frames "
+                f"of {len(ids)} blocks"
+            )
+        pieces_k, pieces_v = [], []
+        for i in ids:
+            pieces_k.append(self.k_pool[:, i])  # (L, bs, H, D)
+            pieces_v.append(self.v_pool[:, i])
+        if not ids:
+            L, _, _, H, D = self.k_pool.shape
+            return self.k_pool.new_zeros((L, H, 0, 2 * D))
+        k = torch.cat(pieces_k, dim=1)[:, start : start + num_frames]  # (L, T, H, D)
+        v = torch.cat(pieces_v, dim=1)[:, start : start + num_frames]
+        return torch.cat([k, v], dim=-1).transpose(1, 2).contiguous()

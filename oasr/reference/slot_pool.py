@@ -1,0 +1,56 @@
+"""Reference ``StreamSlotPool``: binds stream ids to slots ``[0, capacity)``.
+
+A slot is a stream's row in every slot-indexed tensor (fixed-size state,
+block-table rows). The lowest free slot is handed out first, so slots are
+deterministic for a given op sequence. Padding-lane rows live *past*
+``capacity`` and are never handed out: no stream can be bound to them.
+Fast twin: ``oasr.fast.slot_pool.StreamSlotPool``.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from oasr.errors import SlotsExhaustedError, duplicate_stream, unknown_stream
+
+
+class StreamSlotPool:
+    def __init__(self, capacity: int):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"StreamSlotPool: capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self._free = list(range(capacity))  # a heap
+        self._slot_of: dict = {}
+
+    def acquire(self, stream_id) -> int:
+        if stream_id in self._slot_of:
+            raise duplicate_stream(stream_id)
+        if not self._free:
+            raise SlotsExhaustedError(self.capacity)
+        slot = heapq.heappop(self._free)
+        self._slot_of[stream_id] = slot
+        return slot
+
+    def release(self, stream_id) -> int:
+        if stream_id not in self._slot_of:
+            raise unknown_stream(stream_id)
+        slot = self._slot_of.pop(stream_id)
+        heapq.heappush(self._free, slot)
+        return slot
+
+    def slot_of(self, stream_id) -> int:
+        if stream_id not in self._slot_of:
+            raise unknown_stream(stream_id)
+        return self._slot_of[stream_id]
+
+    def __contains__(self, stream_id) -> bool:
+        return stream_id in self._slot_of
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def stream_ids(self) -> list:
+        """Bound stream ids, in admission order."""
+        return list(self._slot_of)

@@ -1,0 +1,186 @@
+"""Reference ``SlotStateCache`` and ``CnnCacheManager``: fixed-extent per-stream state.
+
+Readable oracle; fast twin: ``oasr.fast.slot_state``.
+
+Each declared ``StreamStateSpec`` owns one persistent buffer of shape
+``spec.buffer_shape(max_batch_size + pad_lanes)``. Stream slots come from a
+``StreamSlotPool`` over ``[0, max_batch_size)``; padding-lane slots are the
+``pad_lanes`` rows after that, reachable only through ``view(..., pad_to=)``.
+Buffers keep their address for the cache's whole life (graphs capture them).
+
+``view(name, stream_ids, pad_to=None)`` returns a ``StateView`` whose
+``gather()`` reads the rows (slot axis kept in place, one row per stream, pad
+rows last) and ``scatter(new)`` writes them back in place, shape-checked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oasr.config import CacheConfig
+from oasr.errors import duplicate_stream
+from oasr.reference.slot_pool import StreamSlotPool
+from oasr.state_spec import StreamStateSpec
+
+
+class StateView:
+    """Rows ``slots`` of one state buffer along its slot axis."""
+
+    def __init__(self, buffer: torch.Tensor, spec: StreamStateSpec, slots: list[int]):
+        self.buffer = buffer
+        self.spec = spec
+        self.slots = slots
+
+    @property
+    def shape(self) -> tuple:
+        return self.spec.batch_shape(len(self.slots))
+
+    def gather(self) -> torch.Tensor:
+        pieces = [self.buffer.select(self.spec.slot_axis, s) for s in self.slots]
+        return torch.stack(pieces, dim=self.spec.slot_axis)
+
+    def scatter(self, new: torch.Tensor) -> None:
+        if tuple(new.shape) != self.shape:
+            raise ValueError(
+                f"state {self.spec.name!r}: expected shape {self.shape}, got {tuple(new.shape)}"
+            )
+        for row, s in enumerate(self.slots):
+            self.buffer.select(self.spec.slot_axis, s).copy_(new.select(self.spec.slot_axis, row))
+
+
+class SlotStateCache:
+    def __init__(
+        self,
+        specs,
+        max_batch_size: int,
+        pad_lanes: int = 0,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        specs = tuple(specs)
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"SlotStateCache: duplicate spec names in {names}")
+        if isinstance(pad_lanes, bool) or not isinstance(pad_lanes, int) or pad_lanes < 0:
+            raise ValueError(f"SlotStateCache: pad_lanes must be an int >= 0, got {pad_lanes!r}")
+        self.specs = {s.name: s for s in specs}
+        self.max_batch_size = max_batch_size
+        self.pad_lanes = pad_lanes
+        self.slots = StreamSlotPool(max_batch_size)
+        num_rows = max_batch_size + pad_lanes
+        self.buffers = {
+            s.name: torch.zeros(s.buffer_shape(num_rows), dtype=s.dtype or dtype, device=device)
+            for s in specs
+        }
+
+    # ---- lifecycle ----------------------------------------------------------
+    def allocate_stream(self, stream_id) -> int:
+        if stream_id in self.slots:
+            raise duplicate_stream(stream_id)
+        slot = self.slots.acquire(stream_id)
+        self._zero(slot, include_persistent=True)
+        return slot
+
+    def free_stream(self, stream_id) -> None:
+        self.slots.release(stream_id)
+
+    def reset_stream(self, stream_id) -> None:
+        """Zero every non-persistent state of the stream; persistent state survives."""
+        self._zero(self.slot_of(stream_id), include_persistent=False)
+
+    reset_slot = reset_stream
+
+    def _zero(self, slot: int, include_persistent: bool) -> None:
+        for name, spec in self.specs.items():
+            if include_persistent or not spec.persistent:
+                self.buffers[name].select(spec.slot_axis, slot).zero_()
+
+    # ---- access -------------------------------------------------------------
+    def slot_of(self, stream_id) -> int:
+        return self.slots.slot_of(stream_id)
+
+    def has_stream(self, stream_id) -> bool:
+        return stream_id in self.slots
+
+    def buffer(self, name: str) -> torch.Tensor:
+        if name not in self.buffers:
+            raise KeyError(f"no state named {name!r}; declared: {sorted(self.buffers)}")
+        return self.buffers[name]
+
+    def rows(self, stream_ids, pad_to: int | None = None) -> list[int]:
+        """Slots of ``stream_ids`` in order, then padding-lane slots up to ``pad_to`` rows."""
+        slots = [self.slot_of(s) for s in stream_ids]
+        if len(set(stream_ids)) != len(stream_ids):
+            raise ValueError(f"duplicate stream ids in {list(stream_ids)}")
+        if pad_to is not None and pad_to > len(slots):
+            if self.pad_lanes == 0:
+                raise ValueError(f"pad_to={pad_to} > {len(slots)} streams, but this cache has no padding lane")
+            slots += [self.max_batch_size] * (pad_to - len(slots))
+        elif pad_to is not None and pad_to < len(slots):
+            raise ValueError(f"pad_to={pad_to} is smaller than the {len(slots)} streams given")
+        return slots
+
+    def view(self, name: str, stream_ids, pad_to: int | None = None) -> StateView:
+        buffer = self.buffer(name)
+        return StateView(buffer, self.specs[name], self.rows(list(stream_ids), pad_to))
+
+    def views(self, stream_ids, pad_to: int | None = None) -> dict:
+        """One ``StateView`` per declared state, for a chunk forward's ``states`` argument."""
+        return {name: self.view(name, stream_ids, pad_to) for name in self.specs}
+
+    def fill_slot(self, stream_id, name: str, value) -> None:
+        """Fill one stream's state ``name`` with a scalar (e.g. a persistent prompt id)."""
+        spec = self.specs[name] if name in self.specs else None
+        if spec is None:
+            raise KeyError(f"no state named {name!r}; declared: {sorted(self.buffers)}")
+        self.buffers[name].select(spec.slot_axis, self.slot_of(stream_id)).fill_(value)
+
+
+class CnnCacheManager:
+    """The causal depthwise conv's left context: the single-spec ``SlotStateCache``.
+
+    Buffer ``(num_layers, max_batch_size + pad_lanes, kernel_size - 1, hidden_dim)``.
+    ``get_cache(ids)`` returns ``(num_layers, B, kernel_size - 1, hidden_dim)``;
+    ``update(ids, new)`` overwrites those rows in place (shape-checked).
+    """
+
+    SPEC_NAME = "cnn"
+
+    def __init__(self, config: CacheConfig, pad_lanes: int = 0):
+        self.config = config
+        spec = StreamStateSpec(
+            self.SPEC_NAME, (config.num_layers, config.cnn_cache_frames, config.hidden_dim), slot_axis=1
+        )
+        self.state = SlotStateCache(
+            [spec], config.max_batch_size, pad_lanes, device=config.device, dtype=config.dtype
+        )
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.state.buffer(self.SPEC_NAME)
+
+    def allocate_stream(self, stream_id) -> int:
+        return self.state.allocate_stream(stream_id)
+
+    def free_stream(self, stream_id) -> None:
+        self.state.free_stream(stream_id)
+
+    def reset_stream(self, stream_id) -> None:
+        self.state.reset_stream(stream_id)
+
+    def has_stream(self, stream_id) -> bool:
+        return self.state.has_stream(stream_id)
+
+    def slot_of(self, stream_id) -> int:
+        return self.state.slot_of(stream_id)
+
+    def get_cache(self, stream_ids, pad_to: int | None = None) -> torch.Tensor:
+        ids = [stream_ids] if not isinstance(stream_ids, (list, tuple)) else list(stream_ids)
+        return self.state.view(self.SPEC_NAME, ids, pad_to).gather()
+
+    def update(self, stream_ids, new_cache: torch.Tensor, pad_to: int | None = None) -> None:
+        ids = [stream_ids] if not isinstance(stream_ids, (list, tuple)) else list(stream_ids)
+        self.state.view(self.SPEC_NAME, ids, pad_to).scatter(new_cache)
+
+
+__all__ = ["CnnCacheManager", "SlotStateCache", "StateView", "StreamStateSpec"]

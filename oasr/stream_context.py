@@ -1,0 +1,93 @@
+"""``StreamContext``: one stream's handle on all of its caches.
+
+A thin facade binding a ``stream_id`` to the attention manager, the conv (slot
+state) manager and, optionally, the CTC state manager, so an engine's loop
+reads as one object per stream. It works with either twin: it only calls the
+managers' public API. ``StreamContext.allocate`` admits a stream in every
+manager or in none (a failure rolls back what was admitted).
+"""
+
+from __future__ import annotations
+
+
+class StreamContext:
+    def __init__(self, stream_id, att, cnn, ctc=None):
+        self.stream_id = stream_id
+        self.att = att
+        self.cnn = cnn
+        self.ctc = ctc
+
+    @classmethod
+    def allocate(cls, stream_id, att, cnn, ctc=None, ctc_batch: int = 1, vocab_size: int | None = None):
+        """Admit ``stream_id`` in every manager, or in none."""
+        if ctc is not None and vocab_size is None:
+            raise ValueError("StreamContext.allocate: vocab_size is required when a CTC manager is given")
+        done = []
+        try:
+            att.allocate_stream(stream_id)
+            done.append(att)
+            cnn.allocate_stream(stream_id)
+            done.append(cnn)
+            if ctc is not None:
+                ctc.allocate_stream(stream_id, ctc_batch, vocab_size)
+                done.append(ctc)
+        except Exception:
+            for manager in reversed(done):
+                manager.free_stream(stream_id)
+            raise
+        return cls(stream_id, att, cnn, ctc)
+
+    # ---- per chunk, paged --------------------------------------------------------
+    def prepare_chunk(self, num_frames: int | None = None) -> None:
+        self.att.prepare_chunk(self.stream_id, num_frames)
+
+    def at_capacity(self, num_frames: int | None = None) -> bool:
+        return self.att.at_capacity(self.stream_id, num_frames)
+
+    def get_att_caches(self):
+        return self.att.get_paged_caches([self.stream_id])
+
+    def get_paged_state_views(self):
+        return self.att.get_paged_state_views(self.stream_id)
+
+    def cached_frames(self) -> int:
+        return self.att.cached_frames(self.stream_id)
+
+    def commit_chunk_paged(self, num_frames: int, new_cnn_cache=None) -> None:
+        self.att.commit_chunk_paged(self.stream_id, num_frames)
+        if new_cnn_cache is not None:
+            self.cnn.update([self.stream_id], new_cnn_cache)
+
+    # ---- per chunk, dense --------------------------------------------------------
+    def get_att_cache(self):
+        return self.att.get_stacked_cache(self.stream_id)
+
+    def commit_chunk(self, kv_chunk, new_cnn_cache=None) -> None:
+        if new_cnn_cache is not None:
+            expected = tuple(self.cnn.get_cache([self.stream_id]).shape)
+            if tuple(new_cnn_cache.shape) != expected:
+                raise ValueError(f"commit_chunk: cnn cache expected {expected}, got {tuple(new_cnn_cache.shape)}")
+        self.att.commit(self.stream_id, kv_chunk)
+        if new_cnn_cache is not None:
+            self.cnn.update([self.stream_id], new_cnn_cache)
+
+    # ---- shared -------------------------------------------------------------------
+    def get_cnn_cache(self):
+        return self.cnn.get_cache([self.stream_id])
+
+    def get_decoder(self):
+        if self.ctc is None:
+            raise RuntimeError(f"stream {self.stream_id!r}: this StreamContext has no CTC manager")
+        return self.ctc.get_decoder(self.stream_id)
+
+    def reset(self) -> None:
+        """Rewind what the encoder heard: K/V back to admission, conv state zeroed (persistent kept)."""
+        self.att.reset_stream(self.stream_id)
+        self.cnn.reset_stream(self.stream_id)
+
+    def free(self) -> None:
+        """Release the stream's blocks and slots; its CTC state goes back to the pool."""
+        self.att.free_stream(self.stream_id)
+        self.cnn.free_stream(self.stream_id)
+        if self.ctc is not None:
+            self.ctc.free_stream(self.stream_id)
