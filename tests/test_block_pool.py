@@ -1,0 +1,116 @@
+"""BlockPool conformance: deterministic ids, scratch blocks, errors, thread safety."""
+
+import random
+import threading
+
+import pytest
+import torch
+
+import oasr
+from tests.conftest import assert_same_snapshot, small_config, snapshot
+
+
+def test_allocate_pops_head_free_appends_tail(twin):
+    pool = twin.BlockPool(small_config(max_num_blocks=8, max_batch_size=2))
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.free([1, 0])
+    assert pool.free_block_ids() == [3, 4, 5, 6, 7, 1, 0]
+    assert pool.allocate(6) == [3, 4, 5, 6, 7, 1]
+    assert pool.num_free_blocks == 1 and pool.num_used_blocks == 7
+    assert pool.allocate(0) == []
+
+
+def test_shapes_and_scratch(twin):
+    cfg = small_config(max_num_blocks=8, max_batch_size=2)
+    pool = twin.BlockPool(cfg, scratch_blocks=2)
+    assert pool.k_pool.shape == (2, 10, 4, 2, 8) and pool.v_pool.shape == (2, 10, 4, 2, 8)
+    assert pool.scratch_block_ids == [8, 9] and pool.null_block == 8
+    assert 8 not in pool.free_block_ids() and 9 not in pool.free_block_ids()
+    k, v = pool.get_kv_view(1)
+    assert k.data_ptr() == pool.k_pool[1].data_ptr() and k.shape == (10, 4, 2, 8)
+    kb, vb = pool.get_kv_block_view(1, 3)
+    assert kb.shape == (4, 2, 8) and kb.data_ptr() == pool.k_pool[1, 3].data_ptr()
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [([8], "scratch"), ([9], "scratch"), ([0], "already free"), ([1, 1], "already free"), ([42], "outside"),
+     ([-1], "outside")],
+)
+def test_free_refuses_and_changes_nothing(twin, ids, message):
+    pool = twin.BlockPool(small_config(max_num_blocks=8, max_batch_size=2), scratch_blocks=2)
+    pool.allocate(2)
+    pool.free([0])
+    before = snapshot(pool)
+    if ids == [1, 1]:
+        pass  # block 1 is allocated: freeing it twice in one call must be refused whole
+    with pytest.raises(ValueError, match=message):
+        pool.free(ids)
+    assert_same_snapshot(before, snapshot(pool))
+
+
+def test_exhaustion_names_numbers_and_changes_nothing(twin):
+    pool = twin.BlockPool(small_config(max_num_blocks=8, max_batch_size=2))
+    pool.allocate(5)
+    before = snapshot(pool)
+    with pytest.raises(oasr.PoolExhaustedError) as info:
+        pool.allocate(4)
+    assert isinstance(info.value, RuntimeError)
+    assert (info.value.requested, info.value.free) == (4, 3)
+    assert "requested 4" in str(info.value) and "3 free" in str(info.value)
+    assert_same_snapshot(before, snapshot(pool))
+
+
+def test_zero_blocks_and_gather(twin):
+    cfg = small_config(max_num_blocks=8, max_batch_size=2)
+    pool = twin.BlockPool(cfg)
+    pool.k_pool.normal_()
+    pool.v_pool.normal_()
+    pool.zero_blocks([2, 5])
+    assert pool.k_pool[:, [2, 5]].abs().sum() == 0 and pool.v_pool[:, [2, 5]].abs().sum() == 0
+    assert pool.k_pool[:, 3].abs().sum() > 0
+    out = pool.gather_kv_blocks([6, 1, 3], start=3, num_frames=7)
+    assert out.shape == (2, 2, 7, 16)
+    frames = [(6, 3), (1, 0), (1, 1), (1, 2), (1, 3), (3, 0), (3, 1)]
+    for t, (b, o) in enumerate(frames):
+        assert torch.equal(out[:, :, t, :8], pool.k_pool[:, b, o])
+        assert torch.equal(out[:, :, t, 8:], pool.v_pool[:, b, o])
+    with pytest.raises(ValueError, match="outside"):
+        pool.gather_kv_blocks([1], start=2, num_frames=3)
+
+
+def test_thread_safety(twin):
+    """Several threads allocate and free at random; no block is lost or handed out twice."""
+    pool = twin.BlockPool(small_config(max_num_blocks=64))
+    owned_total = []
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(300):
+                if mine and rng.random() < 0.5:
+                    k = rng.randint(1, len(mine))
+                    give, mine = mine[:k], mine[k:]
+                    pool.free(give)
+                else:
+                    try:
+                        mine += pool.allocate(rng.randint(1, 4))
+                    except oasr.PoolExhaustedError:
+                        pass
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        owned_total.append(mine)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    held = [b for mine in owned_total for b in mine]
+    free = pool.free_block_ids()
+    assert len(set(held)) == len(held), "a block was handed out twice"
+    assert sorted(held + free) == list(range(64)), "a block was lost"
+    assert pool.num_free_blocks == len(free)
