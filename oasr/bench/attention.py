@@ -1,0 +1,85 @@
+"""Bench section: one attention tick (append + attention over every layer).
+
+12 layers, head_dim 64, 4 KV heads (4 query heads), chunk 16, at 1, 8, 32 and
+128 streams with 0 to 1024 frames of history; reference against fast. On a
+GPU each row adds the bytes moved (K/V pages read, chunk K/V written, q and
+out) and the achieved GB/s against the device's measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from oasr.bench import median_ms
+from oasr.paged import PagedKVCache
+
+LAYERS, N_KV, N_HEAD, HEAD_DIM, CHUNK, BLOCK = 12, 4, 4, 64, 16, 16
+
+
+def _cohort(streams: int, history: int, device, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = math.ceil((history + CHUNK) / BLOCK)
+    num_blocks = streams * width + 1
+    table = torch.randperm(num_blocks - 1, generator=g)[: streams * width].view(streams, width).to(torch.int32)
+    k_pool = torch.randn(LAYERS, num_blocks, BLOCK, N_KV, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
+    v_pool = torch.randn(LAYERS, num_blocks, BLOCK, N_KV, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
+    seqlens = torch.full((streams,), history, dtype=torch.int32, device=device)
+    seqstarts = torch.zeros(streams, dtype=torch.int32, device=device)
+    caches = [
+        PagedKVCache(k_pool[layer], v_pool[layer], table.to(device), seqlens, seqstarts, BLOCK, history, history, layer)
+        for layer in range(LAYERS)
+    ]
+    k = torch.randn(streams, CHUNK, N_KV, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(streams, N_HEAD, CHUNK, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
+    return caches, q, k
+
+
+def _tick(ops, caches, q, k):
+    for cache in caches:
+        ops.append_kv(cache, k, k)
+        ops.paged_attention(q, cache)
+
+
+def bytes_moved(streams: int, history: int, elem: int) -> int:
+    per_layer = streams * (
+        2 * (history + CHUNK) * N_KV * HEAD_DIM  # K and V read
+        + 2 * CHUNK * N_KV * HEAD_DIM  # chunk K and V written
+        + 2 * N_HEAD * CHUNK * HEAD_DIM  # q read, out written
+    )
+    return LAYERS * per_layer * elem
+
+
+def copy_bandwidth_gbs(device) -> float:
+    x = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x), repeats=10, warmup=3, device=device)
+    return 2 * x.numel() / (ms * 1e-3) / 1e9
+
+
+def section(quick: bool, device="cpu") -> list[dict]:
+    from oasr import fast, reference
+
+    device = torch.device(device)
+    dtype = torch.float32 if device.type == "cpu" else torch.float16
+    grid = [(1, 0), (8, 256), (32, 1024)] if quick else [
+        (s, h) for s in (1, 8, 32, 128) for h in (0, 256, 1024)
+    ]
+    peak = copy_bandwidth_gbs(device) if device.type == "cuda" else None
+    rows = []
+    for streams, history in grid:
+        caches, q, k = _cohort(streams, history, device, dtype)
+        row = {"section": "attention", "case": f"streams={streams} history={history}"}
+        reps = 1 if (streams * (history + CHUNK) > 8 * 1040) else 3
+        args = (caches, q, k)
+        row["reference_ms"] = median_ms(lambda a=args: _tick(reference, *a), repeats=reps, device=device)
+        row["fast_ms"] = median_ms(lambda a=args: _tick(fast, *a), repeats=max(reps, 3), device=device)
+        moved = bytes_moved(streams, history, torch.empty((), dtype=dtype).element_size())
+        row["MB_moved"] = moved / 1e6
+        if peak:
+            achieved = moved / (row["fast_ms"] * 1e-3) / 1e9
+            row["fast_GBps"] = achieved
+            row["of_copy_bw"] = achieved / peak
+        rows.append(row)
+    return rows

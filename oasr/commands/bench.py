@@ -1,0 +1,50 @@
+"""``python -m oasr bench``: reference against fast, as ratios measured in one run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from tqdm import tqdm
+
+from oasr.bench import format_table, with_ratio
+
+# name -> (module, function, takes a device argument)
+SECTIONS = {
+    "bookkeeping": ("oasr.bench.cache", "section_bookkeeping", False),
+    "attention": ("oasr.bench.attention", "section", True),
+    "stream_cost": ("oasr.bench.stream_cost", "section", False),
+    "ctc": ("oasr.bench.ctc", "section", False),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oasr bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a reduced grid that finishes in seconds")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ",".join(SECTIONS))
+    parser.add_argument("--device", default="cpu", help="device for the sections that take one (cpu, cuda)")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write all rows as JSON")
+    args = parser.parse_args(argv)
+
+    names = [n.strip() for n in args.sections.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    all_rows = []
+    for name in tqdm(names, desc="bench", unit="section", file=sys.stderr):
+        module_name, function, takes_device = SECTIONS[name]
+        section = getattr(importlib.import_module(module_name), function)
+        rows = section(args.quick, args.device) if takes_device else section(args.quick)
+        rows = with_ratio(rows)
+        all_rows += rows
+        tqdm.write(f"\n== {name} ==  (ratio = reference_ms / fast_ms)\n{format_table(rows)}", file=sys.stdout)
+    if args.json:
+        text = json.dumps(all_rows, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as handle:
+                handle.write(text + "\n")
+    return 0
