@@ -78,6 +78,24 @@ _POSITIVE_FIELDS = (
 )
 
 
+KV_CACHE_DTYPES = {None: None, "fp8_e4m3": getattr(torch, "float8_e4m3fn", None)}
+
+
+def _check_fp8_supported(device: torch.device) -> None:
+    """Refuse fp8 K/V at construction where this torch cannot store or convert it."""
+    if KV_CACHE_DTYPES["fp8_e4m3"] is None:
+        raise ValueError(f"CacheConfig.kv_cache_dtype='fp8_e4m3': torch {torch.__version__} has no float8_e4m3fn")
+    try:
+        probe = torch.tensor([1.5, -3.0], device=device).to(torch.float8_e4m3fn).float()
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"CacheConfig.kv_cache_dtype='fp8_e4m3': torch {torch.__version__} cannot convert to "
+            f"float8_e4m3fn on {device}: {exc}"
+        ) from exc
+    if probe.tolist() != [1.5, -3.0]:
+        raise ValueError(f"CacheConfig.kv_cache_dtype='fp8_e4m3': float8 round trip is wrong on {device}")
+
+
 def _as_dtype(value) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
@@ -109,6 +127,7 @@ class CacheConfig:
     prefill_kv_window: bool = False
     device: torch.device | str = "cpu"
     dtype: torch.dtype | str = torch.float32
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self):
         for name in _POSITIVE_FIELDS:
@@ -126,6 +145,15 @@ class CacheConfig:
         self.device = torch.device(self.device)
         self.dtype = _as_dtype(self.dtype)
         self.prefill_kv_window = bool(self.prefill_kv_window)
+        if self.kv_cache_dtype in ("auto", "model"):
+            self.kv_cache_dtype = None
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"CacheConfig.kv_cache_dtype must be None (the model dtype) or one of "
+                f"{sorted(k for k in KV_CACHE_DTYPES if k)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_quantized:
+            _check_fp8_supported(self.device)
 
         if self.prefill_kv_window and self.history_frames is None:
             raise ValueError(
@@ -162,6 +190,16 @@ class CacheConfig:
                 )
 
     # ---- derived geometry -------------------------------------------------
+    @property
+    def kv_quantized(self) -> bool:
+        """True when K/V pages are stored as fp8 with one fp32 scale per vector."""
+        return self.kv_cache_dtype is not None
+
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """dtype of the K/V pool tensors: fp8 when quantized, else the model dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] if self.kv_quantized else self.dtype
+
     @property
     def kv_last_dim(self) -> int:
         """Last dimension of the packed dense K|V layout: ``2 * head_dim``."""

@@ -14,6 +14,10 @@ its queries attend to ``[cache_seqstarts[b], cache_seqlens[b] + chunk_lens[b])``
 (see ``paged_attention``). Table position ``p`` lives in physical block
 ``block_table[b, p // block_size]`` at offset ``p % block_size``.
 
+With fp8 pages (``CacheConfig(kv_cache_dtype="fp8_e4m3")``) ``k_cache``/``v_cache``
+are ``float8_e4m3fn`` and ``k_scale``/``v_scale`` hold one fp32 scale per
+(block, position, kv head); see ``oasr.reference.fp8`` for the rule.
+
 ``max_seqlen`` and ``max_span`` are host-side maxima over the rows (of
 ``cache_seqlens`` and of ``cache_seqlens - cache_seqstarts``), filled from the
 manager's host bookkeeping so that a launcher can size a grid without reading
@@ -41,6 +45,13 @@ class PagedKVCache:
     max_seqlen: int
     max_span: int
     layer: int = 0
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """True for fp8 pages: ``k_scale``/``v_scale`` are ``(num_pool_blocks, block_size, n_kv_head)`` fp32."""
+        return self.k_scale is not None
 
     @property
     def batch_size(self) -> int:

@@ -38,6 +38,7 @@ from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream, unknown_stream
 from oasr.paged import PagedKVCache
 from oasr.reference.block_pool import BlockPool
+from oasr.reference.fp8 import quantize
 from oasr.reference.slot_pool import StreamSlotPool
 
 
@@ -277,6 +278,7 @@ class AttentionCacheManager:
         caches = []
         for layer in range(self.config.num_layers):
             k, v = self.pool.get_kv_view(layer)
+            k_scale, v_scale = self.pool.get_kv_scale_view(layer)
             caches.append(
                 PagedKVCache(
                     k_cache=k,
@@ -288,6 +290,8 @@ class AttentionCacheManager:
                     max_seqlen=max(host_lens, default=0),
                     max_span=max(host_spans, default=0),
                     layer=layer,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
                 )
             )
         return caches
@@ -322,11 +326,16 @@ class AttentionCacheManager:
         st.blocks.extend(self.pool.allocate(need))
         bs = cfg.block_size_frames
         k, v = kv_chunk[..., : cfg.head_dim], kv_chunk[..., cfg.head_dim :]
+        pool = self.pool
         for t in range(T):
             pos = st.seqlen + t
             block, offset = st.blocks[pos // bs], pos % bs
-            self.pool.k_pool[:, block, offset] = k[:, :, t].to(cfg.dtype)
-            self.pool.v_pool[:, block, offset] = v[:, :, t].to(cfg.dtype)
+            if cfg.kv_quantized:
+                pool.k_pool[:, block, offset], pool.k_scale[:, block, offset] = quantize(k[:, :, t])
+                pool.v_pool[:, block, offset], pool.v_scale[:, block, offset] = quantize(v[:, :, t])
+            else:
+                pool.k_pool[:, block, offset] = k[:, :, t].to(cfg.dtype)
+                pool.v_pool[:, block, offset] = v[:, :, t].to(cfg.dtype)
         st.seqlen += T
         st.total_frames += T
         self._evict(st)

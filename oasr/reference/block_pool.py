@@ -6,6 +6,11 @@ Layout::
 
     k_pool, v_pool   (num_layers, max_num_blocks + scratch_blocks, block_size_frames, n_kv_head, head_dim)
 
+With ``kv_cache_dtype="fp8_e4m3"`` the pools are ``float8_e4m3fn`` and two more
+tensors, ``k_scale`` and ``v_scale`` of shape ``(num_layers, num_pool_blocks,
+block_size_frames, n_kv_head)``, hold one fp32 scale per vector; they are
+zeroed wherever the data is zeroed, and ``gather_kv_blocks`` dequantizes.
+
 One block id addresses the same frames in every layer. Ids ``[0, max_num_blocks)``
 are allocatable; the ``scratch_blocks`` ids after them are scratch: never on the
 free list, refused by ``free``, and the target of every table entry that maps
@@ -30,6 +35,7 @@ import torch
 
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError
+from oasr.reference.fp8 import dequantize
 
 
 class BlockPool:
@@ -45,8 +51,12 @@ class BlockPool:
             config.n_kv_head,
             config.head_dim,
         )
-        self.k_pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
-        self.v_pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.k_pool = torch.zeros(shape, dtype=config.kv_storage_dtype, device=config.device)
+        self.v_pool = torch.zeros(shape, dtype=config.kv_storage_dtype, device=config.device)
+        self.k_scale = self.v_scale = None
+        if config.kv_quantized:
+            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=config.device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=config.device)
         self._free = deque(range(config.max_num_blocks))
         self._is_free = [True] * config.max_num_blocks
         self._lock = threading.Lock()
@@ -119,11 +129,21 @@ class BlockPool:
         for i in block_ids:
             self.k_pool[:, int(i)].zero_()
             self.v_pool[:, int(i)].zero_()
+            if self.k_scale is not None:
+                self.k_scale[:, int(i)].zero_()
+                self.v_scale[:, int(i)].zero_()
 
     # ---- tensor entry points ----------------------------------------------
     def get_kv_view(self, layer: int):
         """``(k, v)`` of one layer, each ``(num_pool_blocks, block_size, n_kv_head, head_dim)``."""
         return self.k_pool[layer], self.v_pool[layer]
+
+    def get_kv_scale_view(self, layer: int):
+        """``(k_scale, v_scale)`` of one layer, each ``(num_pool_blocks, block_size, n_kv_head)``;
+        ``(None, None)`` unless the pool stores fp8."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
 
     def get_kv_block_view(self, layer: int, block_id: int):
         """``(k, v)`` of one block in one layer, each ``(block_size, n_kv_head, head_dim)``."""
@@ -132,8 +152,8 @@ class BlockPool:
     def gather_kv_blocks(self, block_ids, start: int = 0, num_frames: int | None = None) -> torch.Tensor:
         """Dense packed K|V of frames ``[start, start + num_frames)`` of the concatenated blocks.
 
-        Returns ``(num_layers, n_kv_head, num_frames, 2 * head_dim)``, K in the first half of the
-        last dimension, V in the second.
+        Returns ``(num_layers, n_kv_head, num_frames, 2 * head_dim)`` in the model dtype, K in the
+        first half of the last dimension, V in the second (dequantized when the pool stores fp8).
         """
         ids = [int(i) for i in block_ids]
         bs = self.config.block_size_frames
@@ -145,13 +165,17 @@ class BlockPool:
                 f"gather_kv_blocks: frames [{start}, {start + num_frames}) outside the {total} frames "
                 f"of {len(ids)} blocks"
             )
-        pieces_k, pieces_v = [], []
-        for i in ids:
-            pieces_k.append(self.k_pool[:, i])  # (L, bs, H, D)
-            pieces_v.append(self.v_pool[:, i])
         if not ids:
             L, _, _, H, D = self.k_pool.shape
-            return self.k_pool.new_zeros((L, H, 0, 2 * D))
+            return torch.zeros((L, H, 0, 2 * D), dtype=self.config.dtype, device=self.k_pool.device)
+        pieces_k, pieces_v = [], []
+        for i in ids:
+            k, v = self.k_pool[:, i], self.v_pool[:, i]  # (L, bs, H, D)
+            if self.k_scale is not None:
+                k = dequantize(k, self.k_scale[:, i], self.config.dtype)
+                v = dequantize(v, self.v_scale[:, i], self.config.dtype)
+            pieces_k.append(k)
+            pieces_v.append(v)
         k = torch.cat(pieces_k, dim=1)[:, start : start + num_frames]  # (L, T, H, D)
         v = torch.cat(pieces_v, dim=1)[:, start : start + num_frames]
         return torch.cat([k, v], dim=-1).transpose(1, 2).contiguous()

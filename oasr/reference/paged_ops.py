@@ -12,6 +12,11 @@ Semantics (see ``oasr.paged`` for the view)::
                       [cache_seqstarts[b], cache_seqlens[b] + chunk_lens[b])
                       (causal=True: only up to cache_seqlens[b] + t, inclusive)
 
+fp8 pages (``cache.quantized``): ``append_kv`` quantizes each written vector with
+``oasr.reference.fp8.quantize`` and stores data and scale; attention reads
+dequantized pages (the reference dequantizes the gathered rows; the kernels
+dequantize per tile) and accumulates in fp32.
+
 Queries past a row's length, and rows with nothing to attend to, get zeros.
 Softmax runs in fp32; the output has ``q``'s dtype. GQA: query head ``h`` reads
 KV head ``h // (n_head // n_kv_head)``.
@@ -24,6 +29,7 @@ import math
 import torch
 
 from oasr.paged import PagedKVCache, check_chunk_lens, check_kv_chunk, check_query
+from oasr.reference.fp8 import dequantize, quantize
 
 
 def _table_slots(cache: PagedKVCache, row: int, start: int, end: int):
@@ -44,14 +50,23 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
         if not 0 <= n <= T:
             raise ValueError(f"append_kv: chunk_lens[{b}]={n} outside [0, T={T}]")
         blocks, offsets = _table_slots(cache, b, seqlens[b], seqlens[b] + n)
-        cache.k_cache[blocks, offsets] = k[b, :n].to(cache.k_cache.dtype)
-        cache.v_cache[blocks, offsets] = v[b, :n].to(cache.v_cache.dtype)
+        if cache.quantized:
+            cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize(k[b, :n])
+            cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize(v[b, :n])
+        else:
+            cache.k_cache[blocks, offsets] = k[b, :n].to(cache.k_cache.dtype)
+            cache.v_cache[blocks, offsets] = v[b, :n].to(cache.v_cache.dtype)
 
 
 def gather_row(cache: PagedKVCache, row: int, start: int, end: int):
-    """Contiguous ``(end - start, n_kv_head, head_dim)`` K and V of one row's table positions."""
+    """Contiguous ``(end - start, n_kv_head, head_dim)`` K and V of one row's table positions
+    (fp32 dequantized values for fp8 pages)."""
     blocks, offsets = _table_slots(cache, row, start, end)
-    return cache.k_cache[blocks, offsets], cache.v_cache[blocks, offsets]
+    k, v = cache.k_cache[blocks, offsets], cache.v_cache[blocks, offsets]
+    if cache.quantized:
+        k = dequantize(k, cache.k_scale[blocks, offsets])
+        v = dequantize(v, cache.v_scale[blocks, offsets])
+    return k, v
 
 
 def paged_attention(
