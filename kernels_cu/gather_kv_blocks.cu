@@ -1,0 +1,57 @@
+// gather_kv_blocks.cu -- copy one stream's paged K/V, all layers, into a dense
+// packed tensor (the "dense mode" of the fast BlockPool).
+//
+// Computes (the oracle is a plain torch gather, see tests):
+//   for layer l, kv head h, frame f < num_frames:
+//       pos   = start + f                        position in the concatenation
+//       block = block_ids[pos / block_size]      of the listed blocks
+//       out[l, h, f, 0:D]  = k_pool[l, block, pos % block_size, h, :]
+//       out[l, h, f, D:2D] = v_pool[l, block, pos % block_size, h, :]
+//
+// Layouts (contiguous):
+//   k_pool, v_pool   (num_layers, num_pool_blocks, block_size, n_kv_head, head_dim)
+//   block_ids        (n_blocks,) int32 physical block ids, in stream order
+//   out              (num_layers, n_kv_head, num_frames, 2 * head_dim)   K | V
+// Like append, this is a copy: rows move as `Unit`s (16 bytes when head_dim
+// bytes and pointers allow, else 2 bytes), the same code for every dtype.
+//
+// Grid/block: 1-D, 128 threads, grid-stride loop over the *output* in units:
+// item i = (l, h, f, half, u) with u fastest, so writes are fully coalesced and
+// each warp reads whole head_dim rows of the pool.
+//
+// Checked by: tests/test_kernels_emulated.py::test_gather_* (bitwise against
+// the torch gather, NaN-poisoned pool outside the gathered frames) and
+// tests/test_kernels_cuda.py.
+//   python -m pytest tests/test_kernels_emulated.py -k gather    (CPU, no GPU needed)
+//   python -m pytest -m cuda tests/test_kernels_cuda.py          (GPU)
+//   python -m oasr kernels --arch sm_80,sm_90                    (registers, smem, spills)
+#include "common.cuh"
+
+namespace oasr {
+
+template <typename Unit>
+__global__ void __launch_bounds__(128) gather_kv_blocks_kernel(
+    const Unit* __restrict__ k_pool, const Unit* __restrict__ v_pool, Unit* __restrict__ out,
+    const int* __restrict__ block_ids, int start, int num_frames, int num_layers, int num_pool_blocks,
+    int block_size, int n_kv_head, int units_per_row) {
+    const long long total = static_cast<long long>(num_layers) * n_kv_head * num_frames * 2 * units_per_row;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+        long long rest = i;
+        const int u = static_cast<int>(rest % units_per_row);
+        rest /= units_per_row;
+        const int half = static_cast<int>(rest % 2);  // 0: K, 1: V
+        rest /= 2;
+        const int f = static_cast<int>(rest % num_frames);
+        rest /= num_frames;
+        const int h = static_cast<int>(rest % n_kv_head);
+        const long long l = rest / n_kv_head;
+        const int pos = start + f;
+        const long long block = block_ids[pos / block_size];
+        const long long src =
+            (((l * num_pool_blocks + block) * block_size + pos % block_size) * n_kv_head + h) * units_per_row + u;
+        out[i] = half == 0 ? k_pool[src] : v_pool[src];
+    }
+}
+
+}  // namespace oasr

@@ -1,0 +1,204 @@
+"""Run the CUDA kernels on the CPU: build them with g++ against ``emu/simt_emu.h``.
+
+Each kernel family (one ``kernels_cu/*.cu``) becomes one shared library: a
+generated shim includes the ``.cu`` file and exports, per instantiation in the
+registry, ``extern "C" void oasr_emu_<kernel>__<targs>(gx, gy, gz, bx, by, bz,
+args...)``, which runs the grid through ``oasr_emu::launch``. The libraries are
+cached under ``<kernel cache>/emu`` keyed by a hash of the sources, the shim,
+the flags and the compiler's version, so a test session compiles once (all
+families in parallel) and later sessions not at all.
+
+The build needs g++ with C++20 and the CUDA toolkit's headers *including*
+``crt/host_defines.h`` (cuda_fp16.h includes it; the pip runtime headers lack
+``crt/``). ``emulation_toolchain()`` finds both or raises ``EmulationUnavailable``
+saying what is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from oasr.fast.kernels import registry
+from oasr.fast.kernels.nvrtc import _atomic_write, cache_dir
+
+CXX_FLAGS = (
+    "-std=c++20",
+    "-O2",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    # CUDA code type-puns 16-byte vectors (Pack<T, N>, float4 over float arrays)
+    # the way nvcc allows; tell g++ not to assume strict aliasing.
+    "-fno-strict-aliasing",
+    "-DOASR_HOST_EMULATION=1",
+)
+# Grid size the launchers use for the emulator's notional "SM count" when they
+# size split-K grids (small, so tests exercise the split path on small inputs).
+EMULATED_SM_COUNT = 4
+
+_CTYPE = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+_CDECL = {"ptr": "const void*", "i32": "int", "f32": "float"}
+
+
+class EmulationUnavailable(RuntimeError):
+    pass
+
+
+def _cuda_include_candidates() -> list[str]:
+    out = []
+    if os.environ.get("OASR_CUDA_INCLUDE"):
+        out.append(os.environ["OASR_CUDA_INCLUDE"])
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            out.append(os.path.join(os.environ[var], "include"))
+    try:
+        from cuda.pathfinder import get_cuda_path_or_home
+
+        root = get_cuda_path_or_home()
+        if root:
+            out.append(os.path.join(root, "include"))
+    except Exception:
+        pass
+    out.append("/usr/local/cuda/include")
+    out.extend(sorted(glob.glob("/usr/local/cuda-*/include"), reverse=True))
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            out.append(found)
+    except Exception:
+        pass
+    return out
+
+
+def emulation_toolchain() -> tuple[str, str]:
+    """(g++ path, CUDA include dir with crt/), or raise EmulationUnavailable."""
+    cxx = os.environ.get("CXX") or shutil.which("g++")
+    if not cxx:
+        raise EmulationUnavailable("kernel emulation needs g++ (C++20); none found (set CXX)")
+    candidates = _cuda_include_candidates()
+    for inc in candidates:
+        if all(os.path.isfile(os.path.join(inc, f)) for f in ("cuda_fp16.h", "cuda_bf16.h", "crt/host_defines.h")):
+            return cxx, inc
+    raise EmulationUnavailable(
+        "kernel emulation needs the CUDA toolkit headers with crt/host_defines.h (the pip "
+        "nvidia-cuda-runtime headers lack crt/); looked in: "
+        + ", ".join(candidates)
+        + ". Install the CUDA toolkit or set OASR_CUDA_INCLUDE / CUDA_HOME."
+    )
+
+
+def shim_source(family: str) -> str:
+    """The generated translation unit: the family's .cu plus one launcher per instantiation."""
+    lines = [f'#include "{family}.cu"', ""]
+    for kernel in registry.kernels_of(family):
+        decl = ", ".join(f"{_CDECL[kind]} {name}" for name, kind in kernel.params)
+        call = ", ".join(name for name, _ in kernel.params)
+        for targs in kernel.instances:
+            lines += [
+                f'extern "C" void {kernel.emu_symbol(targs)}(unsigned gx, unsigned gy, unsigned gz, '
+                f"unsigned bx, unsigned by, unsigned bz, {decl}) {{",
+                "    oasr_emu::launch(dim3(gx, gy, gz), dim3(bx, by, bz), [&] {",
+                f"        oasr_emu::invoke(&{kernel.name_expression(targs)}, {call});",
+                "    });",
+                "}",
+                "",
+            ]
+    return "\n".join(lines)
+
+
+def _compiler_version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.split("\n")[0]
+
+
+def _library_path(family: str, cxx: str, include: str) -> tuple[Path, str]:
+    shim = shim_source(family)
+    h = hashlib.sha256()
+    for name, text in sorted(registry.read_sources(family, emulation=True).items()):
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    h.update(repr((shim, CXX_FLAGS, _compiler_version(cxx), include)).encode())
+    return cache_dir() / "emu" / f"{family}-{h.hexdigest()[:20]}.so", shim
+
+
+_lock = threading.Lock()
+_libraries: dict[str, ctypes.CDLL] = {}
+
+
+def build(families: list[str] | None = None) -> dict[str, Path]:
+    """Build (or find cached) emulation libraries, compiling missing ones in parallel."""
+    cxx, include = emulation_toolchain()
+    families = families or registry.families()
+    paths, jobs = {}, []
+    for family in families:
+        path, shim = _library_path(family, cxx, include)
+        paths[family] = path
+        if path.exists():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shim_path = path.with_suffix(".cpp")
+        _atomic_write(shim_path, shim.encode())
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        cmd = [cxx, *CXX_FLAGS, f"-I{registry.KERNELS_DIR}", f"-I{include}", str(shim_path), "-o", str(tmp)]
+        jobs.append((family, path, tmp, cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
+    errors = []
+    for family, path, tmp, cmd, proc in jobs:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            errors.append(f"{family}: {' '.join(cmd)}\n{err}")
+            continue
+        os.replace(tmp, path)
+    if errors:
+        raise RuntimeError("emulation build failed:\n" + "\n".join(errors))
+    return paths
+
+
+def _library(family: str) -> ctypes.CDLL:
+    with _lock:
+        if family not in _libraries:
+            path = build([family])[family]
+            _libraries[family] = ctypes.CDLL(str(path))
+        return _libraries[family]
+
+
+class EmulatedExecutor:
+    """Runs kernels on CPU tensors through the g++-built emulation libraries."""
+
+    kind = "emulated"
+    sm_count = EMULATED_SM_COUNT
+
+    def __init__(self):
+        self._functions: dict[str, object] = {}
+
+    def load_all(self) -> None:
+        build()  # one parallel build of every family
+        for family in registry.families():
+            _library(family)
+
+    def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
+        symbol = kernel.emu_symbol(targs)
+        fn = self._functions.get(symbol)
+        if fn is None:
+            fn = getattr(_library(kernel.family), symbol)
+            fn.argtypes = [ctypes.c_uint] * 6 + [_CTYPE[kind] for _, kind in kernel.params]
+            fn.restype = None
+            self._functions[symbol] = fn
+        values = [(int(v) or None) if kind == "ptr" else v for (_, kind), v in zip(kernel.params, args, strict=True)]
+        fn(*grid, *block, *values)
+
+
+_EXECUTOR: EmulatedExecutor | None = None
+
+
+def executor() -> EmulatedExecutor:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = EmulatedExecutor()
+    return _EXECUTOR

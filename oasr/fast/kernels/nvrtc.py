@@ -1,0 +1,269 @@
+"""Compile the kernels with NVRTC (cuda.core), cache the cubins, load and launch them.
+
+* Compilation needs no GPU and no driver: ``compile_family(family, "sm_90")``
+  runs NVRTC for an explicit arch and returns the cubin with its ptxas report.
+  Results are cached on disk under ``~/.cache/oasr/kernels`` (override with
+  ``OASR_KERNEL_CACHE``), keyed by the sources' hash, the arch, the options and
+  the NVRTC version; the cache keeps the ptxas log too, so the resource report
+  survives a cache hit.
+* Loading needs a driver: ``CudaExecutor(device)`` compiles (or reads the
+  cache) for the device's own arch and loads each family lazily, the first time
+  one of its kernels is launched. Call ``CudaExecutor.load_all()`` before
+  capturing a CUDA graph so that nothing compiles or loads inside the capture.
+* Every launch goes to ``torch.cuda.current_stream()``, read at the call (never
+  cached), so launches follow ``torch.cuda.stream(...)`` and are captured by
+  ``torch.cuda.graph``. Launching reads nothing back from the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oasr.fast.kernels import registry
+
+NVRTC_STD = "c++17"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OASR_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "oasr" / "kernels"
+
+
+def cuda_include_dir() -> str:
+    """Directory holding cuda_fp16.h / cuda_bf16.h for NVRTC.
+
+    Prefers the headers that ship with the pip CUDA runtime (found by
+    cuda.pathfinder; they match the pip NVRTC), then CUDA_HOME / CUDA_PATH and
+    /usr/local/cuda. NVRTC does not need the toolkit's crt/ directory.
+    """
+    candidates: list[str] = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            candidates.append(found)
+    except Exception:  # pathfinder missing or failing: fall back to the usual places
+        pass
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(os.path.join(os.environ[var], "include"))
+    candidates.append("/usr/local/cuda/include")
+    for path in candidates:
+        if os.path.isfile(os.path.join(path, "cuda_fp16.h")) and os.path.isfile(os.path.join(path, "cuda_bf16.h")):
+            return path
+    raise RuntimeError(
+        "oasr kernels: no CUDA headers (cuda_fp16.h, cuda_bf16.h) found; looked in "
+        + ", ".join(candidates)
+        + ". Install nvidia-cuda-runtime (pip) or set CUDA_HOME."
+    )
+
+
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def program_options(family: str, arch: str):
+    from cuda.core import ProgramOptions
+
+    return ProgramOptions(
+        name=f"{family}.cu",
+        arch=arch,
+        std=NVRTC_STD,
+        include_path=[str(registry.KERNELS_DIR), cuda_include_dir()],
+        ptxas_options=["-v"],
+    )
+
+
+@dataclass
+class KernelResources:
+    """One entry function's resources, from ptxas's verbose log."""
+
+    mangled: str
+    registers: int = 0
+    shared_bytes: int = 0
+    stack_bytes: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    barriers: int = 0
+
+
+@dataclass
+class CompiledFamily:
+    family: str
+    arch: str
+    cubin: bytes
+    symbols: dict[str, str]  # name expression -> mangled name
+    log: str
+    cached: bool = False
+    resources: dict[str, KernelResources] = field(default_factory=dict)  # by name expression
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_BARRIERS = re.compile(r"used (\d+) barriers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
+    """Per mangled entry name: registers, shared memory, stack and spill bytes."""
+    out: dict[str, KernelResources] = {}
+    current: KernelResources | None = None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            current = out.setdefault(m.group(1), KernelResources(m.group(1)))
+            continue
+        if current is None:
+            continue
+        if m := _FRAME.search(line):
+            current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
+        if m := _USED.search(line):
+            current.registers = int(m.group(1))
+            if b := _BARRIERS.search(line):
+                current.barriers = int(b.group(1))
+            if s := _SMEM.search(line):
+                current.shared_bytes = int(s.group(1))
+    return out
+
+
+def _cache_key(family: str, arch: str, expressions: list[str]) -> str:
+    h = hashlib.sha256()
+    for name, text in sorted(registry.read_sources(family).items()):
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    h.update(repr((arch, NVRTC_STD, expressions, ["-v"], nvrtc_version(), cuda_include_dir())).encode())
+    return h.hexdigest()[:20]
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class _Log:
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s):
+        self.text += s
+
+
+def compile_family(family: str, arch: str, *, use_cache: bool = True) -> CompiledFamily:
+    """NVRTC-compile every instantiation of one kernel family for ``arch`` (e.g. "sm_90").
+
+    Raises ``RuntimeError`` with the compiler log on a compile error.
+    """
+    expressions = [k.name_expression(t) for k in registry.kernels_of(family) for t in k.instances]
+    key = _cache_key(family, arch, expressions)
+    base = cache_dir() / f"{family}-{arch}-{key}"
+    meta_path, cubin_path = base.with_suffix(".json"), base.with_suffix(".cubin")
+    if use_cache and meta_path.exists() and cubin_path.exists():
+        meta = json.loads(meta_path.read_text())
+        compiled = CompiledFamily(family, arch, cubin_path.read_bytes(), meta["symbols"], meta["log"], True)
+    else:
+        from cuda.core import Program
+
+        source = registry.source_path(family).read_text()
+        log = _Log()
+        try:
+            obj = Program(source, "c++", program_options(family, arch)).compile(
+                "cubin", logs=log, name_expressions=expressions
+            )
+        except Exception as exc:
+            raise RuntimeError(f"NVRTC failed to compile {family}.cu for {arch}:\n{exc}\n{log.text}") from exc
+        symbols = {
+            expr: (name.decode() if isinstance(name, bytes) else str(name)) for expr, name in obj.symbol_mapping.items()
+        }
+        compiled = CompiledFamily(family, arch, bytes(obj.code), symbols, log.text)
+        if use_cache:
+            _atomic_write(cubin_path, compiled.cubin)
+            _atomic_write(meta_path, json.dumps({"symbols": symbols, "log": log.text}).encode())
+    by_mangled = parse_ptxas_log(compiled.log)
+    compiled.resources = {
+        expr: by_mangled.get(mangled, KernelResources(mangled)) for expr, mangled in compiled.symbols.items()
+    }
+    return compiled
+
+
+def device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def _convert(kind: str, value):
+    if kind == "ptr":
+        return int(value)
+    if kind == "i32":
+        return np.int32(value)
+    if kind == "f32":
+        return np.float32(value)
+    raise ValueError(f"unknown parameter kind {kind!r}")
+
+
+class CudaExecutor:
+    """Launches the NVRTC-compiled kernels on one CUDA device."""
+
+    kind = "cuda"
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self.arch = device_arch(self.device)
+        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._kernels: dict[str, object] = {}  # name expression -> cuda.core Kernel
+
+    def _load_family(self, family: str) -> None:
+        from cuda.core import Device, ObjectCode
+
+        compiled = compile_family(family, self.arch)
+        Device(self.device.index).set_current()
+        obj = ObjectCode.from_cubin(compiled.cubin, name=f"{family}.cubin", symbol_mapping=compiled.symbols)
+        for expr, mangled in compiled.symbols.items():
+            self._kernels[expr] = obj.get_kernel(mangled)
+
+    def load_all(self) -> None:
+        """Compile (or read from the cache) and load every kernel now, e.g. before graph capture."""
+        for family in registry.families():
+            self._load_family(family)
+
+    def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
+        from cuda.core import LaunchConfig, Stream, launch
+
+        if torch.cuda.current_device() != self.device.index:
+            with torch.cuda.device(self.device):  # the launch needs this device's context current
+                return self.launch(kernel, targs, grid, block, args)
+        expr = kernel.name_expression(targs)
+        if expr not in self._kernels:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{expr} is not loaded and a CUDA graph is being captured: call "
+                    "oasr.fast.paged_ops.load_kernels(device) (or run the op once) before capturing"
+                )
+            self._load_family(kernel.family)
+        params = [_convert(kind, value) for (_, kind), value in zip(kernel.params, args, strict=True)]
+        stream = Stream.from_handle(torch.cuda.current_stream(self.device).cuda_stream)
+        launch(stream, LaunchConfig(grid=tuple(grid), block=tuple(block)), self._kernels[expr], *params)
+
+
+_EXECUTORS: dict[int, CudaExecutor] = {}
+
+
+def executor_for(device: torch.device) -> CudaExecutor:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _EXECUTORS:
+        _EXECUTORS[index] = CudaExecutor(torch.device("cuda", index))
+    return _EXECUTORS[index]

@@ -1,0 +1,152 @@
+"""The kernels in ``kernels_cu/``: their families, parameters and instantiations.
+
+One entry per ``__global__`` template. Both executors read this list: NVRTC
+compiles each family's source with the instantiations as name expressions, and
+the host emulation build generates one ``extern "C"`` launcher per
+instantiation from the same parameter list, so the two cannot drift apart.
+
+Parameter kinds::
+
+    ptr   a device (or, emulated, host) address: a tensor's data_ptr(), or 0
+    i32   a 32-bit int   (NVRTC: np.int32; emulated: ctypes.c_int32)
+    f32   a 32-bit float (NVRTC: np.float32; emulated: ctypes.c_float)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# The .cu sources live at the repository root (editable install); OASR_KERNELS_DIR overrides.
+KERNELS_DIR = Path(os.environ.get("OASR_KERNELS_DIR") or Path(__file__).resolve().parents[3] / "kernels_cu")
+SHARED_HEADERS = ("common.cuh",)
+EMULATION_HEADERS = ("emu/simt_emu.h",)
+
+# Template arguments for each dtype the kernels take.
+DTYPE_ARG = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+# Copy kernels move bytes: 16-byte units when sizes and addresses allow, else 2.
+UNIT_ARG = {16: "oasr::Bytes16", 2: "unsigned short"}
+HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str  # the C++ template, namespace included
+    family: str  # source file stem in kernels_cu/
+    params: tuple[tuple[str, str], ...]  # (name, kind)
+    instances: tuple[tuple[str, ...], ...]  # template argument lists
+
+    def name_expression(self, targs: tuple[str, ...]) -> str:
+        return f"{self.name}<{', '.join(targs)}>"
+
+    def emu_symbol(self, targs: tuple[str, ...]) -> str:
+        """The extern "C" launcher the emulation build exports for one instantiation."""
+        short = self.name.split("::")[-1]
+        tail = "_".join(re.sub(r"[^0-9A-Za-z]+", "", a) for a in targs)
+        return f"oasr_emu_{short}__{tail}"
+
+
+_COPY_UNITS = tuple((u,) for u in UNIT_ARG.values())
+_DTYPE_HEAD = tuple((t, str(d)) for t in DTYPE_ARG.values() for d in HEAD_DIMS)
+
+KERNELS: tuple[Kernel, ...] = (
+    Kernel(
+        name="oasr::paged_kv_append_kernel",
+        family="paged_kv_append",
+        params=(
+            ("k_chunk", "ptr"),
+            ("v_chunk", "ptr"),
+            ("k_cache", "ptr"),
+            ("v_cache", "ptr"),
+            ("block_table", "ptr"),
+            ("table_stride", "i32"),
+            ("cache_seqlens", "ptr"),
+            ("chunk_lens", "ptr"),
+            ("batch", "i32"),
+            ("num_frames", "i32"),
+            ("block_size", "i32"),
+            ("units_per_frame", "i32"),
+        ),
+        instances=_COPY_UNITS,
+    ),
+    Kernel(
+        name="oasr::paged_chunk_attention_kernel",
+        family="paged_chunk_attention",
+        params=(
+            ("q", "ptr"),
+            ("k_cache", "ptr"),
+            ("v_cache", "ptr"),
+            ("block_table", "ptr"),
+            ("table_stride", "i32"),
+            ("cache_seqlens", "ptr"),
+            ("cache_seqstarts", "ptr"),
+            ("chunk_lens", "ptr"),
+            ("out", "ptr"),
+            ("part_acc", "ptr"),
+            ("part_ml", "ptr"),
+            ("n_head", "i32"),
+            ("n_kv_head", "i32"),
+            ("num_frames", "i32"),
+            ("block_size", "i32"),
+            ("num_splits", "i32"),
+            ("split_len", "i32"),
+            ("scale_log2", "f32"),
+            ("causal", "i32"),
+        ),
+        instances=_DTYPE_HEAD,
+    ),
+    Kernel(
+        name="oasr::paged_attention_combine_kernel",
+        family="paged_chunk_attention",
+        params=(
+            ("part_acc", "ptr"),
+            ("part_ml", "ptr"),
+            ("out", "ptr"),
+            ("num_rows", "i32"),
+            ("num_splits", "i32"),
+        ),
+        instances=_DTYPE_HEAD,
+    ),
+    Kernel(
+        name="oasr::gather_kv_blocks_kernel",
+        family="gather_kv_blocks",
+        params=(
+            ("k_pool", "ptr"),
+            ("v_pool", "ptr"),
+            ("out", "ptr"),
+            ("block_ids", "ptr"),
+            ("start", "i32"),
+            ("num_frames", "i32"),
+            ("num_layers", "i32"),
+            ("num_pool_blocks", "i32"),
+            ("block_size", "i32"),
+            ("n_kv_head", "i32"),
+            ("units_per_row", "i32"),
+        ),
+        instances=_COPY_UNITS,
+    ),
+)
+
+BY_NAME = {k.name.split("::")[-1]: k for k in KERNELS}
+
+
+def families() -> list[str]:
+    return sorted({k.family for k in KERNELS})
+
+
+def kernels_of(family: str) -> list[Kernel]:
+    return [k for k in KERNELS if k.family == family]
+
+
+def source_path(family: str) -> Path:
+    return KERNELS_DIR / f"{family}.cu"
+
+
+def read_sources(family: str, *, emulation: bool = False) -> dict[str, str]:
+    """The texts a build of ``family`` depends on, by path relative to kernels_cu/ (for cache keys)."""
+    names = [f"{family}.cu", *SHARED_HEADERS, *(EMULATION_HEADERS if emulation else ())]
+    return {name: (KERNELS_DIR / name).read_text() for name in names}

@@ -1,0 +1,145 @@
+"""Random paged-attention scenarios for the kernel tests (emulated, CUDA, torch twin).
+
+A scenario is one cohort over one layer of a pool, built the way the tests
+want to see the kernels fail:
+
+* the block table is a random permutation of physical blocks (never 0, 1, 2...),
+  and table columns a row does not use point at spare blocks;
+* every pool slot that the op must not read holds NaN, so one stray read shows
+  up in the output (NaN * 0 is still NaN);
+* the history ``[cache_seqstarts, cache_seqlens)`` holds random values,
+  ``cache_seqstarts`` may sit inside a block, and rows may have an empty
+  history, an empty chunk (``chunk_lens == 0``) or a full one.
+
+Values are drawn in fp32 and rounded to the pool dtype, so the same scenario
+upcast to fp32 (``Scenario.to(torch.float32)``) holds exactly the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from oasr.paged import PagedKVCache
+
+
+@dataclass
+class Scenario:
+    cache: PagedKVCache
+    q: torch.Tensor  # (B, n_head, T, D)
+    k: torch.Tensor  # (B, T, n_kv_head, D), the chunk to append
+    v: torch.Tensor
+    chunk_lens: torch.Tensor  # (B,) int32
+
+    def clone(self) -> Scenario:
+        c = self.cache
+        return replace(self, cache=replace(c, k_cache=c.k_cache.clone(), v_cache=c.v_cache.clone()))
+
+    def to(self, dtype=None, device=None) -> Scenario:
+        """Same numbers in another dtype / on another device (pools copied)."""
+        c = self.cache
+
+        def move(t, keep_dtype=False):
+            return t.to(device=device or t.device, dtype=None if keep_dtype else (dtype or t.dtype))
+
+        cache = replace(
+            c,
+            k_cache=move(c.k_cache),
+            v_cache=move(c.v_cache),
+            block_table=move(c.block_table, True),
+            cache_seqlens=move(c.cache_seqlens, True),
+            cache_seqstarts=move(c.cache_seqstarts, True),
+        )
+        return Scenario(cache, move(self.q), move(self.k), move(self.v), move(self.chunk_lens, True))
+
+
+def make_scenario(
+    seed: int,
+    *,
+    batch: int,
+    n_kv_head: int,
+    group: int,
+    num_frames: int,
+    head_dim: int,
+    block_size: int,
+    max_history: int,
+    dtype: torch.dtype = torch.float32,
+    with_seqstarts: bool = True,
+) -> Scenario:
+    g = torch.Generator().manual_seed(seed)
+
+    def randint(lo, hi):  # inclusive
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    B, T, Hkv, D, bs = batch, num_frames, n_kv_head, head_dim, block_size
+    seqlens = [randint(0, max_history) for _ in range(B)]
+    starts = [randint(0, s) if with_seqstarts and randint(0, 1) else 0 for s in seqlens]
+    lens = [randint(0, T) for _ in range(B)]
+    if B > 1:  # always one full chunk, and (with 3+ rows) one empty one
+        lens[0] = T
+        if B > 2:
+            lens[1] = 0
+    W = max(1, math.ceil((max(seqlens) + T) / bs))
+    spare = 3  # blocks no row owns: unused table columns point here
+    num_blocks = B * W + spare
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = perm[: B * W].view(B, W).clone()
+    for b in range(B):
+        used = math.ceil((seqlens[b] + lens[b]) / bs)
+        for col in range(used, W):
+            table[b, col] = perm[B * W + randint(0, spare - 1)]
+
+    nan = float("nan")
+    k_cache = torch.full((num_blocks, bs, Hkv, D), nan, dtype=dtype)
+    v_cache = torch.full((num_blocks, bs, Hkv, D), nan, dtype=dtype)
+    for b in range(B):
+        pos = torch.arange(starts[b], seqlens[b])
+        blocks, offsets = table[b, pos // bs].long(), pos % bs
+        k_cache[blocks, offsets] = torch.randn(len(pos), Hkv, D, generator=g).to(dtype)
+        v_cache[blocks, offsets] = torch.randn(len(pos), Hkv, D, generator=g).to(dtype)
+
+    cache = PagedKVCache(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=table,
+        cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+        cache_seqstarts=torch.tensor(starts, dtype=torch.int32),
+        block_size=bs,
+        max_seqlen=max(seqlens),
+        max_span=max(s - st for s, st in zip(seqlens, starts, strict=True)),
+    )
+    q = torch.randn(B, Hkv * group, T, D, generator=g).to(dtype)
+    k = torch.randn(B, T, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(B, T, Hkv, D, generator=g).to(dtype)
+    return Scenario(cache, q, k, v, torch.tensor(lens, dtype=torch.int32))
+
+
+def written_slots(s: Scenario) -> torch.Tensor:
+    """Bool (num_pool_blocks, block_size): the slots append_kv writes for this scenario."""
+    c = s.cache
+    mask = torch.zeros(c.k_cache.shape[:2], dtype=torch.bool)
+    for b in range(c.batch_size):
+        start = int(c.cache_seqlens[b])
+        pos = torch.arange(start, start + int(s.chunk_lens[b]))
+        mask[c.block_table[b, pos // c.block_size].long().cpu(), pos % c.block_size] = True
+    return mask
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor as ints: NaN == NaN when the bytes are equal."""
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+
+
+def low_precision_bound(ref32: torch.Tensor, ref_lowp: torch.Tensor, floor: float) -> torch.Tensor:
+    """Per-element bound for a low-precision kernel against the fp32 reference.
+
+    The reference computes in fp32 from the same (exactly representable) inputs
+    and rounds once at the output, so ``|ref_lowp - ref32|`` is that rounding.
+    The kernel also computes in fp32 (in another order: ``floor`` covers that
+    difference, calibrated on the fp32 cases) and rounds once; when its fp32
+    value and the reference's straddle a rounding boundary it can land one step
+    away, which stays within twice the reference's own error plus ``floor``.
+    """
+    return 2 * (ref_lowp.float() - ref32.float()).abs() + floor * (1 + ref32.float().abs())

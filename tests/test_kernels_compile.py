@@ -1,0 +1,78 @@
+"""Every kernel compiles with NVRTC for sm_80 and sm_90 (no GPU, no driver) within its budget.
+
+The baseline kernels must not spill, keep no stack frame, and stay under the
+48 KB of static shared memory a CTA can declare; the attention kernel's budget
+is worked out in the header of kernels_cu/paged_chunk_attention.cu.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from oasr.fast.kernels import nvrtc, registry
+
+ARCHS = ["sm_80", "sm_90"]
+STATIC_SMEM_LIMIT = 48 * 1024
+
+try:
+    nvrtc.cuda_include_dir()
+    from cuda.core import Program  # noqa: F401
+
+    _MISSING = None
+except Exception as exc:  # cuda-python or the CUDA headers are not installed
+    _MISSING = str(exc)
+
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"NVRTC unavailable: {_MISSING}")
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    # A fresh cache: compile for real here, and let the command test reuse it.
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("kernel-cache")
+        mp.setenv("OASR_KERNEL_CACHE", str(path))
+        yield path
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("family", registry.families())
+def test_family_compiles_without_spills(kernel_cache, family, arch):
+    compiled = nvrtc.compile_family(family, arch)
+    assert not compiled.cached
+    expected = {k.name_expression(t) for k in registry.kernels_of(family) for t in k.instances}
+    assert set(compiled.resources) == expected
+    for expr, res in compiled.resources.items():
+        assert res.registers > 0, f"{expr}: no ptxas report parsed"
+        assert (res.spill_stores, res.spill_loads) == (0, 0), f"{expr} spills on {arch}: {res}"
+        assert res.stack_bytes == 0, f"{expr} uses a stack frame on {arch}: {res}"
+        assert res.shared_bytes <= STATIC_SMEM_LIMIT, f"{expr}: {res.shared_bytes} B of static shared memory"
+    again = nvrtc.compile_family(family, arch)
+    assert again.cached and again.resources == compiled.resources
+
+
+def test_kernels_command_reports_every_kernel(kernel_cache, capsys):
+    from oasr.commands.kernels import main
+
+    assert main(["--arch", ",".join(ARCHS), "--fail-on-spill"]) == 0
+    out = capsys.readouterr().out
+    for kernel in registry.KERNELS:
+        for targs in kernel.instances:
+            assert kernel.name_expression(targs) in out
+    assert "0 compile errors, 0 spilling" in out
+
+
+def test_kernels_command_fails_on_compile_error(kernel_cache, capsys):
+    from oasr.commands.kernels import main
+
+    assert main(["--arch", "sm_00"]) == 1  # not an arch: every family fails to compile
+
+
+def test_ptxas_log_parser_reads_spills():
+    log = """ptxas info    : Compiling entry function '_Zfoo' for 'sm_90'
+ptxas info    : Function properties for _Zfoo
+ptxas         .     24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 46080 bytes smem, 400 bytes cmem[0]
+"""
+    res = nvrtc.parse_ptxas_log(log)["_Zfoo"]
+    assert (res.registers, res.barriers, res.shared_bytes) == (255, 1, 46080)
+    assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (24, 8, 12)

@@ -1,0 +1,149 @@
+"""The kernels on a real GPU: against the reference, under CUDA-graph capture, without syncs.
+
+Marked ``cuda`` and skipped without a device (run them with
+``tools/gpu_check.sh DIR``). Same scenarios and bounds as the emulated tests:
+shuffled block tables, NaN-poisoned pools, whole-pool bitwise checks for
+append, calibrated bounds for attention (see oasr.fast.kernels.testing).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from oasr.fast import paged_ops as fast
+from oasr.fast.kernels import ops
+from oasr.fast.kernels.nvrtc import executor_for
+from oasr.fast.kernels.testing import bits, low_precision_bound, make_scenario
+from oasr.reference import paged_ops as ref
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FP32_FLOOR = 1e-5  # calibrated in tests/test_kernels_emulated.py (same kernels, same math)
+
+
+@pytest.fixture(scope="module")
+def device():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    fast.load_kernels(dev)  # compile + load outside any capture
+    return dev
+
+
+def _geometry(seed, head_dim, dtype, max_history=400):
+    rng = random.Random(seed)
+    return dict(
+        batch=rng.randint(1, 8),
+        n_kv_head=rng.choice([1, 2, 4]),
+        group=rng.choice([1, 2, 4]),
+        num_frames=rng.randint(1, 32),
+        head_dim=head_dim,
+        block_size=rng.choice([8, 16, 24, 32, 64]),
+        max_history=rng.randint(0, max_history),
+        dtype=dtype,
+    )
+
+
+CASES = [(d, hd, seed) for d in DTYPES for hd in (64, 128) for seed in range(6)]
+
+
+@pytest.mark.parametrize("dtype,head_dim,seed", CASES)
+def test_append_and_attention_match_reference(device, dtype, head_dim, seed):
+    s = make_scenario(seed, **_geometry(seed, head_dim, dtype))
+    want = s.clone()
+    ref.append_kv(want.cache, s.k, s.v, s.chunk_lens)
+    g = s.to(device=device)
+    fast.append_kv(g.cache, g.k, g.v, g.chunk_lens)
+    assert torch.equal(bits(g.cache.k_cache.cpu()), bits(want.cache.k_cache))
+    assert torch.equal(bits(g.cache.v_cache.cpu()), bits(want.cache.v_cache))
+
+    causal = seed % 2 == 1
+    s32 = want.to(torch.float32)
+    ref32 = ref.paged_attention(s32.q, s32.cache, s32.chunk_lens, causal=causal)
+    if dtype == torch.float32:
+        bound = FP32_FLOOR * (1 + ref32.abs())
+    else:
+        bound = low_precision_bound(ref32, ref.paged_attention(want.q, want.cache, want.chunk_lens, causal=causal),
+                                    FP32_FLOOR)  # fmt: skip
+    executor = executor_for(device)
+    for num_splits in (None, 1, 3):
+        out = ops.paged_attention(executor, g.q, g.cache, g.chunk_lens, head_dim**-0.5, causal, num_splits)
+        err = (out.float().cpu() - ref32).abs()
+        assert not out.isnan().any()
+        assert (err <= bound).all(), f"num_splits={num_splits}: max err {err.max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_matches_plain_gather(device, dtype):
+    L, NB, bs, Hkv, D = 3, 16, 16, 2, 64
+    k_pool = torch.randn(L, NB, bs, Hkv, D).to(dtype)
+    v_pool = torch.randn(L, NB, bs, Hkv, D).to(dtype)
+    ids = torch.tensor([9, 2, 14, 5], dtype=torch.int32)
+    start, T = 5, 50
+    got = fast.gather_kv_blocks(k_pool.to(device), v_pool.to(device), ids.to(device), start, T).cpu()
+    pos = start + torch.arange(T)
+    blocks, offs = ids[pos // bs].long(), pos % bs
+    assert torch.equal(bits(got[..., :D]), bits(k_pool[:, blocks, offs].transpose(1, 2).contiguous()))
+    assert torch.equal(bits(got[..., D:]), bits(v_pool[:, blocks, offs].transpose(1, 2).contiguous()))
+
+
+def test_launches_follow_the_current_stream(device):
+    s = make_scenario(3, **_geometry(3, 64, torch.float16)).to(device=device)
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    eager = fast.paged_attention(s.q, s.cache, s.chunk_lens)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        on_side = fast.paged_attention(s.q, s.cache, s.chunk_lens)
+    side.synchronize()
+    assert torch.equal(bits(on_side), bits(eager))
+
+
+def test_graph_replay_is_bit_identical_to_eager(device):
+    s = make_scenario(4, **_geometry(4, 128, torch.bfloat16, max_history=600)).to(device=device)
+    base_k, base_v = s.cache.k_cache.clone(), s.cache.v_cache.clone()
+
+    def step():
+        fast.append_kv(s.cache, s.k, s.v, s.chunk_lens)  # chunk_lens on the device: nothing to copy
+        return fast.paged_attention(s.q, s.cache, s.chunk_lens)
+
+    eager = step().clone()
+    eager_k, eager_v = s.cache.k_cache.clone(), s.cache.v_cache.clone()
+
+    warm = torch.cuda.Stream(device)  # torch's recipe: warm up on a side stream before capturing
+    warm.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(warm):
+        step()
+    torch.cuda.current_stream(device).wait_stream(warm)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    s.cache.k_cache.copy_(base_k)
+    s.cache.v_cache.copy_(base_v)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert torch.equal(bits(captured), bits(eager))
+    assert torch.equal(bits(s.cache.k_cache), bits(eager_k))
+    assert torch.equal(bits(s.cache.v_cache), bits(eager_v))
+
+
+def test_no_device_sync_in_launches(device):
+    s = make_scenario(5, **_geometry(5, 64, torch.float16)).to(device=device)
+    ids = s.cache.block_table[0].contiguous()
+    k_pool, v_pool = s.cache.k_cache[None], s.cache.v_cache[None]
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+        fast.paged_attention(s.q, s.cache, s.chunk_lens)
+        fast.paged_attention(s.q, s.cache, s.chunk_lens, causal=True)
+        fast.gather_kv_blocks(k_pool, v_pool, ids, 0, s.cache.block_size)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize(device)
