@@ -5,11 +5,14 @@ and ``oasr.fast`` (slot-indexed persistent tensors, CUDA kernels).
 """
 
 from oasr.config import CacheConfig
+from oasr.ctc_config import CtcDecoderConfig, CtcHypothesis
 from oasr.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
 from oasr.paged import PagedKVCache
 
 __all__ = [
     "CacheConfig",
+    "CtcDecoderConfig",
+    "CtcHypothesis",
     "PagedKVCache",
     "PoolExhaustedError",
     "SlotsExhaustedError",

@@ -6,6 +6,8 @@ naive on purpose; its fast twin is ``oasr.fast`` with the same names and API.
 
 from oasr.reference.attention_cache import AttentionCacheManager, StreamKVInfo
 from oasr.reference.block_pool import BlockPool
+from oasr.reference.ctc_decoder import CtcBeamState, StreamingCtcDecoder
+from oasr.reference.ctc_state import CtcStateCacheManager, StreamHandle
 from oasr.reference.paged_ops import append_kv, paged_attention
 from oasr.reference.slot_pool import StreamSlotPool
 from oasr.reference.slot_state import CnnCacheManager, SlotStateCache, StateView
@@ -16,9 +18,13 @@ __all__ = [
     "AttentionCacheManager",
     "BlockPool",
     "CnnCacheManager",
+    "CtcBeamState",
+    "CtcStateCacheManager",
     "SlotStateCache",
     "StateView",
     "StreamContext",
+    "StreamHandle",
+    "StreamingCtcDecoder",
     "StreamKVInfo",
     "StreamSlotPool",
     "StreamStateSpec",

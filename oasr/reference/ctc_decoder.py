@@ -163,9 +163,7 @@ class StreamingCtcDecoder:
     def create_state(self, batch: int, vocab_size: int) -> CtcBeamState:
         """A fresh state of ``batch`` rows, each holding only the empty prefix."""
         check_state_shape("create_state", self.config, batch, vocab_size)
-        return CtcBeamState(
-            self.config, batch, vocab_size, 0, [empty_beam() for _ in range(batch)]
-        )
+        return CtcBeamState(self.config, batch, vocab_size, 0, [empty_beam() for _ in range(batch)])
 
     def reset_state(self, state: CtcBeamState, batch: int, vocab_size: int) -> None:
         """Make ``state`` decode exactly as ``create_state(batch, vocab_size)`` would.
@@ -219,9 +217,7 @@ class StreamingCtcDecoder:
         ``CtcHypothesis([], -inf, [])``.
         """
         self._check_state(state, "peek")
-        return [
-            _hypothesis(beam[0]) if beam else CtcHypothesis([], NEG_INF, []) for beam in state.beams
-        ]
+        return [_hypothesis(beam[0]) if beam else CtcHypothesis([], NEG_INF, []) for beam in state.beams]
 
     def finalize_stream(self, state: CtcBeamState) -> list[list[CtcHypothesis]]:
         """Per row, the ``nbest`` best hypotheses, best first (fewer if the beam holds fewer).
@@ -241,9 +237,7 @@ class StreamingCtcDecoder:
 
     def _check_cohort(self, states, log_probs_list) -> None:
         if len(states) != len(log_probs_list):
-            raise ValueError(
-                f"decode_chunks: {len(states)} states but {len(log_probs_list)} log-probability chunks"
-            )
+            raise ValueError(f"decode_chunks: {len(states)} states but {len(log_probs_list)} log-probability chunks")
         if len({id(s) for s in states}) != len(states):
             raise ValueError("decode_chunks: the same state appears twice in one cohort")
         for state, log_probs in zip(states, log_probs_list, strict=True):

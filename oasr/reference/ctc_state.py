@@ -32,7 +32,7 @@ thread-safe: one scheduler thread owns a manager.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from oasr.ctc_config import CtcDecoderConfig, check_state_shape
 from oasr.errors import duplicate_stream, unknown_stream
@@ -43,28 +43,28 @@ class StreamHandle:
 
     ``decode_chunk(log_probs)``, ``step(log_probs_frame)``, ``peek()`` and
     ``finalize_stream()`` forward to the shared decoder with this stream's
-    state; ``config`` is the decoder's config. Handles come from
-    :meth:`CtcStateCacheManager.get_decoder`; they go stale when their stream
-    is freed.
+    state; ``config`` is the decoder's config. ``StreamHandle(decoder, state)``
+    works on its own; the handles :meth:`CtcStateCacheManager.get_decoder`
+    makes also carry a liveness check and raise ``KeyError`` once their stream
+    has been freed (the state may already serve another stream by then).
     """
 
-    def __init__(self, manager: CtcStateCacheManager, stream_id: Hashable, lease: int):
-        self._manager = manager
-        self._lease = lease
+    def __init__(self, decoder, state, stream_id: Hashable = None, is_live: Callable[[], bool] | None = None):
+        self.decoder = decoder
         self.stream_id = stream_id
-
-    @property
-    def decoder(self):
-        return self._manager.decoder
+        self._state = state
+        self._is_live = is_live
 
     @property
     def config(self) -> CtcDecoderConfig:
-        return self._manager.decoder.config
+        return self.decoder.config
 
     @property
     def state(self):
-        """This stream's decoder state (raises ``KeyError`` once the stream is freed)."""
-        return self._manager._live_state(self.stream_id, self._lease)
+        """This stream's decoder state (raises ``KeyError`` once a managed stream is freed)."""
+        if self._is_live is not None and not self._is_live():
+            raise KeyError(f"stale StreamHandle: stream id {self.stream_id!r} was freed after this handle was made")
+        return self._state
 
     def decode_chunk(self, log_probs):
         return self.decoder.decode_chunk(self.state, log_probs)
@@ -125,10 +125,9 @@ class CtcStateCacheManager:
         else:
             state = self.decoder.create_state(batch, vocab_size)
             self.num_created += 1
-        lease = self._next_lease
+        self._active[stream_id] = (state, self._next_lease)
         self._next_lease += 1
-        self._active[stream_id] = (state, lease)
-        return StreamHandle(self, stream_id, lease)
+        return self.get_decoder(stream_id)
 
     def free_stream(self, stream_id: Hashable) -> None:
         """Return the stream's state to the pool; its buffers stay allocated for the next stream."""
@@ -141,7 +140,8 @@ class CtcStateCacheManager:
         """The stream's :class:`StreamHandle` (a new handle object on every call, same binding)."""
         if stream_id not in self._active:
             raise unknown_stream(stream_id)
-        return StreamHandle(self, stream_id, self._active[stream_id][1])
+        state, lease = self._active[stream_id]
+        return StreamHandle(self.decoder, state, stream_id, lambda: self._lease_of(stream_id) == lease)
 
     def get_state(self, stream_id: Hashable):
         """The stream's raw decoder state, for callers that batch several streams themselves."""
@@ -161,8 +161,6 @@ class CtcStateCacheManager:
         states = [self._active[sid][0] for sid in stream_ids]
         self.decoder.decode_chunks(states, log_probs_list)
 
-    def _live_state(self, stream_id: Hashable, lease: int):
+    def _lease_of(self, stream_id: Hashable) -> int | None:
         entry = self._active.get(stream_id)
-        if entry is None or entry[1] != lease:
-            raise KeyError(f"stale StreamHandle: stream id {stream_id!r} was freed after this handle was made")
-        return entry[0]
+        return None if entry is None else entry[1]

@@ -1,0 +1,162 @@
+"""``CtcDecoderConfig`` and ``CtcHypothesis``: what both CTC decoder twins share.
+
+The decoder is streaming CTC prefix beam search. Its twins are
+``oasr.reference.ctc_decoder`` (plain Python, the oracle) and
+``oasr.fast.ctc_decoder`` (batched torch tensors); both read this config, return
+:class:`CtcHypothesis` records and validate their inputs with
+:func:`check_log_probs`, so they raise the same errors for the same mistakes.
+
+Search rule, one frame ``t`` with log-probabilities ``lp`` (both twins)
+---------------------------------------------------------------------
+Every prefix ``l`` in the beam carries two log scores: ``pb`` (all alignments
+of frames ``0..t-1`` that collapse to ``l`` and end in blank) and ``pnb`` (those
+that end in ``l``'s last token ``e``). Its score is ``logaddexp(pb, pnb)``::
+
+    stay    l      pb'  = score(l) + lp[blank]              (blank: nothing new)
+                   pnb' = pnb(l)   + lp[e]                  (repeat of e collapses; l non-empty)
+    extend  l + c  pnb' = pb(l)    + lp[c]   if c == e      (e, blank, e: a second e)
+                   pnb' = score(l) + lp[c]   otherwise
+
+``c`` runs over the frame's *candidates*: the ``token_topk`` non-blank tokens
+with the highest ``lp`` (ties: lower token id first), or every non-blank token
+when ``token_topk`` is None. The repeat term uses ``lp[e]`` whether or not ``e``
+is a candidate. When ``blank_skip_threshold`` is set and
+``exp(lp[blank]) > blank_skip_threshold`` the frame has no extensions, only the
+two stay terms (so with it off, the default, the search is exact up to beam
+pruning). Contributions of ``-inf`` are not generated at all.
+
+Merging, ordering and emission frames
+-------------------------------------
+A prefix reached both by staying and by extending its parent gets the
+``logaddexp`` of the two ``pnb`` terms. Candidates are generated in a fixed
+order: beam entries in rank order, each one's stay first, then its extensions by
+ascending token id; a merged prefix takes the earlier of its two places. The new
+beam is the ``beam_size`` best by score, **ties broken by that generation
+order** (a stable sort). This is the total order both twins share; the final
+n-best list is the top ``nbest`` of the beam, in beam order.
+
+Each token of a hypothesis carries the absolute stream frame (counting across
+chunks) of the extension that appended it. When a merge joins a stay and an
+extension, the frames of the larger of the two contributions are kept, the
+stay's ``logaddexp(pb', pnb'_stay)`` against the extension's ``pnb'``; a tie
+keeps the stay's (older) frames.
+
+Precision: both twins score in float64 whatever the input dtype, so their
+scores agree to far better than the 1e-5 the tests ask for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class CtcHypothesis(NamedTuple):
+    """One decoded hypothesis of one batch row.
+
+    ``tokens``: label sequence (blanks removed, repeats collapsed);
+    ``log_score``: natural-log probability of that label sequence under the
+    frames decoded so far (``logaddexp`` of its blank- and non-blank-ending
+    parts); ``frames``: for each token, the absolute frame that emitted it.
+    """
+
+    tokens: list[int]
+    log_score: float
+    frames: list[int]
+
+
+@dataclass(frozen=True)
+class CtcDecoderConfig:
+    """Settings of the streaming CTC prefix beam search (both twins).
+
+    ``beam_size``             prefixes kept after every frame (>= 1).
+    ``blank_id``              index of the blank token in the vocabulary (>= 0).
+    ``nbest``                 hypotheses ``finalize_stream`` returns per row (1..beam_size).
+    ``token_topk``            per-frame pruning: extend with the ``token_topk`` most likely
+                              non-blank tokens only; None (or 0, normalised to None) means all.
+    ``blank_skip_threshold``  a probability in (0, 1]: a frame whose blank probability
+                              exceeds it gets no extensions. None (default) turns it off.
+    ``max_prefix_len``        most tokens a hypothesis may hold; the fast twin's token buffer
+                              is this wide. Both twins raise ``RuntimeError`` (and leave the
+                              state unchanged) when a chunk would keep a longer prefix.
+    """
+
+    beam_size: int = 4
+    blank_id: int = 0
+    nbest: int = 1
+    token_topk: int | None = None
+    blank_skip_threshold: float | None = None
+    max_prefix_len: int = 512
+
+    def __post_init__(self):
+        for name, low in (("beam_size", 1), ("blank_id", 0), ("nbest", 1), ("max_prefix_len", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"CtcDecoderConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.nbest > self.beam_size:
+            raise ValueError(
+                f"CtcDecoderConfig.nbest={self.nbest} exceeds beam_size={self.beam_size}: "
+                "the beam holds only beam_size hypotheses"
+            )
+        k = self.token_topk
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError(f"CtcDecoderConfig.token_topk must be None or an int >= 0, got {k!r}")
+        if k == 0:
+            object.__setattr__(self, "token_topk", None)
+        thr = self.blank_skip_threshold
+        if thr is not None:
+            if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 < thr <= 1.0:
+                raise ValueError(
+                    f"CtcDecoderConfig.blank_skip_threshold must be None (off) or a probability in (0, 1], got {thr!r}"
+                )
+            object.__setattr__(self, "blank_skip_threshold", float(thr))
+
+    @property
+    def blank_skip_log_threshold(self) -> float:
+        """``log(blank_skip_threshold)``, or ``+inf`` when skipping is off (no frame exceeds it)."""
+        if self.blank_skip_threshold is None:
+            return math.inf
+        return math.log(self.blank_skip_threshold)
+
+    def num_candidates(self, vocab_size: int) -> int:
+        """Extension tokens per frame for a vocabulary of ``vocab_size``: ``min(topk, vocab - 1)``."""
+        every = vocab_size - 1
+        return every if self.token_topk is None else min(self.token_topk, every)
+
+
+def check_state_shape(where: str, config: CtcDecoderConfig, batch, vocab_size) -> None:
+    """Validate ``create_state`` / ``reset_state`` arguments (both twins)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"{where}: batch must be an int >= 1, got {batch!r}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"{where}: vocab_size must be an int >= 2 (blank plus a token), got {vocab_size!r}")
+    if config.blank_id >= vocab_size:
+        raise ValueError(f"{where}: blank_id={config.blank_id} is outside a vocabulary of {vocab_size}")
+
+
+def check_log_probs(where: str, log_probs, batch: int, vocab_size: int, frame_dim: bool = True) -> None:
+    """Validate a chunk ``(batch, T, vocab)`` (or a frame ``(batch, vocab)``) of log-probabilities.
+
+    Raises ``TypeError`` for a non-tensor and ``ValueError`` naming expected
+    and actual shape, for a non-floating dtype, and for NaN or ``+inf``
+    entries (``-inf``, an impossible token, is allowed). Reads the values, so
+    it costs one host synchronisation per call.
+    """
+    if not isinstance(log_probs, torch.Tensor):
+        raise TypeError(f"{where}: log_probs must be a torch.Tensor, got {type(log_probs).__name__}")
+    if frame_dim:
+        ok = log_probs.dim() == 3 and log_probs.shape[0] == batch and log_probs.shape[2] == vocab_size
+        expected = f"(batch={batch}, T, vocab={vocab_size})"
+    else:
+        ok = log_probs.dim() == 2 and tuple(log_probs.shape) == (batch, vocab_size)
+        expected = f"(batch={batch}, vocab={vocab_size})"
+    if not ok:
+        raise ValueError(f"{where}: log_probs must be {expected}, got {tuple(log_probs.shape)}")
+    if not log_probs.is_floating_point():
+        raise ValueError(f"{where}: log_probs must be a floating dtype, got {log_probs.dtype}")
+    # one reduction: the max is NaN if any entry is NaN, +inf if any is +inf
+    if log_probs.numel() and not bool(log_probs.amax() < math.inf):
+        raise ValueError(f"{where}: log_probs contains NaN or +inf")

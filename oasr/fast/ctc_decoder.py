@@ -1,0 +1,476 @@
+"""Fast streaming CTC prefix beam search: every frame is a handful of batched tensor ops.
+
+It must agree with ``oasr.reference.ctc_decoder`` (the oracle): same n-best
+token sequences and emission frames, scores within 1e-5, same errors. The
+search rule, tie-break order and emission-frame rule live in
+``oasr.ctc_config``; this file implements them without a Python loop over
+streams, rows or beams (the only loop is over the frames of a chunk).
+
+State layout (``CtcBeamState``; ``R`` rows, ``W = beam_size``, ``L = max_prefix_len``)::
+
+    tokens       (R, W, L) int32    prefix tokens, -1 past ``lengths`` (the padding invariant)
+    frames       (R, W, L) int32    emission frame of each token, -1 past ``lengths``
+    lengths      (R, W)    int64    tokens in the prefix
+    keys         (R, W)    int64    rolling hash of the prefix (see below)
+    parent_keys  (R, W)    int64    hash of the prefix minus its last token; -1 for the empty prefix
+    last         (R, W)    int64    last token, -1 for the empty prefix
+    log_pb       (R, W)    float64  blank-ending log score
+    log_pnb      (R, W)    float64  non-blank-ending log score
+
+Slot ``w`` of a row holds the rank-``w`` prefix; a slot is *live* when
+``logaddexp(log_pb, log_pnb) > -inf``, and live slots come first. Between
+calls a dead slot holds the empty record (length 0, all padding). The buffers
+are allocated once (``create_state``) and overwritten in place at the end of
+every chunk; a chunk is computed on temporaries and committed only when it
+succeeded, so a failed call leaves the state unchanged.
+
+Token window: a frame appends at most one token, so a chunk of ``T`` frames
+never touches token positions at or past ``longest + T`` (``longest``: the
+longest stored prefix). ``decode_chunks`` works on that window of ``tokens`` /
+``frames`` only, which keeps the per-frame gathers proportional to the
+hypotheses' length rather than to ``max_prefix_len``::
+
+    position:  0 1 2 ... longest-1 | longest ... longest+T-1 | ... max_prefix_len-1
+               [ stored prefixes  ][ this chunk may append   ][ padding, untouched ]
+
+One frame, vectorised over rows x beams x candidates (``K`` candidates, ``S = 1 + K``)::
+
+    slot (i, 0)      = prefix i stays          (blank, or repeat of its last token)
+    slot (i, 1 + k)  = prefix i + cands[k]     (cands ascending, so slot order = generation order)
+    scores           (R, W * S)                the only candidate-sized array
+    merge            prefix j in the beam whose parent i is also in the beam, with last[j] a
+                     candidate: one (R, W, W) key comparison finds i, a gather of i's tokens
+                     verifies it, the extension's score folds into j, and the merged entry takes
+                     the earlier of slots (j, 0) and (i, 1 + k)
+    new beam         top W by (score desc, slot asc); records decoded from the slot indices,
+                     tokens/frames gathered from the source prefixes, one token appended
+
+Rolling hash: two 31-bit polynomial hashes, ``h <- (h * P + token + 1) mod (2^31 - 1)``,
+packed into one int64 (``h1 << 31 | h2``); no product overflows. A key match is
+only a hint: the parent's stored tokens are compared with the child's, so a
+merge is never wrong. A merge could be *missed* only if a prefix of the same
+length ranked before the true parent collided in all 62 bits (about
+``W^2 / 2^62`` per frame), which we accept.
+
+Host synchronisations: three per chunk (input validation, the token window,
+the prefix-length check) and one per frame, where ``_ranked_top`` asks whether
+the beam cut falls inside an exact score tie (``topk`` cannot break ties by
+position, so a stable sort then decides). On a CPU these cost nothing; on a GPU
+they are the first thing a kernel or a graph-captured variant would remove.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from oasr.ctc_config import (
+    CtcDecoderConfig,
+    CtcHypothesis,
+    check_log_probs,
+    check_state_shape,
+)
+
+NEG_INF = -math.inf
+_HASH_MOD = 2**31 - 1
+_HASH_MUL = (911_382_323, 972_663_749)
+
+
+class _Beams(NamedTuple):
+    """The per-row tensors of a state (views or temporaries), in the layout of the module docstring."""
+
+    tokens: torch.Tensor
+    frames: torch.Tensor
+    lengths: torch.Tensor
+    keys: torch.Tensor
+    parent_keys: torch.Tensor
+    last: torch.Tensor
+    log_pb: torch.Tensor
+    log_pnb: torch.Tensor
+
+
+@dataclass
+class CtcBeamState:
+    """Preallocated beam tensors for up to ``capacity`` rows; ``batch`` of them in use.
+
+    ``reset_state`` to a batch no larger than ``capacity`` reuses the buffers;
+    a larger batch reallocates them. ``frames_decoded`` is the absolute index
+    of the stream's next frame.
+    """
+
+    config: CtcDecoderConfig
+    batch: int
+    vocab_size: int
+    frames_decoded: int
+    buffers: _Beams
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers.tokens.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffers.tokens.device
+
+    def rows(self) -> _Beams:
+        """Views of the ``batch`` rows in use."""
+        return _Beams(*(t[: self.batch] for t in self.buffers))
+
+
+def _allocate(rows: int, config: CtcDecoderConfig, device) -> _Beams:
+    W, L = config.beam_size, config.max_prefix_len
+    return _Beams(
+        tokens=torch.empty(rows, W, L, dtype=torch.int32, device=device),
+        frames=torch.empty(rows, W, L, dtype=torch.int32, device=device),
+        lengths=torch.empty(rows, W, dtype=torch.int64, device=device),
+        keys=torch.empty(rows, W, dtype=torch.int64, device=device),
+        parent_keys=torch.empty(rows, W, dtype=torch.int64, device=device),
+        last=torch.empty(rows, W, dtype=torch.int64, device=device),
+        log_pb=torch.empty(rows, W, dtype=torch.float64, device=device),
+        log_pnb=torch.empty(rows, W, dtype=torch.float64, device=device),
+    )
+
+
+def _fill_initial(beams: _Beams) -> None:
+    """Every row: slot 0 the empty prefix (``log_pb = 0``), every other slot dead."""
+    beams.tokens.fill_(-1)
+    beams.frames.fill_(-1)
+    beams.lengths.zero_()
+    beams.keys.zero_()
+    beams.parent_keys.fill_(-1)
+    beams.last.fill_(-1)
+    beams.log_pb.fill_(NEG_INF)
+    beams.log_pb[:, 0] = 0.0
+    beams.log_pnb.fill_(NEG_INF)
+
+
+def _extend_keys(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Rolling hash of ``prefix + token`` from the prefix's packed key (int64 in, int64 out)."""
+    h1, h2 = keys >> 31, keys & _HASH_MOD
+    c = tokens + 1
+    h1 = (h1 * _HASH_MUL[0] + c) % _HASH_MOD
+    h2 = (h2 * _HASH_MUL[1] + c) % _HASH_MOD
+    return (h1 << 31) | h2
+
+
+def _ranked_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` best entries per row, ordered by (score desc, index asc).
+
+    ``topk`` finds the set; an exact tie between the k-th and (k+1)-th live
+    score makes the set ambiguous, and then a stable sort of the whole row
+    decides (a rare, data-dependent branch). The chosen ``k`` are then put in
+    order by a stable sort of ``k`` elements.
+    """
+    n = scores.shape[1]
+    if n <= k:
+        return torch.sort(scores, dim=1, descending=True, stable=True).indices
+    vals, idx = torch.topk(scores, k + 1, dim=1, sorted=True)
+    tie = (vals[:, k - 1] == vals[:, k]) & (vals[:, k - 1] > NEG_INF)
+    if bool(tie.any()):
+        return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    idx = idx[:, :k].sort(dim=1).values
+    order = scores.gather(1, idx).sort(dim=1, descending=True, stable=True).indices
+    return idx.gather(1, order)
+
+
+class _Candidates(NamedTuple):
+    """Per-frame inputs of a chunk, computed once for all its frames (``R`` rows, ``T`` frames)."""
+
+    lp: torch.Tensor  # (R, T, V) the chunk, in its own dtype (read through gathers only)
+    lp_blank: torch.Tensor  # (R, T) float64
+    tokens: torch.Tensor  # (R, T, K) candidate ids, ascending
+    lp_tokens: torch.Tensor  # (R, T, K) float64 log-probs of the candidates; -inf on skipped frames
+
+
+def _chunk_candidates(lp: torch.Tensor, config: CtcDecoderConfig, all_tokens) -> _Candidates:
+    """Candidates of every frame of a chunk ``lp`` (R, T, V) in one ``topk`` call.
+
+    Selection runs in the input dtype (converting to float64 is exact, so the
+    order is the same) and only the picked values are widened to float64.
+    """
+    R, T, V = lp.shape
+    K = config.num_candidates(V)
+    blank = config.blank_id
+    if all_tokens is not None:
+        tokens = all_tokens.expand(R, T, K)
+        lp_tokens = lp.gather(2, tokens).to(torch.float64)
+    else:
+        masked = lp.clone()
+        masked[:, :, blank] = NEG_INF
+        tokens = _ranked_top(masked.reshape(R * T, V), K).sort(dim=1).values.reshape(R, T, K)
+        # from `masked`: if fewer than K tokens are possible the blank may be picked, and must stay -inf
+        lp_tokens = masked.gather(2, tokens).to(torch.float64)
+    lp_blank = lp[:, :, blank].to(torch.float64)
+    skip = lp_blank > config.blank_skip_log_threshold
+    lp_tokens = lp_tokens.masked_fill(skip[:, :, None], NEG_INF)
+    return _Candidates(lp, lp_blank, tokens, lp_tokens)
+
+
+def _advance(beams: _Beams, cand: _Candidates, t: int, frame: torch.Tensor, beam_size: int):
+    """Frame ``t`` of the chunk for every row; ``frame`` (R,) holds its absolute frame index.
+
+    ``beams`` may be a window of the first ``Lw <= max_prefix_len`` token
+    positions (see ``decode_chunks``). Returns the new beams and a 0-d bool
+    tensor that is True when a live prefix outgrew the window.
+    """
+    R, W, Lw = beams.tokens.shape
+    K = cand.tokens.shape[2]
+    S = 1 + K
+    lp, lp_blank = cand.lp[:, t], cand.lp_blank[:, t]
+    cands, lp_cand = cand.tokens[:, t], cand.lp_tokens[:, t]
+
+    # ---- stay and extension terms ---------------------------------------------------------------
+    pb, pnb, last = beams.log_pb, beams.log_pnb, beams.last
+    score = torch.logaddexp(pb, pnb)
+    live = score > NEG_INF
+    stay_pb = score + lp_blank[:, None]
+    stay_pnb = torch.where(last >= 0, pnb + lp.gather(1, last.clamp(min=0)).to(torch.float64), NEG_INF)
+    stay_tot = torch.logaddexp(stay_pb, stay_pnb)
+    is_last = cands[:, None, :] == last[:, :, None]  # (R, W, K): cands[k] == last[i]
+    ext = torch.where(is_last, pb[:, :, None], score[:, :, None]) + lp_cand[:, None, :]
+
+    # ---- merges: prefix j whose parent i is in the beam and extends by last[j] ----------------
+    parent_of = (
+        (beams.keys[:, :, None] == beams.parent_keys[:, None, :])
+        & (beams.lengths[:, :, None] + 1 == beams.lengths[:, None, :])
+        & live[:, :, None]
+        & live[:, None, :]
+    )  # (R, W_i, W_j)
+    has_parent = parent_of.any(1)
+    parent = parent_of.to(torch.int8).argmax(1)  # first match
+    # verify the hash hint: live prefixes are padded with -1, so parent and child differ
+    # in exactly one position (the child's last token)
+    parent_tokens = beams.tokens.gather(1, parent[:, :, None].expand(R, W, Lw))
+    has_parent &= (parent_tokens != beams.tokens).sum(-1) == 1
+    kpos = is_last.to(torch.int8).argmax(-1)  # position of last[j] among the candidates
+    ext_into = ext.reshape(R, W * K).gather(1, parent * K + kpos)
+    merged = has_parent & is_last.any(-1) & (ext_into > NEG_INF)
+    merged_pnb = torch.logaddexp(stay_pnb, ext_into)
+    merged_score = torch.logaddexp(stay_pb, merged_pnb)
+    ext_wins = ext_into > stay_tot
+
+    # ---- candidate scores in generation order, merged entries moved to their earlier slot -------
+    scores = torch.cat([stay_tot[:, :, None], ext], 2).reshape(R, W * S)
+    scores = torch.cat([scores, scores.new_zeros(R, 1)], 1)  # column W*S: dump for masked scatters
+    own = torch.arange(W, device=lp.device)[None, :]
+    stay_slot = own * S
+    ext_slot = parent * S + 1 + kpos
+    keep_stay_slot = (own < parent) & (stay_tot > NEG_INF)
+    dest = torch.where(keep_stay_slot, stay_slot, ext_slot)
+    other = torch.where(keep_stay_slot, ext_slot, stay_slot)
+    dump = torch.full_like(dest, W * S)
+    scores.scatter_(1, torch.where(merged, other, dump), NEG_INF)
+    scores.scatter_(1, torch.where(merged, dest, dump), merged_score)
+    scores = scores[:, : W * S]
+
+    # ---- select and decode the new beam -------------------------------------------------------
+    sel = _ranked_top(scores, beam_size)  # (R, W) slot indices, rank order
+    new_score = scores.gather(1, sel)
+    new_live = new_score > NEG_INF
+    src, sub = sel // S, sel % S
+    is_ext = sub > 0
+    k_sel = (sub - 1).clamp(min=0)
+    add = torch.where(is_ext, cands.gather(1, k_sel), -1)
+    new_pb = torch.where(is_ext, NEG_INF, stay_pb.gather(1, src))
+    new_pnb = torch.where(is_ext, ext.reshape(R, W * K).gather(1, src * K + k_sel), stay_pnb.gather(1, src))
+    hit = merged[:, None, :] & (dest[:, None, :] == sel[:, :, None])  # (R, W_sel, W_j)
+    is_merged = hit.any(-1)
+    j = hit.to(torch.int8).argmax(-1)
+    from_ext = ext_wins.gather(1, j)
+    new_pb = torch.where(is_merged, stay_pb.gather(1, j), new_pb)
+    new_pnb = torch.where(is_merged, merged_pnb.gather(1, j), new_pnb)
+    src = torch.where(is_merged, torch.where(from_ext, parent.gather(1, j), j), src)
+    add = torch.where(is_merged, torch.where(from_ext, last.gather(1, j), -1), add)
+    # a dead pick may be a slot a merge emptied: give it no scores and let it grow nothing
+    new_pb = torch.where(new_live, new_pb, NEG_INF)
+    new_pnb = torch.where(new_live, new_pnb, NEG_INF)
+    grow = (add >= 0) & new_live
+
+    src_len = beams.lengths.gather(1, src)
+    overflow = (grow & (src_len >= Lw)).any()
+    pos = src_len.clamp(max=Lw - 1)[:, :, None]
+    src3 = src[:, :, None].expand(R, W, Lw)
+    tokens = beams.tokens.gather(1, src3)
+    tokens.scatter_(2, pos, torch.where(grow, add, tokens.gather(2, pos)[:, :, 0]).to(torch.int32)[:, :, None])
+    frames = beams.frames.gather(1, src3)
+    now = frame[:, None].expand(R, W)
+    frames.scatter_(2, pos, torch.where(grow, now, frames.gather(2, pos)[:, :, 0]).to(torch.int32)[:, :, None])
+    src_key = beams.keys.gather(1, src)
+    new_beams = _Beams(
+        tokens=tokens,
+        frames=frames,
+        lengths=src_len + grow,
+        keys=torch.where(grow, _extend_keys(src_key, add), src_key),
+        parent_keys=torch.where(grow, src_key, beams.parent_keys.gather(1, src)),
+        last=torch.where(grow, add, last.gather(1, src)),
+        log_pb=new_pb,
+        log_pnb=new_pnb,
+    )
+    return new_beams, overflow
+
+
+def _clear_dead(beams: _Beams) -> _Beams:
+    """Reset dead slots to the empty, all-padding record (run once per chunk, before commit)."""
+    live = torch.logaddexp(beams.log_pb, beams.log_pnb) > NEG_INF
+    live3 = live[:, :, None]
+    return _Beams(
+        tokens=torch.where(live3, beams.tokens, -1),
+        frames=torch.where(live3, beams.frames, -1),
+        lengths=torch.where(live, beams.lengths, 0),
+        keys=torch.where(live, beams.keys, 0),
+        parent_keys=torch.where(live, beams.parent_keys, -1),
+        last=torch.where(live, beams.last, -1),
+        log_pb=beams.log_pb,
+        log_pnb=beams.log_pnb,
+    )
+
+
+class StreamingCtcDecoder:
+    """Fast CTC prefix beam search; same API as the reference, states are tensors on ``device``.
+
+    ``decode_chunks`` is the cohort entry point: the rows of several states
+    are stacked and decoded in one pass per frame (one copy in and out per
+    chunk), which is how an engine should step many streams at once.
+    """
+
+    def __init__(self, config: CtcDecoderConfig | None = None, device: torch.device | str = "cpu"):
+        self.config = config if config is not None else CtcDecoderConfig()
+        if not isinstance(self.config, CtcDecoderConfig):
+            raise TypeError(f"StreamingCtcDecoder: config must be a CtcDecoderConfig, got {self.config!r}")
+        self.device = torch.device(device)
+        self._all_tokens: dict[tuple[int, str], torch.Tensor] = {}
+
+    # ---- state lifecycle ----------------------------------------------------
+    def create_state(self, batch: int, vocab_size: int) -> CtcBeamState:
+        """Allocate the beam tensors for ``batch`` rows and fill them as a fresh stream."""
+        check_state_shape("create_state", self.config, batch, vocab_size)
+        buffers = _allocate(batch, self.config, self.device)
+        _fill_initial(buffers)
+        return CtcBeamState(self.config, batch, vocab_size, 0, buffers)
+
+    def reset_state(self, state: CtcBeamState, batch: int, vocab_size: int) -> None:
+        """Overwrite ``state`` in place so it decodes exactly as ``create_state(batch, vocab_size)``.
+
+        Every buffer of the rows in use is rewritten, so whatever a previous
+        stream (or a test's poison) left there cannot leak into the next one.
+        """
+        self._check_state(state, "reset_state")
+        check_state_shape("reset_state", self.config, batch, vocab_size)
+        if batch > state.capacity:
+            state.buffers = _allocate(batch, self.config, state.device)
+        state.batch, state.vocab_size, state.frames_decoded = batch, vocab_size, 0
+        _fill_initial(state.rows())
+
+    # ---- decoding -----------------------------------------------------------
+    def decode_chunk(self, state: CtcBeamState, log_probs: torch.Tensor) -> None:
+        """Consume a chunk ``(batch, T, vocab)`` of log-probabilities (``T`` may be 0)."""
+        self.decode_chunks([state], [log_probs])
+
+    def decode_chunks(self, states: list[CtcBeamState], log_probs_list: list[torch.Tensor]) -> None:
+        """Consume one chunk per state in a single batched pass; all states commit or none do.
+
+        Every chunk must have the same ``T`` and vocabulary (the rows are
+        stacked). Inputs are converted to float64 on the states' device.
+        """
+        self._check_cohort(states, log_probs_list)
+        if not states:
+            return
+        T = log_probs_list[0].shape[1]
+        if T == 0:
+            return
+        device = states[0].device
+        lp = torch.cat([x.detach().to(device) for x in log_probs_list], 0)
+        rows = [s.rows() for s in states]
+        # Token window: every position at or past the longest stored prefix is padding, and a
+        # frame adds at most one token, so this chunk touches only the first `window` positions.
+        longest = max(int(r.lengths.amax()) for r in rows)
+        window = min(self.config.max_prefix_len, longest + T)
+        parts = [_Beams(r.tokens[:, :, :window], r.frames[:, :, :window], *r[2:]) for r in rows]
+        beams = parts[0] if len(parts) == 1 else _Beams(*(torch.cat(p, 0) for p in zip(*parts, strict=True)))
+        first_frame = torch.cat(
+            [torch.full((s.batch,), s.frames_decoded, dtype=torch.int64, device=device) for s in states]
+        )
+        V = lp.shape[2]
+        all_tokens = self._all_tokens_for(V, device) if self.config.num_candidates(V) == V - 1 else None
+        cand = _chunk_candidates(lp, self.config, all_tokens)
+        overflow = torch.zeros((), dtype=torch.bool, device=device)
+        for t in range(T):
+            beams, over = _advance(beams, cand, t, first_frame + t, self.config.beam_size)
+            overflow |= over
+        if bool(overflow):
+            raise RuntimeError(
+                "decode_chunk: a kept prefix would hold more than "
+                f"CtcDecoderConfig.max_prefix_len={self.config.max_prefix_len} tokens; the state is unchanged"
+            )
+        beams = _clear_dead(beams)
+        start = 0
+        for state, part in zip(states, parts, strict=True):
+            for buf, new in zip(part, beams, strict=True):
+                buf.copy_(new[start : start + state.batch])
+            start += state.batch
+            state.frames_decoded += T
+
+    def step(self, state: CtcBeamState, log_probs_frame: torch.Tensor) -> None:
+        """Consume one frame ``(batch, vocab)``: ``decode_chunk`` with ``T = 1``."""
+        self._check_state(state, "step")
+        check_log_probs("step", log_probs_frame, state.batch, state.vocab_size, frame_dim=False)
+        self.decode_chunk(state, log_probs_frame.unsqueeze(1))
+
+    # ---- results ----------------------------------------------------------------
+    def peek(self, state: CtcBeamState) -> list[CtcHypothesis]:
+        """The current best partial hypothesis of every row; ``CtcHypothesis([], -inf, [])`` if none."""
+        self._check_state(state, "peek")
+        return [row[0] if row else CtcHypothesis([], NEG_INF, []) for row in self._hypotheses(state, 1)]
+
+    def finalize_stream(self, state: CtcBeamState) -> list[list[CtcHypothesis]]:
+        """Per row, the ``nbest`` best hypotheses, best first; reads the state, changes nothing."""
+        self._check_state(state, "finalize_stream")
+        return self._hypotheses(state, self.config.nbest)
+
+    def _hypotheses(self, state: CtcBeamState, n: int) -> list[list[CtcHypothesis]]:
+        rows = state.rows()
+        score = torch.logaddexp(rows.log_pb[:, :n], rows.log_pnb[:, :n]).cpu().tolist()
+        lengths = rows.lengths[:, :n].cpu().tolist()
+        tokens = rows.tokens[:, :n].cpu().tolist()
+        frames = rows.frames[:, :n].cpu().tolist()
+        out = []
+        for b in range(state.batch):
+            live = [w for w in range(n) if score[b][w] > NEG_INF]
+            out.append(
+                [CtcHypothesis(tokens[b][w][: lengths[b][w]], score[b][w], frames[b][w][: lengths[b][w]]) for w in live]
+            )
+        return out
+
+    # ---- validation -----------------------------------------------------------------
+    def _all_tokens_for(self, vocab_size: int, device) -> torch.Tensor:
+        key = (vocab_size, str(device))
+        if key not in self._all_tokens:
+            ids = torch.arange(vocab_size, device=device)
+            self._all_tokens[key] = ids[ids != self.config.blank_id][None, :]
+        return self._all_tokens[key]
+
+    def _check_state(self, state, where: str) -> None:
+        if not isinstance(state, CtcBeamState):
+            raise TypeError(f"{where}: expected a fast CtcBeamState, got {type(state).__name__}")
+        if state.config != self.config:
+            raise ValueError(f"{where}: state was made for {state.config}, this decoder has {self.config}")
+
+    def _check_cohort(self, states, log_probs_list) -> None:
+        if len(states) != len(log_probs_list):
+            raise ValueError(f"decode_chunks: {len(states)} states but {len(log_probs_list)} log-probability chunks")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("decode_chunks: the same state appears twice in one cohort")
+        for state, log_probs in zip(states, log_probs_list, strict=True):
+            self._check_state(state, "decode_chunk")
+            check_log_probs("decode_chunk", log_probs, state.batch, state.vocab_size)
+        if states:
+            shapes = {(x.shape[1], x.shape[2]) for x in log_probs_list}
+            devices = {s.device for s in states}
+            if len(shapes) > 1 or len(devices) > 1:
+                raise ValueError(
+                    "decode_chunks: a cohort needs one (T, vocab) and one device, got "
+                    f"(T, vocab) {sorted(shapes)} on {sorted(map(str, devices))}"
+                )
