@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 
+import torch
 from tqdm import tqdm
 
 from oasr.bench import format_table, with_ratio
@@ -17,6 +18,7 @@ SECTIONS = {
     "attention": ("oasr.bench.attention", "section", True),
     "stream_cost": ("oasr.bench.stream_cost", "section", False),
     "ctc": ("oasr.bench.ctc", "section", False),
+    "fp8": ("oasr.bench.fp8", "section", True),
 }
 
 
@@ -25,9 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a reduced grid that finishes in seconds")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ",".join(SECTIONS))
     parser.add_argument("--device", default="cpu", help="device for the sections that take one (cpu, cuda)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: small ops on a shared 2-core machine are noisy with more)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write all rows as JSON")
     args = parser.parse_args(argv)
 
+    torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.sections.split(",") if n.strip()]
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
