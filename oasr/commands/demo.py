@@ -1,0 +1,239 @@
+"""``python -m oasr demo``: dozens of synthetic streams through the engine, checked and measured.
+
+Streams of varied lengths (1 to 12 s of 10 ms feature frames) start at
+different ticks and push their features in uneven pieces, as a client would.
+One ``StreamingEngine`` serves them all on one shared pool. Afterwards a sample
+of streams is rerun one at a time on the reference twin and offline; the run
+prints a summary, the memory by component, the vLLM-style utilisation of the
+paged pool against per-stream contiguous caches, and writes a plot of pool
+occupancy and active streams over ticks.
+
+The model is the seeded random ``StreamingConformer``: tokens mean nothing,
+but every number about caches, batching and memory is real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from oasr.engine import StreamingEngine, greedy_ctc_collapse, memory_utilisation
+from oasr.memory import footprint, format_bytes
+from oasr.models import ConformerConfig, StreamingConformer, twin_ready
+
+FRAME_SECONDS = 0.01  # one feature frame
+CHECK_ATOL = 1e-5
+
+
+@dataclass
+class DemoStream:
+    stream_id: str
+    start_tick: int
+    features: torch.Tensor
+
+
+def make_workload(num_streams: int, input_dim: int, seed: int, min_seconds=1.0, max_seconds=12.0,
+                  spread_ticks: int = 24) -> list[DemoStream]:
+    """Streams with log-uniform lengths and uniform start ticks (deterministic for a seed)."""
+    g = torch.Generator().manual_seed(seed)
+    streams = []
+    for i in range(num_streams):
+        u = torch.rand((), generator=g).item()
+        seconds = min_seconds * (max_seconds / min_seconds) ** u
+        frames = int(seconds / FRAME_SECONDS)
+        start = int(torch.randint(0, spread_ticks + 1, (), generator=g))
+        streams.append(DemoStream(f"s{i:03d}", start, torch.randn(frames, input_dim, generator=g)))
+    return streams
+
+
+def drive(engine: StreamingEngine, workload: list[DemoStream], seed: int, chunk_frames: int, progress=None):
+    """Push every stream in pieces of 0.5 to 1.5 chunks per tick from its start tick; tick until all finish."""
+    g = torch.Generator().manual_seed(seed + 1)
+    pos = {s.stream_id: 0 for s in workload}
+    ended = set()
+    tick = 0
+    while True:
+        for s in workload:
+            sid = s.stream_id
+            if tick == s.start_tick:
+                engine.add_stream(sid)
+            if tick < s.start_tick or sid in ended:
+                continue
+            n = int(torch.randint(chunk_frames // 2, chunk_frames * 3 // 2 + 1, (), generator=g))
+            engine.push(sid, s.features[pos[sid] : pos[sid] + n])
+            pos[sid] += n
+            if pos[sid] >= s.features.shape[0]:
+                engine.end_stream(sid)
+                ended.add(sid)
+        engine.step()
+        if progress is not None:
+            progress.update(engine.stats[-1].input_frames)
+        tick += 1
+        if len(ended) == len(workload) and all(engine.status(s.stream_id) == "finished" for s in workload):
+            return
+
+
+def build(args) -> tuple[StreamingConformer, object]:
+    num_left_chunks = args.num_left_chunks
+    if (args.eviction or args.prefill) and num_left_chunks < 0:
+        num_left_chunks = 4
+    mcfg = ConformerConfig(input_dim=40, hidden_dim=64, num_layers=args.layers, n_head=4, n_kv_head=2, head_dim=16,
+                           ffn_dim=128, kernel_size=15, vocab_size=64, chunk_size=16,
+                           num_left_chunks=num_left_chunks, subsample_channels=64, seed=args.seed)
+    model = StreamingConformer(mcfg).to(args.device)
+    max_frames = int(12.0 / FRAME_SECONDS) // mcfg.subsampling_rate
+    cache = mcfg.cache_config(
+        block_size_frames=16, max_batch_size=args.max_batch_size, max_blocks_per_seq=-(-max_frames // 16) + 1,
+        prefill_kv_window=args.prefill, device=args.device,
+    )
+    return model, cache
+
+
+def check_sample(model, cache_config, engine, workload, count: int) -> tuple[bool, str]:
+    """Rerun ``count`` streams one at a time on the reference twin, and offline; compare with the engine."""
+    sample = workload[:: max(1, len(workload) // max(count, 1))][:count]
+    ok, worst_ref, worst_off = True, 0.0, 0.0
+    for s in sample:
+        got = engine.result(s.stream_id)
+        alone = StreamingEngine(model, cache_config, twin="reference", keep_log_probs=True)
+        alone.add_stream(s.stream_id)
+        alone.push(s.stream_id, s.features)
+        alone.end_stream(s.stream_id)
+        ref = alone.run()[s.stream_id]
+        feats = s.features[None].to(cache_config.device)
+        off = model.forward_offline(feats, prefill_window=cache_config.prefill_kv_window)[0][0].float().cpu()
+        worst_ref = max(worst_ref, (got.log_probs - ref.log_probs).abs().max().item())
+        worst_off = max(worst_off, (got.log_probs - off).abs().max().item())
+        ok &= got.tokens == ref.tokens == greedy_ctc_collapse(off)[0]
+    ok &= worst_ref <= CHECK_ATOL and worst_off <= CHECK_ATOL
+    verdict = "OK" if ok else "MISMATCH"
+    return ok, (f"sample check: {len(sample)} streams rerun alone on the reference twin and offline: tokens "
+                f"{'equal' if ok else 'checked'}, max |d log-prob| {worst_ref:.1e} (reference), {worst_off:.1e} "
+                f"(offline), bound {CHECK_ATOL:.0e} -> {verdict}")
+
+
+def plot(engine, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ticks = [s.tick for s in engine.stats]
+    pool = engine.config.max_num_blocks
+    bs = engine.config.block_size_frames
+    longest = engine.longest_extent
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    top.plot(ticks, [100 * s.used_blocks / pool for s in engine.stats], label="paged: blocks in use")
+    top.plot(ticks, [100 * s.live_frames / (pool * bs) for s in engine.stats], label="live K/V frames", ls="--")
+    top.plot(ticks, [100 * s.active * longest / (pool * bs) for s in engine.stats],
+             label=f"contiguous: active x longest stream ({longest} frames)", ls=":")
+    top.set_ylabel(f"% of pool ({pool} blocks)")
+    top.set_ylim(0, None)
+    top.legend(loc="upper left", fontsize=8)
+    top.set_title(title)
+    bottom.plot(ticks, [s.active for s in engine.stats], label="active streams")
+    bottom.plot(ticks, [s.waiting for s in engine.stats], label="ready, waiting for admission")
+    bottom.step(ticks, [s.width for s in engine.stats], label="cohort width (padded)", where="mid", alpha=0.6)
+    bottom.axhline(engine.config.max_batch_size, color="grey", lw=0.8, ls=":", label="max_batch_size")
+    bottom.set_xlabel("tick")
+    bottom.set_ylabel("streams")
+    bottom.set_ylim(0, engine.config.max_batch_size * 1.6)
+    bottom.legend(loc="upper left", fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summary(engine, workload, wall: float, args) -> list[str]:
+    cfg, mcfg = engine.config, engine.model.config
+    results = [engine.result(s.stream_id) for s in workload]
+    reasons = {r: sum(1 for x in results if x.finish_reason == r) for r in ("eos", "length")}
+    input_frames = sum(s.features.shape[0] for s in workload)
+    encoder_frames = sum(r.num_frames for r in results)
+    audio = input_frames * FRAME_SECONDS
+    peak = max(engine.stats, key=lambda s: s.used_blocks)
+    window = "unlimited history" if not cfg.eviction else f"window {cfg.history_frames} frames (eviction on)"
+    widths = sorted({s.width for s in engine.stats if s.width})
+    fp = footprint(cfg, scratch_blocks=1, pad_lanes=1)
+    slot_bytes = sum(buf.numel() * buf.element_size() for buf in engine.states.buffers.values())
+    util = memory_utilisation(engine)
+    chunk_s = mcfg.chunk_input_frames * FRAME_SECONDS
+    lines = [
+        f"oasr demo: {len(workload)} streams through StreamingEngine (twin={engine.twin}, device={cfg.device}, "
+        f"{mcfg.num_layers} layers, hidden {mcfg.hidden_dim}, {mcfg.n_head} query / {mcfg.n_kv_head} KV heads)",
+        f"  cache       chunk {cfg.chunk_size} frames ({chunk_s:.2f} s), {window}, block {cfg.block_size_frames} "
+        f"frames, pool {cfg.max_num_blocks} blocks, max_batch_size {cfg.max_batch_size}, "
+        f"prefill {'on' if cfg.prefill_kv_window else 'off'}",
+        f"  streams     {len(results)} finished: {reasons['eos']} eos, {reasons['length']} length",
+        f"  frames      {input_frames} feature frames ({audio:.1f} s of audio) -> {encoder_frames} encoder frames",
+        f"  wall        {wall:.2f} s: {input_frames / wall:.0f} feature frames/s, {audio / wall:.1f}x real time",
+        f"  ticks       {engine.tick}, cohort widths used {widths}",
+        f"  peak pool   {peak.used_blocks}/{cfg.max_num_blocks} blocks "
+        f"({100 * peak.used_blocks / cfg.max_num_blocks:.1f}%) at tick {peak.tick}; "
+        f"peak active {max(s.active for s in engine.stats)}, "
+        f"peak waiting {max(s.waiting for s in engine.stats)}",
+        "memory by component (allocated up front):",
+        fp.format(),
+        f"  {'slot_states':13s} {format_bytes(slot_bytes):>12s}   (declared subsampling tails)",
+        f"memory utilisation at peak pool occupancy (tick {util['tick']}, {util['active_streams']} active streams), "
+        "vLLM-style:",
+        f"  live K/V      {util['live_frames']} frames ({format_bytes(util['live_bytes'])})",
+        f"  paged         {util['paged_blocks']} blocks x {cfg.block_size_frames} = {util['paged_frames']} frames "
+        f"({format_bytes(util['paged_bytes'])}): {100 * util['paged_utilisation']:.1f}% live",
+        f"  contiguous    {util['active_streams']} streams x {util['longest_stream_frames']} frames (longest "
+        f"stream) = {util['contiguous_frames']} frames ({format_bytes(util['contiguous_bytes'])}): "
+        f"{100 * util['contiguous_utilisation']:.1f}% live",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oasr demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=48, help="number of synthetic streams (default 48)")
+    parser.add_argument("--layers", type=int, default=2, help="Conformer blocks (default 2)")
+    parser.add_argument("--twin", choices=("fast", "reference"), default="fast", help="engine twin (default fast)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--num-left-chunks", type=int, default=-1,
+                        help="attention window in chunks; -1 = unlimited history (default)")
+    parser.add_argument("--eviction", action="store_true", help="bounded window with eviction (num_left_chunks 4)")
+    parser.add_argument("--prefill", action="store_true", help="prefill a zeroed K/V window (implies --eviction)")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="concurrent streams (default 16)")
+    parser.add_argument("--check-sample", type=int, default=4, help="streams rerun on the reference twin (0: none)")
+    parser.add_argument("--plot", default="oasr_demo.png", help="PNG of pool occupancy and streams over ticks")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("demo: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if not twin_ready(args.twin):
+        print(f"demo: oasr.{args.twin} does not provide the cache managers yet; run with --twin reference",
+              file=sys.stderr)
+        return 2
+    model, cache_config = build(args)
+    workload = make_workload(args.streams, model.config.input_dim, args.seed)
+    engine = StreamingEngine(model, cache_config, twin=args.twin, keep_log_probs=args.check_sample > 0)
+    total = sum(s.features.shape[0] for s in workload)
+    progress = tqdm(total=total, unit="frame", unit_scale=True, desc="demo", disable=args.quiet, file=sys.stderr)
+    start = time.perf_counter()
+    drive(engine, workload, args.seed, model.config.chunk_input_frames, progress)
+    wall = time.perf_counter() - start
+    progress.close()
+
+    for line in summary(engine, workload, wall, args):
+        print(line)
+    ok = True
+    if args.check_sample > 0:
+        ok, line = check_sample(model, cache_config, engine, workload, args.check_sample)
+        print(line)
+    if args.plot:
+        plot(engine, args.plot, f"{len(workload)} streams, twin={engine.twin}, "
+                                f"num_left_chunks={cache_config.num_left_chunks}")
+        print(f"plot: {args.plot}")
+    return 0 if ok else 1

@@ -1,0 +1,45 @@
+"""Greedy CTC collapse, per stream, across chunk boundaries.
+
+A stand-in for the CTC beam search being written elsewhere: the engine only
+needs an object per stream with ``decode_chunk(log_probs) -> new tokens`` and
+``finalize() -> all tokens``, made by a ``decoder_factory(vocab_size)``. Swap
+the factory and nothing else in the engine changes.
+
+Greedy collapse: take the argmax of every frame, merge runs of the same label,
+drop blanks. The previous frame's label is carried over a chunk boundary, so a
+run that straddles two chunks is merged exactly as in one offline pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_ctc_collapse(log_probs: torch.Tensor, blank: int = 0, previous: int | None = None):
+    """``(T, vocab)`` log-probs -> ``(tokens, last_label)``; ``previous`` is the label before frame 0."""
+    labels = log_probs.argmax(dim=-1).tolist() if log_probs.shape[0] else []
+    tokens = []
+    last = blank if previous is None else previous
+    for label in labels:
+        if label != last and label != blank:
+            tokens.append(label)
+        last = label
+    return tokens, last
+
+
+class GreedyCtcDecoder:
+    """One stream's greedy decoder; ``decode_chunk`` returns the tokens the chunk completed."""
+
+    def __init__(self, vocab_size: int | None = None, blank: int = 0):
+        self.vocab_size = vocab_size
+        self.blank = blank
+        self.tokens: list[int] = []
+        self._last = blank
+
+    def decode_chunk(self, log_probs: torch.Tensor) -> list[int]:
+        new, self._last = greedy_ctc_collapse(log_probs, self.blank, self._last)
+        self.tokens.extend(new)
+        return new
+
+    def finalize(self) -> list[int]:
+        return list(self.tokens)

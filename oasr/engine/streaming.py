@@ -1,0 +1,375 @@
+"""``StreamingEngine``: many streams, one shared pool, one batched paged forward per tick.
+
+Works with either twin (``twin="reference"`` or ``"fast"``); it only calls the
+managers' public API and the model's ``forward_chunk_paged``. One tick::
+
+    1. admit    waiting streams in arrival order, while a slot is free and the pool
+                can still hold one more stream's worst case (``blocks_per_stream``)
+    2. pick     active streams holding a whole chunk (4 * chunk_size feature frames)
+                or, once ended, a last short chunk
+    3. capacity a picked stream whose chunk would pass its block ceiling (unlimited
+                history) finishes now with what it has: finish_reason="length"
+    4. prepare  att.prepare_chunks_batched(cohort, frames)   one pool allocation
+    5. forward  model.forward_chunk_paged on the cohort padded to a power of two
+                (padding rows ride the padding lane: scratch block, lane slot)
+    6. commit   att.commit_chunks_batched (advance, evict) and cnn.update; the
+                subsampling tails were scattered back by the forward
+    7. decode   each stream's decoder turns its valid log-probs into tokens
+    8. finish   an ended stream with nothing left to encode is freed: "eos"
+
+Policies (see docs/engine.md):
+
+* Admission reserves ``config.blocks_per_stream`` per active stream: a stream is
+  admitted only if the free blocks cover every active stream's remaining worst
+  case plus its own, so no admitted stream can run the pool dry mid-forward.
+  ``CacheConfig`` validation makes that hold for ``max_batch_size`` streams, so
+  with an engine that owns its pool the slot count is what usually binds.
+* Cohort width is the next power of two of the ready streams, capped at
+  ``max_batch_size`` (a non-power-of-two ``max_batch_size`` is then one more
+  width). A later CUDA-graph capture needs only those few shapes.
+* Bad input (unknown id, wrong feature shape, non-finite values, push after
+  ``end_stream``) raises before anything changes; no other stream is touched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from oasr.config import CacheConfig
+from oasr.engine.decoding import GreedyCtcDecoder
+from oasr.models.twins import twin_module, twin_name
+from oasr.stream_context import StreamContext
+
+WAITING, ACTIVE, FINISHED = "waiting", "active", "finished"
+
+
+@dataclass
+class StepOutput:
+    """What one stream produced in one tick."""
+
+    stream_id: object
+    new_tokens: list
+    num_frames: int  # encoder (log-prob) frames produced this tick
+    finished: bool = False
+    finish_reason: str | None = None  # "eos" or "length" once finished
+
+
+@dataclass
+class StreamResult:
+    """A finished stream: its tokens, and its log-probs when the engine keeps them."""
+
+    stream_id: object
+    tokens: list
+    num_frames: int
+    num_input_frames: int
+    finish_reason: str
+    log_probs: torch.Tensor | None
+    admitted_tick: int | None
+    finished_tick: int
+
+
+@dataclass
+class TickStats:
+    """Bookkeeping of one tick, taken while the cohort's blocks are in flight (the tick's peak)."""
+
+    tick: int
+    cohort: int
+    width: int
+    active: int  # streams holding a slot (and blocks)
+    waiting: int  # streams with input ready that admission holds back
+    used_blocks: int
+    live_frames: int
+    encoder_frames: int
+    input_frames: int
+    finished: int
+
+
+@dataclass
+class _Stream:
+    stream_id: object
+    decoder: object
+    state: str = WAITING
+    pending: list = field(default_factory=list)
+    num_pending: int = 0
+    ended: bool = False
+    offset: int = 0  # encoder frames produced so far (the next chunk's absolute position)
+    input_frames: int = 0  # feature frames consumed by the encoder
+    log_probs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    admitted_tick: int | None = None
+    max_extent: int = 0  # most K/V frames a chunk of this stream ever attended to
+
+
+class StreamingEngine:
+    def __init__(self, model, config: CacheConfig, twin="fast", decoder_factory=GreedyCtcDecoder,
+                 keep_log_probs: bool = False):
+        model.check_cache_config(config)
+        param = next(model.parameters())
+        if param.device.type != config.device.type:
+            raise ValueError(f"StreamingEngine: the model is on {param.device}, the caches on {config.device}")
+        self.model = model
+        self.config = config
+        self.ops = twin_module(twin)
+        self.twin = twin_name(self.ops)
+        self.decoder_factory = decoder_factory
+        self.keep_log_probs = keep_log_probs
+        self.chunk_input_frames = model.config.chunk_input_frames
+        self.input_dim = model.config.input_dim
+        self.rate = model.config.subsampling_rate
+        self.pool = self.ops.BlockPool(config, scratch_blocks=1)
+        self.att = self.ops.AttentionCacheManager(self.pool, config, pad_lanes=1)
+        self.cnn = self.ops.CnnCacheManager(config, pad_lanes=1)
+        self.states = self.ops.SlotStateCache(
+            model.streaming_state_specs, config.max_batch_size, pad_lanes=1, device=config.device,
+            dtype=config.dtype,
+        )
+        self._streams: dict = {}
+        self._waiting: list = []  # arrival order
+        self._active: list = []  # admission order
+        self._contexts: dict = {}
+        self._ids = itertools.count()
+        self.results: dict = {}
+        self.stats: list[TickStats] = []
+        self.tick = 0
+
+    # ---- input ---------------------------------------------------------------------------
+    def _stream(self, stream_id) -> _Stream:
+        if stream_id not in self._streams:
+            raise KeyError(f"unknown stream id {stream_id!r}")
+        return self._streams[stream_id]
+
+    def add_stream(self, stream_id=None):
+        """Register a stream (it waits for admission); returns its id."""
+        if stream_id is None:
+            stream_id = next(self._ids)
+            while stream_id in self._streams:
+                stream_id = next(self._ids)
+        elif stream_id in self._streams:
+            raise ValueError(f"stream id {stream_id!r} is already in use")
+        self._streams[stream_id] = _Stream(stream_id, self.decoder_factory(self.model.config.vocab_size))
+        self._waiting.append(stream_id)
+        return stream_id
+
+    def push(self, stream_id, features) -> None:
+        """Append ``(T, input_dim)`` feature frames, any ``T >= 0``, to a stream's input."""
+        s = self._stream(stream_id)
+        if s.state == FINISHED:
+            raise ValueError(f"stream {stream_id!r} has finished (finish_reason={s.finish_reason!r}); "
+                             f"it takes no more input")
+        if s.ended:
+            raise ValueError(f"stream {stream_id!r}: push after end_stream")
+        feats = torch.as_tensor(features)
+        if feats.dim() != 2 or feats.shape[1] != self.input_dim:
+            raise ValueError(f"stream {stream_id!r}: features must be (T, input_dim={self.input_dim}), "
+                             f"got {tuple(feats.shape)}")
+        if not feats.is_floating_point():
+            raise ValueError(f"stream {stream_id!r}: features must be floating point, got {feats.dtype}")
+        if not bool(torch.isfinite(feats).all()):
+            raise ValueError(f"stream {stream_id!r}: features contain NaN or inf")
+        if feats.shape[0]:
+            s.pending.append(feats.detach().to("cpu", self.config.dtype))
+            s.num_pending += feats.shape[0]
+
+    def end_stream(self, stream_id) -> None:
+        """No more input: the stream finishes once its buffered frames are encoded."""
+        s = self._stream(stream_id)
+        if s.ended:
+            raise ValueError(f"stream {stream_id!r}: end_stream called twice")
+        s.ended = True
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active_ids(self) -> list:
+        return list(self._active)
+
+    def status(self, stream_id) -> str:
+        """``"waiting"``, ``"active"`` or ``"finished"``."""
+        return self._stream(stream_id).state
+
+    def result(self, stream_id) -> StreamResult:
+        s = self._stream(stream_id)
+        if s.state != FINISHED:
+            raise ValueError(f"stream {stream_id!r} is {s.state}, not finished")
+        return self.results[stream_id]
+
+    @property
+    def longest_extent(self) -> int:
+        """Most K/V frames (history plus chunk) any stream's chunk has attended to so far."""
+        return max((s.max_extent for s in self._streams.values()), default=0)
+
+    def cohort_width(self, num_streams: int) -> int:
+        """Rows of the forward for ``num_streams`` ready streams: next power of two, capped."""
+        width = 1
+        while width < num_streams:
+            width *= 2
+        return min(width, self.config.max_batch_size)
+
+    def can_admit(self) -> bool:
+        """A free slot, and free blocks for every active stream's remaining worst case plus one more."""
+        if len(self._active) >= self.config.max_batch_size:
+            return False
+        per_stream = self.config.blocks_per_stream
+        held = sum(len(self.att.describe(sid).blocks) for sid in self._active)
+        still_claimable = len(self._active) * per_stream - held
+        return self.pool.num_free_blocks - still_claimable >= per_stream
+
+    def _ready(self, s: _Stream) -> bool:
+        return s.num_pending >= self.chunk_input_frames or s.ended
+
+    # ---- the tick ------------------------------------------------------------------------
+    def _admit(self) -> None:
+        for sid in list(self._waiting):
+            s = self._streams[sid]
+            if not self._ready(s):
+                continue  # nothing to encode yet: do not hold a slot for it
+            if not self.can_admit():
+                break  # arrival order: nobody overtakes a stream that does not fit
+            ctx = StreamContext.allocate(sid, self.att, self.cnn)
+            try:
+                self.states.allocate_stream(sid)
+            except Exception:
+                ctx.free()
+                raise
+            self._contexts[sid] = ctx
+            self._waiting.remove(sid)
+            self._active.append(sid)
+            s.state = ACTIVE
+            s.admitted_tick = self.tick
+
+    def _take(self, s: _Stream, n: int) -> torch.Tensor:
+        buffered = torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0]
+        taken, rest = buffered[:n], buffered[n:]
+        s.pending = [rest] if rest.shape[0] else []
+        s.num_pending -= n
+        return taken
+
+    def _finish(self, s: _Stream, reason: str, outputs: dict) -> None:
+        if s.state == ACTIVE:
+            self._contexts.pop(s.stream_id).free()
+            self.states.free_stream(s.stream_id)
+            self._active.remove(s.stream_id)
+        elif s.state == WAITING:
+            self._waiting.remove(s.stream_id)
+        s.state, s.finish_reason = FINISHED, reason
+        s.pending, s.num_pending = [], 0
+        log_probs = None
+        if self.keep_log_probs:
+            V = self.model.config.vocab_size
+            log_probs = torch.cat(s.log_probs) if s.log_probs else torch.zeros(0, V)
+        self.results[s.stream_id] = StreamResult(
+            s.stream_id, s.decoder.finalize(), s.offset, s.input_frames, reason, log_probs, s.admitted_tick,
+            self.tick,
+        )
+        out = outputs.setdefault(s.stream_id, StepOutput(s.stream_id, [], 0))
+        out.finished, out.finish_reason = True, reason
+
+    def step(self) -> dict:
+        """Run one tick; returns ``{stream_id: StepOutput}`` for every stream that produced or finished."""
+        self.tick += 1
+        outputs: dict = {}
+        # a waiting stream that ended with too little input for one encoder frame needs no admission
+        for sid in list(self._waiting):
+            s = self._streams[sid]
+            if s.ended and s.num_pending < self.rate:
+                self._finish(s, "eos", outputs)
+        self._admit()
+
+        cohort, frames_in = [], []
+        for sid in list(self._active):
+            s = self._streams[sid]
+            n = min(s.num_pending, self.chunk_input_frames)
+            if n < self.chunk_input_frames and not s.ended:
+                continue
+            if n < self.rate:  # ended, nothing left that makes an encoder frame
+                self._finish(s, "eos", outputs)
+            elif self.att.at_capacity(sid, n // self.rate):
+                self._finish(s, "length", outputs)
+            else:
+                cohort.append(sid)
+                frames_in.append(n)
+
+        width, encoder_frames = 0, 0
+        active = len(self._active)  # streams holding blocks while the cohort is in flight
+        used, live = self.pool.num_used_blocks, sum(self.att.cached_frames(self._active))
+        if cohort:
+            width = self.cohort_width(len(cohort))
+            enc = [n // self.rate for n in frames_in]
+            self.att.prepare_chunks_batched(cohort, enc)
+            used = self.pool.num_used_blocks
+            live += sum(enc)
+            encoder_frames = sum(enc)
+            self._forward(cohort, frames_in, enc, width, outputs)
+        self.stats.append(TickStats(
+            tick=self.tick, cohort=len(cohort), width=width, active=active,
+            waiting=sum(1 for sid in self._waiting if self._ready(self._streams[sid])),
+            used_blocks=used, live_frames=live, encoder_frames=encoder_frames, input_frames=sum(frames_in),
+            finished=sum(1 for o in outputs.values() if o.finished),
+        ))
+        return outputs
+
+    def _forward(self, cohort: list, frames_in: list, enc: list, width: int, outputs: dict) -> None:
+        cfg = self.config
+        pad = width - len(cohort)
+        xs = torch.zeros((width, self.chunk_input_frames, self.input_dim), dtype=cfg.dtype)
+        offsets = []
+        for row, (sid, n) in enumerate(zip(cohort, frames_in, strict=True)):
+            s = self._streams[sid]
+            xs[row, :n] = self._take(s, n)
+            offsets.append(s.offset)
+            s.max_extent = max(s.max_extent, self.att.cached_frames(sid) + enc[row])
+        caches = self.att.get_paged_caches(cohort, pad_to=width)
+        cnn_cache = self.cnn.get_cache(cohort, pad_to=width)
+        views = self.states.views(cohort, pad_to=width)
+        log_probs, _, new_cnn = self.model.forward_chunk_paged(
+            xs.to(cfg.device), offsets + [0] * pad, caches, cnn_cache, views, frames_in + [0] * pad, twin=self.ops
+        )
+        self.att.commit_chunks_batched(cohort, enc)
+        self.cnn.update(cohort, new_cnn, pad_to=width)
+        log_probs = log_probs.float().cpu()
+        for row, sid in enumerate(cohort):
+            s = self._streams[sid]
+            n = enc[row]
+            lp = log_probs[row, :n]
+            s.offset += n
+            s.input_frames += frames_in[row]
+            if self.keep_log_probs:
+                s.log_probs.append(lp.clone())
+            outputs[sid] = StepOutput(sid, s.decoder.decode_chunk(lp), n)
+            if s.ended and s.num_pending < self.rate:
+                self._finish(s, "eos", outputs)
+
+    def run(self, max_ticks: int | None = None) -> dict:
+        """Step until no tick makes progress (everything finished, or waiting for input).
+
+        Returns ``{stream_id: StreamResult}`` for the streams that finished during the run.
+        """
+        finished = {}
+        ticks = 0
+        while max_ticks is None or ticks < max_ticks:
+            outputs = self.step()
+            ticks += 1
+            for sid, out in outputs.items():
+                if out.finished:
+                    finished[sid] = self.results[sid]
+            if not outputs and not self._progress_possible():
+                break
+        return finished
+
+    def _progress_possible(self) -> bool:
+        """Could another tick do anything without new input?"""
+        for sid in self._active:
+            s = self._streams[sid]
+            if s.ended or s.num_pending >= self.chunk_input_frames:
+                return True
+        return any(self._ready(self._streams[sid]) for sid in self._waiting) and self.can_admit()
