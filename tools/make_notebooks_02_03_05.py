@@ -1,6 +1,6 @@
 """Writes notebooks 02_eviction, 03_prefill_window and 05_streaming_conformer (outputs stripped).
 
-Edit here, then run: python tools/make_notebooks_04.py
+Edit here, then run: python tools/make_notebooks_02_03_05.py
 Each notebook asserts what it shows; CI runs them with ``pytest --nbval-lax``.
 """
 
