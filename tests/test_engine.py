@@ -2,12 +2,15 @@
 
 Every stream's output is checked against the offline forward of its whole
 input (log-probs within 1e-5, see tests/test_conformer_streaming.py for why)
-and its greedy tokens against the offline greedy collapse, exactly.
+and its tokens against the reference CTC prefix beam search (or, with
+``decoder="greedy"``, the greedy collapse) run once over the offline
+log-probs: chunked, batched, pooled decoding must not change a token.
 """
 
 import pytest
 import torch
 
+from oasr import reference
 from oasr.engine import StreamingEngine, greedy_ctc_collapse, memory_utilisation
 from oasr.models import ConformerConfig, StreamingConformer
 
@@ -18,9 +21,19 @@ def make_model(num_left_chunks=-1, seed=3):
     return StreamingConformer(ConformerConfig(num_left_chunks=num_left_chunks, chunk_size=4, seed=seed))
 
 
-def make_engine(model, twin, **cache_overrides):
+def make_engine(model, twin, decoder="beam", **cache_overrides):
     cfg = model.config.cache_config(**{"block_size_frames": 3, "max_batch_size": 4, **cache_overrides})
-    return StreamingEngine(model, cfg, twin=twin, keep_log_probs=True)
+    return StreamingEngine(model, cfg, twin=twin, decoder=decoder, keep_log_probs=True)
+
+
+def offline_tokens(engine, log_probs):
+    """What the engine's decoder must produce, decoded once over the whole utterance."""
+    if engine.decoder == "greedy":
+        return greedy_ctc_collapse(log_probs)[0]
+    decoder = reference.StreamingCtcDecoder(engine.ctc_config)
+    state = decoder.create_state(1, log_probs.shape[-1])
+    decoder.decode_chunk(state, log_probs[None])
+    return decoder.finalize_stream(state)[0][0].tokens
 
 
 def features(num_frames, seed):
@@ -58,13 +71,25 @@ def check_against_offline(model, engine, feats, prefill=False, prefix_frames=Non
         assert r.log_probs.shape == off.shape, sid
         if off.numel():
             assert (r.log_probs - off).abs().max().item() <= ATOL, sid
-        assert r.tokens == greedy_ctc_collapse(off)[0], sid
+        assert r.tokens == offline_tokens(engine, off), sid
 
 
-@pytest.mark.parametrize("num_left_chunks,prefill", [(-1, False), (2, False), (2, True)])
-def test_many_streams_equal_offline(twin, num_left_chunks, prefill):
+def replay_edits(outputs, sid):
+    """Apply each tick's (retracted, new_tokens) edit; check it matches the reported partial."""
+    shown = []
+    for out in (o[sid] for o in outputs if sid in o):
+        del shown[len(shown) - out.retracted :]
+        shown += out.new_tokens
+        if out.num_frames:
+            assert shown == out.partial
+    return shown
+
+
+@pytest.mark.parametrize("num_left_chunks,prefill,decoder", [(-1, False, "beam"), (2, False, "beam"),
+                                                             (2, True, "beam"), (2, False, "greedy")])
+def test_many_streams_equal_offline(twin, num_left_chunks, prefill, decoder):
     model = make_model(num_left_chunks)
-    engine = make_engine(model, twin, prefill_kv_window=prefill)
+    engine = make_engine(model, twin, decoder, prefill_kv_window=prefill)
     lengths = [16 * 7 + 3, 40, 2, 0, 16 * 5, 16 * 9 + 11, 33]
     feats = {f"s{i}": features(n, i) for i, n in enumerate(lengths)}
     starts = {f"s{i}": t for i, t in enumerate([0, 0, 1, 2, 3, 3, 6])}
@@ -74,7 +99,7 @@ def test_many_streams_equal_offline(twin, num_left_chunks, prefill):
         r = engine.result(sid)
         assert r.finish_reason == "eos" and r.num_frames == feats[sid].shape[0] // 4
         # what step() reported adds up to the result
-        assert sum((o[sid].new_tokens for o in outputs if sid in o), []) == r.tokens
+        assert replay_edits(outputs, sid) == r.tokens
         assert sum(o[sid].num_frames for o in outputs if sid in o) == r.num_frames
     assert engine.pool.num_used_blocks == 0 and engine.num_active == 0
     widths = {s.width for s in engine.stats}
@@ -242,3 +267,20 @@ def test_run_stops_when_waiting_for_input_and_memory_utilisation(twin):
     assert util["live_frames"] == 8 + 2  # the last tick: 8 cached + a 2-frame short chunk in flight
     assert util["paged_frames"] == util["paged_blocks"] * 3 >= util["live_frames"]
     assert 0 < util["paged_utilisation"] <= 1 and 0 < util["contiguous_utilisation"] <= 1
+
+
+def test_decoder_states_are_pooled_and_reused(twin):
+    """Eight streams through two slots: two decoder states serve them all, and a reused state decodes
+    exactly as a fresh one (each stream's tokens equal a one-shot decode of its offline log-probs)."""
+    model = make_model(2)
+    engine = make_engine(model, twin, max_batch_size=2)
+    feats = {i: features(16 * 2 + 5 * i, 100 + i) for i in range(8)}
+    for sid, f in feats.items():
+        engine.add_stream(sid)
+        engine.push(sid, f)
+        engine.end_stream(sid)
+    engine.run()
+    assert engine.ctc.num_created == 2
+    assert engine.ctc.num_pooled == 2 and engine.ctc.num_active == 0
+    check_against_offline(model, engine, feats)
+    assert all(engine.result(sid).nbest for sid in feats if feats[sid].shape[0] >= 4)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from oasr import reference
+from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine import StreamingEngine, greedy_ctc_collapse, memory_utilisation
 from oasr.memory import footprint, format_bytes
 from oasr.models import ConformerConfig, StreamingConformer, twin_ready
@@ -94,13 +96,24 @@ def build(args) -> tuple[StreamingConformer, object]:
     return model, cache
 
 
+def offline_tokens(engine, log_probs: torch.Tensor) -> list:
+    """The engine's decoder run once over a whole utterance's offline log-probs (reference twin)."""
+    if engine.decoder == "greedy":
+        return greedy_ctc_collapse(log_probs)[0]
+    decoder = reference.StreamingCtcDecoder(engine.ctc_config)
+    state = decoder.create_state(1, log_probs.shape[-1])
+    decoder.decode_chunk(state, log_probs[None])
+    return decoder.finalize_stream(state)[0][0].tokens
+
+
 def check_sample(model, cache_config, engine, workload, count: int) -> tuple[bool, str]:
     """Rerun ``count`` streams one at a time on the reference twin, and offline; compare with the engine."""
     sample = workload[:: max(1, len(workload) // max(count, 1))][:count]
     ok, worst_ref, worst_off = True, 0.0, 0.0
     for s in sample:
         got = engine.result(s.stream_id)
-        alone = StreamingEngine(model, cache_config, twin="reference", keep_log_probs=True)
+        alone = StreamingEngine(model, cache_config, twin="reference", decoder=engine.decoder,
+                                ctc_config=getattr(engine, "ctc_config", None), keep_log_probs=True)
         alone.add_stream(s.stream_id)
         alone.push(s.stream_id, s.features)
         alone.end_stream(s.stream_id)
@@ -109,7 +122,7 @@ def check_sample(model, cache_config, engine, workload, count: int) -> tuple[boo
         off = model.forward_offline(feats, prefill_window=cache_config.prefill_kv_window)[0][0].float().cpu()
         worst_ref = max(worst_ref, (got.log_probs - ref.log_probs).abs().max().item())
         worst_off = max(worst_off, (got.log_probs - off).abs().max().item())
-        ok &= got.tokens == ref.tokens == greedy_ctc_collapse(off)[0]
+        ok &= got.tokens == ref.tokens == offline_tokens(engine, off)
     ok &= worst_ref <= CHECK_ATOL and worst_off <= CHECK_ATOL
     verdict = "OK" if ok else "MISMATCH"
     return ok, (f"sample check: {len(sample)} streams rerun alone on the reference twin and offline: tokens "
@@ -192,6 +205,20 @@ def summary(engine, workload, wall: float, args) -> list[str]:
     return lines
 
 
+def transcripts(engine, workload, limit: int = 12) -> list[str]:
+    """Each stream's best token sequence (the model is random: the ids mean nothing, the decoding is real)."""
+    how = f"CTC prefix beam search, beam {engine.ctc_config.beam_size}, pooled states" if engine.ctc else "greedy"
+    lines = [f"best token sequences ({how}; first {limit} tokens):"]
+    for s in workload:
+        r = engine.result(s.stream_id)
+        shown = " ".join(map(str, r.tokens[:limit])) + (" ..." if len(r.tokens) > limit else "")
+        score = f"  log p {r.nbest[0].log_score:9.2f}" if r.nbest else ""
+        lines.append(f"  {s.stream_id}  {len(r.tokens):3d} tokens{score}  [{shown}]")
+    if engine.ctc is not None:
+        lines.append(f"  decoder states created: {engine.ctc.num_created} for {len(workload)} streams (pooled, reused)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oasr demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=48, help="number of synthetic streams (default 48)")
@@ -203,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eviction", action="store_true", help="bounded window with eviction (num_left_chunks 4)")
     parser.add_argument("--prefill", action="store_true", help="prefill a zeroed K/V window (implies --eviction)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="concurrent streams (default 16)")
+    parser.add_argument("--decoder", choices=("beam", "greedy"), default="beam",
+                        help="CTC prefix beam search with pooled states (default) or greedy")
+    parser.add_argument("--beam", type=int, default=4, help="beam size (default 4)")
     parser.add_argument("--check-sample", type=int, default=4, help="streams rerun on the reference twin (0: none)")
     parser.add_argument("--plot", default="oasr_demo.png", help="PNG of pool occupancy and streams over ticks")
     parser.add_argument("--seed", type=int, default=0)
@@ -218,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model, cache_config = build(args)
     workload = make_workload(args.streams, model.config.input_dim, args.seed)
-    engine = StreamingEngine(model, cache_config, twin=args.twin, keep_log_probs=args.check_sample > 0)
+    ctc_config = CtcDecoderConfig(beam_size=args.beam, token_topk=args.beam) if args.decoder == "beam" else None
+    engine = StreamingEngine(model, cache_config, twin=args.twin, decoder=args.decoder, ctc_config=ctc_config,
+                             keep_log_probs=args.check_sample > 0)
     total = sum(s.features.shape[0] for s in workload)
     progress = tqdm(total=total, unit="frame", unit_scale=True, desc="demo", disable=args.quiet, file=sys.stderr)
     start = time.perf_counter()
@@ -226,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     progress.close()
 
-    for line in summary(engine, workload, wall, args):
+    for line in summary(engine, workload, wall, args) + transcripts(engine, workload):
         print(line)
     ok = True
     if args.check_sample > 0:

@@ -14,7 +14,9 @@ managers' public API and the model's ``forward_chunk_paged``. One tick::
                 (padding rows ride the padding lane: scratch block, lane slot)
     6. commit   att.commit_chunks_batched (advance, evict) and cnn.update; the
                 subsampling tails were scattered back by the forward
-    7. decode   each stream's decoder turns its valid log-probs into tokens
+    7. decode   the cohort's valid log-probs go through the pooled CTC prefix beam
+                search in one call (``CtcStateCacheManager.decode_cohort``); each
+                stream's best partial hypothesis is reported (greedy on request)
     8. finish   an ended stream with nothing left to encode is freed: "eos"
 
 Policies (see docs/engine.md):
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oasr.config import CacheConfig
+from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine.decoding import GreedyCtcDecoder
 from oasr.models.twins import twin_module, twin_name
 from oasr.stream_context import StreamContext
@@ -48,13 +51,21 @@ WAITING, ACTIVE, FINISHED = "waiting", "active", "finished"
 
 @dataclass
 class StepOutput:
-    """What one stream produced in one tick."""
+    """What one stream produced in one tick.
+
+    ``partial`` is the stream's best hypothesis so far. Beam search may revise
+    its tail, so the change since the previous tick is reported as an edit:
+    drop the last ``retracted`` tokens shown, then append ``new_tokens``
+    (greedy decoding never retracts).
+    """
 
     stream_id: object
     new_tokens: list
     num_frames: int  # encoder (log-prob) frames produced this tick
     finished: bool = False
     finish_reason: str | None = None  # "eos" or "length" once finished
+    retracted: int = 0
+    partial: list = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +80,7 @@ class StreamResult:
     log_probs: torch.Tensor | None
     admitted_tick: int | None
     finished_tick: int
+    nbest: list = field(default_factory=list)  # CtcHypothesis records, best first (beam search)
 
 
 @dataclass
@@ -90,8 +102,9 @@ class TickStats:
 @dataclass
 class _Stream:
     stream_id: object
-    decoder: object
+    greedy: GreedyCtcDecoder | None  # only with decoder="greedy"; beam states live in the pool
     state: str = WAITING
+    partial: list = field(default_factory=list)
     pending: list = field(default_factory=list)
     num_pending: int = 0
     ended: bool = False
@@ -104,8 +117,19 @@ class _Stream:
 
 
 class StreamingEngine:
-    def __init__(self, model, config: CacheConfig, twin="fast", decoder_factory=GreedyCtcDecoder,
-                 keep_log_probs: bool = False):
+    """Serve many streams on one shared pool; see the module docstring for one tick.
+
+    ``decoder="beam"`` (default) decodes with the twin's streaming CTC prefix beam
+    search, its per-stream states pooled in a ``CtcStateCacheManager`` and
+    admitted and freed with the other caches through ``StreamContext``;
+    ``ctc_config`` sets it (default ``CtcDecoderConfig(beam_size=4)``).
+    ``decoder="greedy"`` keeps the per-stream greedy collapse as a baseline.
+    """
+
+    def __init__(self, model, config: CacheConfig, twin="fast", decoder: str = "beam",
+                 ctc_config: CtcDecoderConfig | None = None, keep_log_probs: bool = False):
+        if decoder not in ("beam", "greedy"):
+            raise ValueError(f"StreamingEngine: decoder must be 'beam' or 'greedy', got {decoder!r}")
         model.check_cache_config(config)
         param = next(model.parameters())
         if param.device.type != config.device.type:
@@ -114,7 +138,11 @@ class StreamingEngine:
         self.config = config
         self.ops = twin_module(twin)
         self.twin = twin_name(self.ops)
-        self.decoder_factory = decoder_factory
+        self.decoder = decoder
+        self.ctc = None
+        if decoder == "beam":
+            self.ctc_config = ctc_config or CtcDecoderConfig(beam_size=4)
+            self.ctc = self.ops.CtcStateCacheManager(self.ops.StreamingCtcDecoder(self.ctc_config))
         self.keep_log_probs = keep_log_probs
         self.chunk_input_frames = model.config.chunk_input_frames
         self.input_dim = model.config.input_dim
@@ -149,7 +177,8 @@ class StreamingEngine:
                 stream_id = next(self._ids)
         elif stream_id in self._streams:
             raise ValueError(f"stream id {stream_id!r} is already in use")
-        self._streams[stream_id] = _Stream(stream_id, self.decoder_factory(self.model.config.vocab_size))
+        greedy = GreedyCtcDecoder(self.model.config.vocab_size) if self.decoder == "greedy" else None
+        self._streams[stream_id] = _Stream(stream_id, greedy)
         self._waiting.append(stream_id)
         return stream_id
 
@@ -235,7 +264,7 @@ class StreamingEngine:
                 continue  # nothing to encode yet: do not hold a slot for it
             if not self.can_admit():
                 break  # arrival order: nobody overtakes a stream that does not fit
-            ctx = StreamContext.allocate(sid, self.att, self.cnn)
+            ctx = StreamContext.allocate(sid, self.att, self.cnn, self.ctc, vocab_size=self.model.config.vocab_size)
             try:
                 self.states.allocate_stream(sid)
             except Exception:
@@ -255,8 +284,14 @@ class StreamingEngine:
         return taken
 
     def _finish(self, s: _Stream, reason: str, outputs: dict) -> None:
+        tokens, nbest = list(s.partial), []
+        if s.state == ACTIVE and self.ctc is not None:
+            nbest = self._contexts[s.stream_id].get_decoder().finalize_stream()[0]
+            tokens = list(nbest[0].tokens) if nbest else []
+        elif s.greedy is not None:
+            tokens = s.greedy.finalize()
         if s.state == ACTIVE:
-            self._contexts.pop(s.stream_id).free()
+            self._contexts.pop(s.stream_id).free()  # blocks, slots, and the decoder state back to its pool
             self.states.free_stream(s.stream_id)
             self._active.remove(s.stream_id)
         elif s.state == WAITING:
@@ -268,8 +303,7 @@ class StreamingEngine:
             V = self.model.config.vocab_size
             log_probs = torch.cat(s.log_probs) if s.log_probs else torch.zeros(0, V)
         self.results[s.stream_id] = StreamResult(
-            s.stream_id, s.decoder.finalize(), s.offset, s.input_frames, reason, log_probs, s.admitted_tick,
-            self.tick,
+            s.stream_id, tokens, s.offset, s.input_frames, reason, log_probs, s.admitted_tick, self.tick, nbest,
         )
         out = outputs.setdefault(s.stream_id, StepOutput(s.stream_id, [], 0))
         out.finished, out.finish_reason = True, reason
@@ -337,17 +371,36 @@ class StreamingEngine:
         self.att.commit_chunks_batched(cohort, enc)
         self.cnn.update(cohort, new_cnn, pad_to=width)
         log_probs = log_probs.float().cpu()
+        chunks = [log_probs[row, : enc[row]] for row in range(len(cohort))]
+        partials = self._decode(cohort, chunks)
         for row, sid in enumerate(cohort):
             s = self._streams[sid]
             n = enc[row]
-            lp = log_probs[row, :n]
             s.offset += n
             s.input_frames += frames_in[row]
             if self.keep_log_probs:
-                s.log_probs.append(lp.clone())
-            outputs[sid] = StepOutput(sid, s.decoder.decode_chunk(lp), n)
+                s.log_probs.append(chunks[row].clone())
+            kept = 0
+            while kept < min(len(s.partial), len(partials[row])) and s.partial[kept] == partials[row][kept]:
+                kept += 1
+            outputs[sid] = StepOutput(sid, partials[row][kept:], n, retracted=len(s.partial) - kept,
+                                      partial=list(partials[row]))
+            s.partial = list(partials[row])
             if s.ended and s.num_pending < self.rate:
                 self._finish(s, "eos", outputs)
+
+    def _decode(self, cohort: list, chunks: list) -> list:
+        """Decode the cohort's chunks; return each stream's best partial token list."""
+        if self.ctc is None:
+            for sid, lp in zip(cohort, chunks, strict=True):
+                self._streams[sid].greedy.decode_chunk(lp)
+            return [self._streams[sid].greedy.finalize() for sid in cohort]
+        by_length: dict = {}  # the batched decoder takes one chunk length per call: full chunks, then short ones
+        for sid, lp in zip(cohort, chunks, strict=True):
+            by_length.setdefault(lp.shape[0], []).append((sid, lp))
+        for group in by_length.values():
+            self.ctc.decode_cohort([sid for sid, _ in group], [lp.unsqueeze(0) for _, lp in group])
+        return [list(self._contexts[sid].get_decoder().peek()[0].tokens) for sid in cohort]
 
     def run(self, max_ticks: int | None = None) -> dict:
         """Step until no tick makes progress (everything finished, or waiting for input).
