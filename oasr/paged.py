@@ -109,3 +109,14 @@ def check_query(cache: PagedKVCache, q: torch.Tensor) -> None:
         )
     if q.device != cache.k_cache.device:
         raise ValueError(f"paged_attention: q is on {q.device}, the pool on {cache.k_cache.device}")
+
+
+@dataclass
+class StreamKVInfo:
+    """A snapshot of one stream's bookkeeping (for tests, notebooks and schedulers)."""
+
+    slot: int
+    blocks: tuple
+    cache_seqlen: int
+    cache_seqstart: int
+    total_frames: int

@@ -1,0 +1,35 @@
+"""The fast twin: slot-indexed persistent tensors, numpy bookkeeping, CUDA kernels.
+
+Same names, methods, argument order and errors as ``oasr.reference`` (the
+oracle it is checked against), and the same block ids for the same op
+sequence. Bookkeeping is vectorised over a cohort and reaches the device
+through one staged copy per call (``oasr.fast.staging``).
+"""
+
+from oasr.fast.attention_cache import AttentionCacheManager, StreamKVInfo
+from oasr.fast.block_pool import BlockPool
+from oasr.fast.ctc_decoder import CtcBeamState, StreamingCtcDecoder
+from oasr.fast.ctc_state import CtcStateCacheManager, StreamHandle
+from oasr.fast.paged_ops import append_kv, paged_attention
+from oasr.fast.slot_pool import StreamSlotPool
+from oasr.fast.slot_state import CnnCacheManager, SlotStateCache, StateView
+from oasr.state_spec import StreamStateSpec
+from oasr.stream_context import StreamContext
+
+__all__ = [
+    "AttentionCacheManager",
+    "BlockPool",
+    "CnnCacheManager",
+    "CtcBeamState",
+    "CtcStateCacheManager",
+    "SlotStateCache",
+    "StateView",
+    "StreamContext",
+    "StreamHandle",
+    "StreamingCtcDecoder",
+    "StreamKVInfo",
+    "StreamSlotPool",
+    "StreamStateSpec",
+    "append_kv",
+    "paged_attention",
+]

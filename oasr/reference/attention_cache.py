@@ -36,21 +36,10 @@ import torch
 
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream, unknown_stream
-from oasr.paged import PagedKVCache
+from oasr.paged import PagedKVCache, StreamKVInfo
 from oasr.reference.block_pool import BlockPool
 from oasr.reference.fp8 import quantize
 from oasr.reference.slot_pool import StreamSlotPool
-
-
-@dataclass
-class StreamKVInfo:
-    """A snapshot of one stream's bookkeeping (for tests, notebooks and schedulers)."""
-
-    slot: int
-    blocks: tuple
-    cache_seqlen: int
-    cache_seqstart: int
-    total_frames: int
 
 
 @dataclass
@@ -261,6 +250,8 @@ class AttentionCacheManager:
             raise ValueError(f"get_paged_caches: pad_to={pad_to} is smaller than the {len(ids)} streams")
         if pad and not self.pad_lanes:
             raise ValueError(f"get_paged_caches: pad_to={pad_to} needs a padding lane (pad_lanes=0)")
+        if not ids and not pad:
+            raise ValueError("get_paged_caches: an empty cohort (no stream ids, no padding) has no view")
         tables = [v[0] for v in views]
         seqlens = [v[1] for v in views]
         seqstarts = [v[2] for v in views]

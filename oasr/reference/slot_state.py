@@ -36,6 +36,8 @@ class StateView:
         return self.spec.batch_shape(len(self.slots))
 
     def gather(self) -> torch.Tensor:
+        if not self.slots:
+            raise RuntimeError(f"state {self.spec.name!r}: gather of an empty cohort (no rows)")
         pieces = [self.buffer.select(self.spec.slot_axis, s) for s in self.slots]
         return torch.stack(pieces, dim=self.spec.slot_axis)
 

@@ -1,0 +1,492 @@
+"""Fast ``AttentionCacheManager``: slot-indexed persistent tables, numpy bookkeeping.
+
+Fast twin of ``oasr.reference.attention_cache.AttentionCacheManager``: same
+methods, same errors, same atomicity, and the same block ids in the same table
+columns for the same op sequence. The position arithmetic is drawn once in
+``oasr.config``.
+
+Where the state lives
+---------------------
+Rows are stream slots ``[0, max_batch_size)`` then ``pad_lanes`` padding rows::
+
+    host mirror (numpy, the source of truth)        device (persistent, fixed address)
+    _table       int32 (R, max_blocks_per_seq)  ->  block_table      int32 (R, max_blocks_per_seq)
+    _seqlen      int64 (R,)                     ->  cache_seqlens    int32 (R,)  = _seq_meta[0]
+    _seqstart    int64 (R,)                     ->  cache_seqstarts  int32 (R,)  = _seq_meta[1]
+    _num_blocks, _total, _prepared  (R,)            (host only)
+
+The two length vectors are the rows of one ``(2, R)`` tensor, so one op
+updates or gathers both.
+
+A padding row maps only ``pool.null_block`` at length ``prefill_frames``, start
+0, and never changes. A free slot's row is all null at length 0.
+
+One tick, for a cohort of B streams
+-----------------------------------
+Each call is a constant number of numpy operations on the cohort's rows, then
+at most one staged host-to-device copy (``oasr.fast.staging``), then a constant
+number of device operations. No Python loop runs over the streams (a loop runs
+only to raise the reference's error for the first bad id, once a vectorised
+check has found one), nothing reads the device back, and no tensor is
+allocated once each cohort width has been seen once.
+
+* ``prepare_chunks_batched``: one ``pool.allocate_array`` for all B streams in
+  stream order; the new ``(flat table index, block id)`` pairs and the cohort's
+  slots go in one staged copy; one ``index_copy_`` writes the new ids into
+  ``block_table``. The staged slots stay on the device for the
+  ``get_paged_caches`` of the same cohort.
+* ``get_paged_caches``: the cohort's rows are gathered (``index_select`` with
+  ``out=``) into persistent per-width buffers, reusing the slots staged by the
+  prepare of the same cohort; padding rows are filled with scalars.
+* ``commit_chunks_batched``: advance and evict on the host (blocks leave in
+  stream order, then logical order); one staged copy carries the cohort's slots,
+  new lengths and starts, and for eviction a ``(B, K)`` column index
+  ``min(col + dropped, K)``; on the device the rows' first ``K`` columns are
+  gathered into a scratch whose column ``K`` is null, shifted left with one
+  ``gather`` and written back with one ``index_copy_``: eviction moves the
+  table rows on the device. ``K = min(max_blocks_per_seq, blocks_per_stream)``
+  bounds the columns a stream can ever hold, so the rest stay null untouched.
+
+Graph-stable addresses
+----------------------
+``block_table``, ``cache_seqlens`` and ``cache_seqstarts`` keep their storage
+for the manager's life; ``get_paged_state_views`` returns ``(1, .)`` row views
+of them (live: later commits show through, as the reference's per-stream
+tensors do). ``get_paged_caches`` returns views over persistent buffers owned
+by the cohort *width* (``len(ids)`` or ``pad_to``): a graph captured at a width
+reads the same addresses on every replay. Unlike the reference's fresh
+``torch.cat``, those buffers are rewritten by the next ``get_paged_caches`` of
+the same width; a view is a snapshot valid until then.
+
+Beyond ``oasr.memory.footprint`` (tables and lengths), a manager holds the
+per-width view buffers, an eviction scratch of ``2 * max_batch_size * (K + 1)``
+int32 and its stagers (a few KiB of device memory and of pinned host memory
+each, four host copies per stager on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from oasr.config import CacheConfig
+from oasr.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream
+from oasr.fast.block_pool import BlockPool
+from oasr.fast.slot_pool import StreamSlotPool
+from oasr.fast.staging import Stager
+from oasr.paged import PagedKVCache, StreamKVInfo
+
+_I32, _I64 = torch.int32, torch.int64
+
+
+def _as_list(stream_ids) -> list:
+    return list(stream_ids) if isinstance(stream_ids, (list, tuple)) else [stream_ids]
+
+
+class AttentionCacheManager:
+    def __init__(self, pool: BlockPool, config: CacheConfig, pad_lanes: int = 0):
+        if isinstance(pad_lanes, bool) or not isinstance(pad_lanes, int) or pad_lanes < 0:
+            raise ValueError(f"AttentionCacheManager: pad_lanes must be an int >= 0, got {pad_lanes!r}")
+        if pad_lanes and pool.scratch_blocks == 0:
+            raise ValueError("AttentionCacheManager: pad_lanes > 0 needs a pool with scratch_blocks >= 1")
+        self.pool = pool
+        self.config = config
+        self.pad_lanes = pad_lanes
+        self.slots = StreamSlotPool(config.max_batch_size)
+
+        streams, rows, width = config.max_batch_size, config.max_batch_size + pad_lanes, config.max_blocks_per_seq
+        active = min(width, config.blocks_per_stream)
+        null, device = pool.null_block, config.device
+        self._active_cols = active
+        self._cols = np.arange(active)
+        self._row_index = np.arange(streams)[:, None]
+        self._host_shift = np.full((streams, active + 1), null, dtype=np.int32)  # col K stays null
+
+        self._table = np.full((rows, width), null, dtype=np.int32)
+        self._num_blocks = np.zeros(rows, dtype=np.int64)
+        self._seqlen = np.zeros(rows, dtype=np.int64)
+        self._seqlen[streams:] = config.prefill_frames
+        self._seqstart = np.zeros(rows, dtype=np.int64)
+        self._total = np.zeros(rows, dtype=np.int64)
+        self._prepared = np.zeros(rows, dtype=bool)
+
+        self.block_table = torch.full((rows, width), null, dtype=_I32, device=device)
+        self._seq_meta = torch.zeros((2, rows), dtype=_I32, device=device)
+        self._seq_meta[0, streams:].fill_(config.prefill_frames)
+        self.cache_seqlens, self.cache_seqstarts = self._seq_meta[0], self._seq_meta[1]
+        self._flat_table = self.block_table.view(-1)
+        self._active_table = self.block_table[:, :active]
+        self._shift_src = torch.full((streams, active + 1), null, dtype=_I32, device=device)  # col K stays null
+        self._shift_dst = torch.empty((streams, active), dtype=_I32, device=device)
+
+        per_chunk = math.ceil(config.chunk_size / config.block_size_frames)  # most new blocks per stream
+        new_max = streams * per_chunk
+        self._prepare_stager = Stager([(streams, _I64), (new_max, _I64), (new_max, _I32)], device)
+        self._commit_stager = Stager([(streams, _I64), (2 * streams, _I32), (streams * active, _I64)], device)
+        self._cohort_stager = Stager([(streams, _I64)], device)
+        self._row_stager = Stager([(1, _I64), (width, _I32), (2, _I32)], device)
+        chunk = config.chunk_size
+        self._dense_stager = Stager([(per_chunk, _I64), (per_chunk, _I32), (chunk, _I64), (chunk, _I64)], device)
+        self._prepared_cohort = None  # (slot epoch, ids, staged device slots) of the last prepare
+        self._cohorts: dict[int, tuple] = {}  # width -> (block_table (w, W), seq meta (2, w))
+        self._views: dict[int, tuple] = {}  # width -> (max_seqlen, max_span, its PagedKVCache per layer)
+        self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
+
+    # ---- helpers --------------------------------------------------------------
+    def _frames(self, num_frames) -> int:
+        n = self.config.chunk_size if num_frames is None else num_frames
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.config.chunk_size:
+            raise ValueError(f"num_frames must be an int in [0, chunk_size={self.config.chunk_size}], got {n!r}")
+        return n
+
+    def _frame_values(self, num_frames, count: int):
+        """``(frames, invalid)``: per-stream frame counts as int64 (0 where invalid) and a mask or None."""
+        cs = self.config.chunk_size
+        if not isinstance(num_frames, (list, tuple)):
+            n = cs if num_frames is None else num_frames
+            if not isinstance(n, bool) and isinstance(n, int) and 0 <= n <= cs:
+                return np.full(count, n, dtype=np.int64), None
+            return np.zeros(count, dtype=np.int64), np.ones(count, dtype=bool)
+        if set(map(type, num_frames)) <= {int}:
+            try:
+                frames = np.array(num_frames, dtype=np.int64)
+            except OverflowError:
+                frames = None
+            if frames is not None:
+                invalid = (frames < 0) | (frames > cs)
+                if not invalid.any():
+                    return frames, None
+                frames[invalid] = 0
+                return frames, invalid
+        values = [cs if n is None else n for n in num_frames]  # odd element types: the slow path
+        invalid = np.array(
+            [isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= cs for n in values], dtype=bool
+        )
+        frames = np.array([0 if bad else n for n, bad in zip(values, invalid, strict=True)], dtype=np.int64)
+        return frames, invalid
+
+    @staticmethod
+    def _raw_frames(num_frames, k: int):
+        return num_frames[k] if isinstance(num_frames, (list, tuple)) else num_frames
+
+    def _blocks_for(self, seqlen: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
+        """New blocks to cover table positions up to ``seqlen`` (exclusive)."""
+        bs = self.config.block_size_frames
+        return np.maximum(0, -(-seqlen // bs) - num_blocks)
+
+    def _write_row(self, slots: np.ndarray, blocks: np.ndarray, seqlen: int) -> None:
+        """(Re)initialise one slot's row with ``blocks``, host and device (admission, reset, free)."""
+        slot = int(slots[0])
+        row = self._table[slot]
+        row[:] = self.pool.null_block
+        row[: blocks.size] = blocks
+        self._num_blocks[slot] = blocks.size
+        self._seqlen[slot] = seqlen
+        self._seqstart[slot] = 0
+        self._total[slot] = 0
+        self._prepared[slot] = False
+        meta = np.array([seqlen, 0])
+        slot_d, row_d, meta_d = self._row_stager.stage(slots, row, meta)
+        self.block_table.index_copy_(0, slot_d, row_d.view(1, -1))
+        self._seq_meta.index_copy_(1, slot_d, meta_d.view(2, 1))
+
+    def _admit_blocks(self) -> np.ndarray:
+        """Blocks a stream holds at admission: the zeroed window with prefill, else none."""
+        ids = self.pool.allocate_array(self.config.prefill_blocks)
+        if ids.size:
+            self.pool.zero_blocks(ids)
+        return ids
+
+    def _advance(self, slots: np.ndarray, seqlen: np.ndarray) -> None:
+        """Set the cohort's lengths to ``seqlen`` (frames already counted), evict, mirror to the device."""
+        cfg = self.config
+        bs = cfg.block_size_frames
+        drop = None
+        if cfg.eviction:
+            visible = np.maximum(0, seqlen - cfg.history_frames)
+            drop = visible // bs
+            seqstart = visible - drop * bs
+            seqlen = seqlen - drop * bs
+            if not drop.any():
+                drop = None
+        else:
+            seqstart = self._seqstart[slots]
+        columns = np.empty(0, dtype=np.int64)
+        if drop is not None:
+            K = self._active_cols
+            B = len(slots)
+            held = self._host_shift[:B]
+            held[:, :K] = self._table[slots, :K]  # each row's blocks, oldest first, then null
+            self.pool.free_array(held[:, :K][self._cols < drop[:, None]])  # stream order, then logical order
+            columns = np.minimum(self._cols + drop[:, None], K)  # column K of the shift scratch is null
+            self._table[slots, :K] = held[self._row_index[:B], columns]
+            self._num_blocks[slots] -= drop
+        self._seqlen[slots] = seqlen
+        self._seqstart[slots] = seqstart
+
+        B = len(slots)
+        slot_d, meta_d, col_d = self._commit_stager.stage(slots, np.concatenate([seqlen, seqstart]), columns)
+        self._seq_meta.index_copy_(1, slot_d, meta_d.view(2, B))
+        if drop is not None:
+            src = self._shift_src[:B]
+            torch.index_select(self._active_table, 0, slot_d, out=src[:, : self._active_cols])
+            torch.gather(src, 1, col_d.view(B, self._active_cols), out=self._shift_dst[:B])
+            self._active_table.index_copy_(0, slot_d, self._shift_dst[:B])
+
+    # ---- lifecycle --------------------------------------------------------------
+    def allocate_stream(self, stream_id) -> None:
+        if stream_id in self.slots:
+            raise duplicate_stream(stream_id)
+        need = self.config.prefill_blocks
+        if need > self.pool.num_free_blocks:
+            raise PoolExhaustedError(need, self.pool.num_free_blocks)
+        slot = self.slots.acquire(stream_id)  # may raise SlotsExhaustedError; nothing changed yet
+        self._write_row(np.array([slot]), self._admit_blocks(), self.config.prefill_frames)
+
+    def free_stream(self, stream_id) -> None:
+        slot = self.slots.slot_of(stream_id)
+        self.pool.free_array(self._table[slot, : self._num_blocks[slot]])
+        self.slots.release(stream_id)
+        self._write_row(np.array([slot]), np.empty(0, dtype=np.int64), 0)
+
+    def reset_stream(self, stream_id) -> None:
+        """Back to the admission state (blocks freed, the prefilled window re-zeroed); the slot is kept."""
+        slot = self.slots.slot_of(stream_id)
+        held = int(self._num_blocks[slot])
+        need = self.config.prefill_blocks
+        if need > self.pool.num_free_blocks + held:
+            raise PoolExhaustedError(need, self.pool.num_free_blocks + held)
+        self.pool.free_array(self._table[slot, :held])
+        self._write_row(np.array([slot]), self._admit_blocks(), self.config.prefill_frames)
+
+    def has_stream(self, stream_id) -> bool:
+        return stream_id in self.slots
+
+    @property
+    def stream_ids(self) -> list:
+        return self.slots.stream_ids
+
+    def slot_of(self, stream_id) -> int:
+        return self.slots.slot_of(stream_id)
+
+    def describe(self, stream_id) -> StreamKVInfo:
+        slot = self.slots.slot_of(stream_id)
+        blocks = tuple(self._table[slot, : self._num_blocks[slot]].tolist())
+        return StreamKVInfo(
+            slot, blocks, int(self._seqlen[slot]), int(self._seqstart[slot]), int(self._total[slot])
+        )
+
+    # ---- paged mode ---------------------------------------------------------------
+    def at_capacity(self, stream_id, num_frames: int | None = None) -> bool:
+        """True when preparing the next ``num_frames`` would pass the stream's block ceiling."""
+        slot = self.slots.slot_of(stream_id)
+        n = self._frames(num_frames)
+        held = int(self._num_blocks[slot])
+        need = max(0, -(-(int(self._seqlen[slot]) + n) // self.config.block_size_frames) - held)
+        return held + need > self.config.blocks_per_stream
+
+    def prepare_chunk(self, stream_id, num_frames: int | None = None) -> None:
+        self.prepare_chunks_batched([stream_id], num_frames)
+
+    def prepare_chunks_batched(self, stream_ids, num_frames=None) -> None:
+        """Make sure each stream holds blocks for its next chunk; one pool allocation for all.
+
+        ``num_frames`` is None (``chunk_size`` each), an int, or one int per stream.
+        """
+        ids = _as_list(stream_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"prepare_chunks_batched: duplicate stream ids in {ids}")
+        if isinstance(num_frames, (list, tuple)) and len(num_frames) != len(ids):
+            raise ValueError(f"prepare_chunks_batched: {len(num_frames)} frame counts for {len(ids)} streams")
+        slots = self.slots.slot_array(ids)
+        frames, invalid = self._frame_values(num_frames, len(ids))
+        held = self._num_blocks[slots]
+        need = self._blocks_for(self._seqlen[slots] + frames, held)
+        bad = held + need > self.config.blocks_per_stream
+        if invalid is not None:
+            bad |= invalid
+        if bad.any():
+            k = int(np.argmax(bad))
+            if invalid is not None and invalid[k]:
+                self._frames(self._raw_frames(num_frames, k))
+            raise StreamCapacityError(ids[k], int(held[k] + need[k]), self.config.blocks_per_stream)
+
+        new_ids = self.pool.allocate_array(int(need.sum()))  # raises PoolExhaustedError before any change
+        total = new_ids.size
+        flat = np.empty(0, dtype=np.int64)
+        if total:
+            rows = np.repeat(slots, need)
+            first = np.cumsum(need) - need  # where each stream's ids start in new_ids
+            cols = np.arange(total) - np.repeat(first - held, need)
+            self._table[rows, cols] = new_ids
+            self._num_blocks[slots] = held + need
+            flat = rows * self.config.max_blocks_per_seq + cols
+        self._prepared[slots] = True
+        slot_d, flat_d, ids_d = self._prepare_stager.stage(slots, flat, new_ids)
+        if total:
+            self._flat_table.index_copy_(0, flat_d, ids_d)
+        self._prepared_cohort = (self.slots.epoch, ids, slot_d)
+
+    def commit_chunk_paged(self, stream_id, num_frames: int) -> None:
+        self.commit_chunks_batched([stream_id], [num_frames])
+
+    def commit_chunks_batched(self, stream_ids, num_frames) -> None:
+        """Advance each stream by its committed frames (already written with ``append_kv``), then evict."""
+        ids = _as_list(stream_ids)
+        count = len(num_frames) if isinstance(num_frames, (list, tuple)) else len(ids)
+        if len(set(ids)) != len(ids) or count != len(ids):
+            frames = list(num_frames) if isinstance(num_frames, (list, tuple)) else [num_frames] * len(ids)
+            raise ValueError(f"commit_chunks_batched: need unique ids and one frame count each: {ids}, {frames}")
+        slots = self.slots.slot_array(ids)
+        frames, invalid = self._frame_values(num_frames, len(ids))
+        if invalid is not None and invalid.any():
+            self._frames(self._raw_frames(num_frames, int(np.argmax(invalid))))
+        seqlen = self._seqlen[slots]
+        room = self._num_blocks[slots] * self.config.block_size_frames - seqlen
+        short = frames > room
+        if short.any():
+            k = int(np.argmax(short))
+            raise ValueError(
+                f"commit of {int(frames[k])} frames for stream {ids[k]!r}: only {int(room[k])} "
+                f"frames prepared (call prepare_chunk first)"
+            )
+        self._total[slots] += frames
+        self._advance(slots, seqlen + frames)
+
+    def get_paged_state_views(self, stream_id):
+        """``(block_table (1, W), cache_seqlens (1,), cache_seqstarts (1,))``: row views of the persistent tensors."""
+        slot = self.slots.slot_of(stream_id)
+        if not self._prepared[slot]:
+            raise RuntimeError(f"stream {stream_id!r}: paged state read before the first prepare_chunk")
+        return (
+            self.block_table[slot : slot + 1],
+            self.cache_seqlens[slot : slot + 1],
+            self.cache_seqstarts[slot : slot + 1],
+        )
+
+    def _cohort_buffers(self, width: int):
+        """The persistent ``(table (w, W), seq meta (2, w))`` of one cohort width (allocated on first use)."""
+        buffers = self._cohorts.get(width)
+        if buffers is None:
+            device = self.config.device
+            buffers = (
+                torch.empty((width, self.config.max_blocks_per_seq), dtype=_I32, device=device),
+                torch.empty((2, width), dtype=_I32, device=device),
+            )
+            self._cohorts[width] = buffers
+        return buffers
+
+    def _device_slots(self, ids: list, slots: np.ndarray) -> torch.Tensor:
+        """The cohort's slots on the device: the ones the last prepare staged if it was this cohort."""
+        cached = self._prepared_cohort
+        if cached is not None and cached[0] == self.slots.epoch and cached[1] == ids:
+            return cached[2]
+        (slot_d,) = self._cohort_stager.stage(slots)
+        return slot_d
+
+    def get_paged_caches(self, stream_ids, pad_to: int | None = None) -> list[PagedKVCache]:
+        """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows)."""
+        ids = _as_list(stream_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"get_paged_caches: duplicate stream ids in {ids}")
+        try:
+            slots = self.slots.slot_array(ids)
+        except KeyError:
+            slots = None
+        if slots is None or not self._prepared[slots].all():
+            for stream_id in ids:  # raise the reference's error for the first bad id
+                self.get_paged_state_views(stream_id)
+        pad = 0 if pad_to is None else pad_to - len(ids)
+        if pad < 0:
+            raise ValueError(f"get_paged_caches: pad_to={pad_to} is smaller than the {len(ids)} streams")
+        if pad and not self.pad_lanes:
+            raise ValueError(f"get_paged_caches: pad_to={pad_to} needs a padding lane (pad_lanes=0)")
+        B = len(ids)
+        if B + pad == 0:
+            # The reference's torch.cat of no rows raises ValueError; say why in words.
+            raise ValueError("get_paged_caches: an empty cohort (no stream ids, no padding) has no view")
+
+        table, meta = self._cohort_buffers(B + pad)
+        seqlens, seqstarts = meta[0], meta[1]
+        prefill = self.config.prefill_frames
+        max_seqlen = max_span = prefill if pad else 0
+        if B:
+            slot_d = self._device_slots(ids, slots)
+            torch.index_select(self.block_table, 0, slot_d, out=table[:B])
+            torch.index_select(self._seq_meta, 1, slot_d, out=meta[:, :B])
+            lens = self._seqlen[slots]
+            max_seqlen = max(max_seqlen, int(lens.max()))
+            max_span = max(max_span, int((lens - self._seqstart[slots]).max()))
+        if pad:
+            table[B:].fill_(self.pool.null_block)
+            seqlens[B:].fill_(prefill)
+            seqstarts[B:].zero_()
+        cached = self._views.get(B + pad)
+        if cached is None or cached[:2] != (max_seqlen, max_span):
+            bs = self.config.block_size_frames
+            views = [
+                PagedKVCache(k, v, table, seqlens, seqstarts, bs, max_seqlen, max_span, layer)
+                for layer, (k, v) in enumerate(self._layer_kv)
+            ]
+            cached = self._views[B + pad] = (max_seqlen, max_span, views)
+        return list(cached[2])  # the records are frozen; the same ones serve while nothing in them changes
+
+    def cached_frames(self, stream_ids):
+        """History a stream's next chunk attends to (``seqlen - seqstart``); a list for a list."""
+        if isinstance(stream_ids, (list, tuple)):
+            if any(isinstance(s, (list, tuple)) for s in stream_ids):
+                return [self.cached_frames(s) for s in stream_ids]
+            slots = self.slots.slot_array(list(stream_ids))
+            return (self._seqlen[slots] - self._seqstart[slots]).tolist()
+        slot = self.slots.slot_of(stream_ids)
+        return int(self._seqlen[slot] - self._seqstart[slot])
+
+    # ---- dense mode --------------------------------------------------------------
+    def commit(self, stream_id, kv_chunk: torch.Tensor) -> None:
+        """Write a packed ``(num_layers, n_kv_head, T, 2 * head_dim)`` chunk, then evict."""
+        cfg = self.config
+        slot = self.slots.slot_of(stream_id)
+        shape = tuple(kv_chunk.shape)
+        if (
+            kv_chunk.dim() != 4
+            or shape[0] != cfg.num_layers
+            or shape[1] != cfg.n_kv_head
+            or shape[3] != cfg.kv_last_dim
+            or not 1 <= shape[2] <= cfg.chunk_size
+        ):
+            raise ValueError(
+                f"commit: expected kv_chunk of shape ({cfg.num_layers}, {cfg.n_kv_head}, T, {cfg.kv_last_dim}) "
+                f"with 1 <= T <= chunk_size={cfg.chunk_size}, got {shape}"
+            )
+        T = shape[2]
+        bs = cfg.block_size_frames
+        held, seqlen = int(self._num_blocks[slot]), int(self._seqlen[slot])
+        need = max(0, -(-(seqlen + T) // bs) - held)
+        if held + need > cfg.blocks_per_stream:
+            raise StreamCapacityError(stream_id, held + need, cfg.blocks_per_stream)
+        new_ids = self.pool.allocate_array(need)
+        self._table[slot, held : held + need] = new_ids
+        self._num_blocks[slot] = held + need
+        positions = seqlen + np.arange(T)
+        flat = slot * cfg.max_blocks_per_seq + np.arange(held, held + need)
+        flat_d, ids_d, block_d, offset_d = self._dense_stager.stage(
+            flat, new_ids, self._table[slot, positions // bs], positions % bs
+        )
+        if need:
+            self._flat_table.index_copy_(0, flat_d, ids_d)
+        device = self.pool.k_pool.device
+        k = kv_chunk[..., : cfg.head_dim].transpose(1, 2).to(device=device, dtype=cfg.dtype)  # (L, T, H, D)
+        v = kv_chunk[..., cfg.head_dim :].transpose(1, 2).to(device=device, dtype=cfg.dtype)
+        self.pool.k_pool[:, block_d, offset_d] = k
+        self.pool.v_pool[:, block_d, offset_d] = v
+        slots = np.array([slot])
+        self._total[slot] += T
+        self._advance(slots, np.array([seqlen + T]))
+
+    def get_stacked_cache(self, stream_id) -> torch.Tensor:
+        """Visible history as packed ``(num_layers, n_kv_head, seqlen - seqstart, 2 * head_dim)``."""
+        slot = self.slots.slot_of(stream_id)
+        start, end = int(self._seqstart[slot]), int(self._seqlen[slot])
+        return self.pool.gather_kv_blocks(self._table[slot, : self._num_blocks[slot]], start, end - start)

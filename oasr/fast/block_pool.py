@@ -1,0 +1,212 @@
+"""Fast ``BlockPool``: the shared K/V pool with a numpy ring-buffer free list.
+
+Fast twin of ``oasr.reference.block_pool.BlockPool``: same layout, same
+methods, same errors, and the same block ids for the same op sequence.
+
+Free list::
+
+    _ring    int32 (max_num_blocks,)   circular; the free list is
+             _ring[_head], _ring[_head + 1], ..., _count entries (mod max_num_blocks)
+    _is_free bool  (max_num_blocks,)
+
+``allocate`` pops from the head, ``free`` appends at the tail in the order
+given, exactly like the reference's deque, so both twins hand out the same ids.
+``allocate_array`` / ``free_array`` are the managers' hot-path entry points:
+numpy in, numpy out, a constant number of numpy operations whatever the count.
+The scratch blocks (ids ``[max_num_blocks, max_num_blocks + scratch_blocks)``)
+are never on the free list and ``free`` refuses them, as in the reference.
+
+Validation is vectorised; when it finds a bad id, the reference's loop is
+replayed on the host to raise exactly the reference's error for the first bad
+id in the order given. ``allocate*`` and ``free*`` are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from oasr.config import CacheConfig
+from oasr.errors import PoolExhaustedError
+from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
+from oasr.fast.staging import Stager
+
+
+def _id_array(block_ids) -> tuple[list, np.ndarray]:
+    """``block_ids`` as Python ints (for messages) and as int64 (an id past int64 becomes -1: out of range)."""
+    ids = [int(i) for i in block_ids]
+    try:
+        return ids, np.array(ids, dtype=np.int64)
+    except OverflowError:
+        return ids, np.array([i if -(2**63) <= i < 2**63 else -1 for i in ids], dtype=np.int64)
+
+
+class BlockPool:
+    def __init__(self, config: CacheConfig, scratch_blocks: int = 1):
+        if isinstance(scratch_blocks, bool) or not isinstance(scratch_blocks, int) or scratch_blocks < 0:
+            raise ValueError(f"BlockPool: scratch_blocks must be an int >= 0, got {scratch_blocks!r}")
+        self.config = config
+        self.scratch_blocks = scratch_blocks
+        shape = (
+            config.num_layers,
+            config.max_num_blocks + scratch_blocks,
+            config.block_size_frames,
+            config.n_kv_head,
+            config.head_dim,
+        )
+        self.k_pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.v_pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        n = config.max_num_blocks
+        self._ring = np.arange(n, dtype=np.int32)
+        self._head = 0
+        self._count = n
+        self._is_free = np.ones(n, dtype=bool)
+        self._last_place = np.zeros(n, dtype=np.int64)  # free_array's duplicate check
+        self._lock = threading.Lock()
+        self._stager = Stager([(n + scratch_blocks, torch.int64)], config.device)
+
+    # ---- counts -----------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        """Allocatable blocks (``max_num_blocks``), scratch excluded."""
+        return self.config.max_num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._count
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self._count
+
+    @property
+    def scratch_block_ids(self) -> list[int]:
+        return list(range(self.num_blocks, self.num_blocks + self.scratch_blocks))
+
+    @property
+    def null_block(self) -> int:
+        """Block id of table entries that map no stream data (see the reference)."""
+        return self.num_blocks if self.scratch_blocks else 0
+
+    def _ring_positions(self, start: int, count: int) -> np.ndarray:
+        return (start + np.arange(count)) % max(self.num_blocks, 1)
+
+    def free_block_ids(self) -> list[int]:
+        """The free list, head first (a copy)."""
+        with self._lock:
+            return self._ring[self._ring_positions(self._head, self._count)].tolist()
+
+    # ---- allocation -------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Pop ``n`` block ids from the head of the free list; all or nothing."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"BlockPool.allocate: n must be an int >= 0, got {n!r}")
+        return self.allocate_array(n).tolist()
+
+    def allocate_array(self, n) -> np.ndarray:
+        """``allocate`` returning an int64 numpy array (the managers' hot path; numpy ints accepted)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"BlockPool.allocate: n must be an int >= 0, got {n!r}")
+        n = int(n)
+        with self._lock:
+            if n > self._count:
+                raise PoolExhaustedError(n, self._count)
+            head = self._head
+            if head + n <= self.num_blocks:
+                ids = self._ring[head : head + n].astype(np.int64)
+            else:
+                ids = self._ring[self._ring_positions(head, n)].astype(np.int64)
+            self._head = (head + n) % self.num_blocks if self.num_blocks else 0
+            self._count -= n
+            self._is_free[ids] = False
+            return ids
+
+    def free(self, block_ids) -> None:
+        """Return ``block_ids`` to the tail of the free list, in order; all or nothing."""
+        ids, array = _id_array(block_ids)
+        self.free_array(array, ids)
+
+    def free_array(self, ids: np.ndarray, as_given: list | None = None) -> None:
+        """``free`` of an integer numpy array (the managers' hot path).
+
+        ``as_given`` is the caller's id list, used only in the error message.
+        """
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        with self._lock:
+            n, k = self.num_blocks, ids.size
+            if k:
+                in_range = (ids >= 0) & (ids < n)
+                safe = np.where(in_range, ids, 0)
+                bad = ~in_range | self._is_free[safe]
+                if k > 1:  # a repeated id: its earlier places lose the last write of their position
+                    position = np.arange(k)
+                    self._last_place[safe] = position
+                    bad |= self._last_place[safe] != position
+                if bad.any():
+                    self._raise_free_error(ids.tolist() if as_given is None else as_given)
+            positions = self._ring_positions(self._head + self._count, k)
+            self._ring[positions] = ids
+            self._is_free[ids] = True
+            self._count += k
+
+    def _raise_free_error(self, ids: list) -> None:
+        """The reference's validation loop, run only to raise its error for the first bad id."""
+        seen = set()
+        for i in ids:
+            if self.num_blocks <= i < self.num_blocks + self.scratch_blocks:
+                raise ValueError(f"BlockPool.free: block {i} is a scratch block and is never freed")
+            if not 0 <= i < self.num_blocks:
+                raise ValueError(f"BlockPool.free: block id {i} outside [0, {self.num_blocks})")
+            if self._is_free[i] or i in seen:
+                raise ValueError(f"BlockPool.free: block {i} is already free (double free)")
+            seen.add(i)
+        raise AssertionError("BlockPool.free: vectorised validation flagged ids the loop accepts")
+
+    def _device_ids(self, ids: np.ndarray) -> torch.Tensor:
+        """Block ids as an int64 device tensor, through the pool's staged copy."""
+        (index,) = self._stager.stage(ids)
+        return index
+
+    def zero_blocks(self, block_ids) -> None:
+        """Zero K and V of ``block_ids`` in every layer (one staged copy, two device fills)."""
+        given, ids = _id_array(block_ids)
+        bad = (ids < 0) | (ids >= self.num_blocks + self.scratch_blocks)
+        if bad.any():
+            i = given[int(np.argmax(bad))]
+            raise ValueError(f"BlockPool.zero_blocks: block id {i} outside the pool")
+        if ids.size:
+            index = self._device_ids(ids)
+            self.k_pool.index_fill_(1, index, 0)
+            self.v_pool.index_fill_(1, index, 0)
+
+    # ---- tensor entry points ----------------------------------------------
+    def get_kv_view(self, layer: int):
+        """``(k, v)`` of one layer, each ``(num_pool_blocks, block_size, n_kv_head, head_dim)``."""
+        return self.k_pool[layer], self.v_pool[layer]
+
+    def get_kv_block_view(self, layer: int, block_id: int):
+        """``(k, v)`` of one block in one layer, each ``(block_size, n_kv_head, head_dim)``."""
+        return self.k_pool[layer, block_id], self.v_pool[layer, block_id]
+
+    def gather_kv_blocks(self, block_ids, start: int = 0, num_frames: int | None = None) -> torch.Tensor:
+        """Dense packed K|V of frames ``[start, start + num_frames)`` of the concatenated blocks.
+
+        Validates like the reference, then runs ``oasr.fast.paged_ops.gather_kv_blocks``. Returns
+        ``(num_layers, n_kv_head, num_frames, 2 * head_dim)``, K then V in the last dimension.
+        """
+        _, ids = _id_array(block_ids)
+        bs = self.config.block_size_frames
+        total = ids.size * bs
+        if num_frames is None:
+            num_frames = total - start
+        if start < 0 or num_frames < 0 or start + num_frames > total:
+            raise ValueError(
+                f"gather_kv_blocks: frames [{start}, {start + num_frames}) outside the {total} frames "
+                f"of {ids.size} blocks"
+            )
+        if not ids.size:
+            L, _, _, H, D = self.k_pool.shape
+            return self.k_pool.new_zeros((L, H, 0, 2 * D))
+        return _gather_kv_blocks(self.k_pool, self.v_pool, self._device_ids(ids), start, num_frames)

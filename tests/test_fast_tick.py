@@ -1,0 +1,301 @@
+"""The fast twin's steady tick: no allocation, no device-to-host read, one staged copy per call.
+
+A *tick* is what an engine does per step for a cohort: ``prepare_chunks_batched``
++ ``get_paged_caches`` (padded to a captured width) + ``commit_chunks_batched``
+(eviction included). On the CPU we cannot observe synchronisations, so each
+property is checked by watching every aten op the tick runs
+(``TorchDispatchMode``), plus the Python-side conversions that bypass the
+dispatcher (``Tensor.tolist`` / ``Tensor.numpy``):
+
+  * allocation: every op's outputs live in storage one of its inputs already
+    had (views and ``out=`` / in-place ops), and no tensor is made from host
+    data (``lift_fresh``). ``a + b``, ``clone``, ``index_select`` without
+    ``out=``, ``torch.tensor``, ``.to`` all fail it (``test_detector_catches_*``);
+  * no read-back: no ``_local_scalar_dense`` (``item``, ``int()``, ``bool()``),
+    no ``tolist`` / ``numpy`` on a tensor, and every ``copy_`` reads a staging
+    host buffer and writes the matching device buffer, one per staged call;
+  * constant work: the number of aten ops and of Python calls does not grow
+    with the cohort.
+The CUDA test at the end asks the driver directly (``set_sync_debug_mode``).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import oasr
+from oasr import fast
+from oasr.fast.staging import Stager
+
+GEOMETRIES = {
+    "aligned": dict(chunk_size=4, block_size_frames=4, num_left_chunks=2),
+    "straddling": dict(chunk_size=6, block_size_frames=4, num_left_chunks=1),
+    "prefill": dict(chunk_size=4, block_size_frames=4, num_left_chunks=2, prefill_kv_window=True),
+    "unlimited": dict(chunk_size=4, block_size_frames=4, num_left_chunks=-1, max_blocks_per_seq=64),
+}
+
+
+def build(geometry, streams=4, device="cpu", **overrides):
+    fields = dict(
+        num_layers=3, n_kv_head=2, head_dim=4, max_batch_size=streams, max_num_blocks=64 * streams,
+        max_blocks_per_seq=8, device=device,
+    )
+    fields.update(GEOMETRIES[geometry])
+    fields.update(overrides)
+    cfg = oasr.CacheConfig(**fields)
+    pool = fast.BlockPool(cfg)
+    att = fast.AttentionCacheManager(pool, cfg, pad_lanes=1)
+    ids = [f"s{i}" for i in range(streams)]
+    for sid in ids:
+        att.allocate_stream(sid)
+    return cfg, att, ids
+
+
+def tick(att, ids, pad_to=None):
+    att.prepare_chunks_batched(ids)
+    views = att.get_paged_caches(ids, pad_to)
+    att.commit_chunks_batched(ids, att.config.chunk_size)
+    return views
+
+
+class OpRecorder(TorchDispatchMode):
+    """Every aten op run inside: its input storages, output storages and the storages it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []  # (op name, input storage ptrs, output storage ptrs)
+        self.written = []  # (op name, storage ptrs of arguments the schema marks as written)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        outputs = [t.untyped_storage().data_ptr() for t in _tensors(out)]
+        self.ops.append((str(func), inputs, outputs))
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+                self.written.append((str(func), {t.untyped_storage().data_ptr() for t in _tensors(value)}))
+        return out
+
+    def allocations(self) -> list[str]:
+        fresh = {"aten.lift_fresh.default", "aten.lift_fresh_copy.default"}
+        return [name for name, ins, outs in self.ops if name in fresh or any(p not in ins for p in outs)]
+
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.ops]
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+
+
+@contextmanager
+def forbid_host_conversions():
+    """Fail on ``Tensor.tolist`` / ``Tensor.numpy`` (they bypass the dispatcher)."""
+    calls = []
+    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def spy(name):
+        def wrapper(self, *args, **kwargs):
+            calls.append(name)
+            return saved[name](self, *args, **kwargs)
+
+        return wrapper
+
+    for name in saved:
+        setattr(torch.Tensor, name, spy(name))
+    try:
+        yield calls
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def stagers(att):
+    return [att._prepare_stager, att._commit_stager, att._cohort_stager, att._row_stager, att._dense_stager]
+
+
+# ---- the detector can fail --------------------------------------------------------------
+@pytest.mark.parametrize(
+    "allocating_op",
+    [
+        lambda t, i: t + 1,
+        lambda t, i: t.clone(),
+        lambda t, i: t.index_select(0, i),
+        lambda t, i: torch.zeros(3),
+        lambda t, i: torch.empty(0),
+        lambda t, i: torch.tensor([1, 2]),
+        lambda t, i: t.to(torch.float64),
+        lambda t, i: t[i],
+    ],
+    ids=["add", "clone", "index_select", "zeros", "empty0", "tensor", "to", "advanced_index"],
+)
+def test_detector_catches_allocations(allocating_op):
+    t, i = torch.arange(6.0), torch.tensor([0, 2])
+    with OpRecorder() as rec:
+        allocating_op(t, i)
+    assert rec.allocations()
+
+
+def test_detector_accepts_views_and_out():
+    t, i, out = torch.arange(6.0), torch.tensor([0, 2]), torch.empty(2)
+    with OpRecorder() as rec:
+        torch.index_select(t, 0, i, out=out)
+        t[1:3].view(torch.int32).add_(0)
+        t.index_copy_(0, i, out)
+    assert rec.allocations() == []
+
+
+# ---- the steady tick ----------------------------------------------------------------------
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+@pytest.mark.parametrize("pad", [0, 2])
+def test_steady_tick_allocates_nothing(geometry, pad):
+    cfg, att, ids = build(geometry)
+    cohort = ids[:3]  # not the slot order of the whole pool: a real gather
+    pad_to = len(cohort) + pad if pad else None
+    for _ in range(6):  # warm up: past the window, every width seen once
+        tick(att, cohort, pad_to)
+    with OpRecorder() as rec:
+        for _ in range(3):
+            tick(att, cohort, pad_to)
+    assert rec.allocations() == []
+    if cfg.eviction and geometry != "prefill":
+        assert "aten.gather.out" in rec.names()  # eviction did run, and moved rows on the device
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_tick_reads_nothing_back(geometry):
+    cfg, att, ids = build(geometry)
+    for _ in range(6):
+        tick(att, ids, pad_to=len(ids) + 1)
+    host = {p for s in stagers(att) for p in s.storages()}
+    device = {s._device.untyped_storage().data_ptr() for s in stagers(att)}
+    copies_before = [s.copies for s in stagers(att)]
+    with forbid_host_conversions() as conversions, OpRecorder() as rec:
+        tick(att, ids, pad_to=len(ids) + 1)
+    assert conversions == []
+    names = rec.names()
+    for forbidden in ("aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
+                      "aten.equal.default", "aten.is_nonzero.default"):
+        assert forbidden not in names
+    copies = [(ins, outs) for name, ins, outs in rec.ops if name.startswith("aten.copy_")]
+    assert all(ins & host and set(outs) <= device for ins, outs in copies)  # host -> device only
+    assert rec.written and not any(ptrs & host for _, ptrs in rec.written)  # torch never writes a host buffer
+    issued = [s.copies - c for s, c in zip(stagers(att), copies_before, strict=True)]
+    # prepare stages once, get_paged_caches reuses prepare's slots, commit stages once
+    assert issued == [1, 1, 0, 0, 0] and len(copies) == 2
+
+
+def test_new_block_ids_go_through_one_staged_copy():
+    """Admitting four fresh streams at once: the new ids of all of them travel in one copy."""
+    cfg, att, ids = build("aligned")
+    before = att._prepare_stager.copies
+    with OpRecorder() as rec:
+        att.prepare_chunks_batched(ids)
+    assert att._prepare_stager.copies - before == 1
+    assert rec.names().count("aten.copy_.default") == 1
+    assert rec.names().count("aten.index_copy_.default") == 1
+    assert sum(len(att.describe(s).blocks) for s in ids) == len(ids)
+
+
+@pytest.mark.parametrize("geometry", ["aligned", "straddling"])
+def test_tick_work_does_not_grow_with_the_cohort(geometry):
+    """Same aten ops and the same number of Python calls for 2 streams and for 24."""
+
+    def measure(streams):
+        cfg, att, ids = build(geometry, streams=streams)
+        for _ in range(6):
+            tick(att, ids, pad_to=streams + 1)
+        calls = 0
+
+        def profiler(frame, event, arg):
+            nonlocal calls
+            if event in ("call", "c_call"):
+                calls += 1
+
+        with OpRecorder() as rec:
+            sys.setprofile(profiler)
+            try:
+                tick(att, ids, pad_to=streams + 1)
+            finally:
+                sys.setprofile(None)
+        return rec.names(), calls
+
+    small, large = measure(2), measure(24)
+    assert small[0] == large[0]
+    assert small[1] == large[1]
+
+
+def test_persistent_addresses_are_stable():
+    """Tables keep their storage for life; a width's view buffers keep theirs from tick to tick."""
+    cfg, att, ids = build("aligned")
+    pointers = [t.data_ptr() for t in (att.block_table, att.cache_seqlens, att.cache_seqstarts)]
+    first = tick(att, ids[:2], pad_to=4)[0]
+    att.free_stream(ids[0])
+    att.allocate_stream("new")
+    att.reset_stream(ids[1])
+    for _ in range(5):
+        later = tick(att, ["new", ids[1]], pad_to=4)[0]
+    assert [t.data_ptr() for t in (att.block_table, att.cache_seqlens, att.cache_seqstarts)] == pointers
+    for name in ("block_table", "cache_seqlens", "cache_seqstarts"):
+        assert getattr(first, name).data_ptr() == getattr(later, name).data_ptr()
+    table, lens, starts = att.get_paged_state_views("new")
+    slot = att.slot_of("new")
+    assert table.data_ptr() == att.block_table[slot].data_ptr()
+    assert lens.data_ptr() == att.cache_seqlens[slot].data_ptr()
+    assert starts.data_ptr() == att.cache_seqstarts[slot].data_ptr()
+
+
+def test_stager_packs_sections_in_one_copy():
+    import numpy as np
+
+    stager = Stager([(3, torch.int64), (5, torch.int32), (2, torch.int64)], "cpu")
+    a, b, c = stager.stage(np.array([7, -1, 2**40]), np.arange(4), np.empty(0))
+    assert a.tolist() == [7, -1, 2**40] and a.dtype == torch.int64
+    assert b.tolist() == [0, 1, 2, 3] and b.dtype == torch.int32
+    assert c.numel() == 0 and stager.copies == 1
+    views = stager.stage(np.empty(0), np.empty(0), np.empty(0))
+    assert [v.numel() for v in views] == [0, 0, 0] and stager.copies == 1  # nothing to send, no copy
+    with pytest.raises(RuntimeError, match="capacity"):
+        stager.stage(np.arange(4), np.empty(0), np.empty(0))
+
+
+# ---- on a GPU, ask the driver ----------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("geometry", ["aligned", "prefill"])
+def test_cuda_tick_never_synchronises(geometry):
+    from oasr import reference
+
+    cfg, att, ids = build(geometry, streams=8, device="cuda")
+    ref_pool = reference.BlockPool(cfg)
+    ref = reference.AttentionCacheManager(ref_pool, cfg, pad_lanes=1)
+    for sid in ids:
+        ref.allocate_stream(sid)
+    for _ in range(4):
+        tick(att, ids[:5], pad_to=8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            views = tick(att, ids[:5], pad_to=8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for _ in range(8):
+        ref_views = tick(ref, ids[:5], pad_to=8)
+    assert torch.equal(views[0].block_table.cpu(), ref_views[0].block_table.cpu())
+    assert torch.equal(views[0].cache_seqlens.cpu(), ref_views[0].cache_seqlens.cpu())
+    assert torch.equal(views[0].cache_seqstarts.cpu(), ref_views[0].cache_seqstarts.cpu())
