@@ -10,8 +10,7 @@ log-probs: chunked, batched, pooled decoding must not change a token.
 import pytest
 import torch
 
-from oasr import reference
-from oasr.engine import StreamingEngine, greedy_ctc_collapse, memory_utilisation
+from oasr.engine import StreamingEngine, decode_utterance, memory_utilisation
 from oasr.models import ConformerConfig, StreamingConformer
 
 ATOL = 1e-5
@@ -28,12 +27,7 @@ def make_engine(model, twin, decoder="beam", **cache_overrides):
 
 def offline_tokens(engine, log_probs):
     """What the engine's decoder must produce, decoded once over the whole utterance."""
-    if engine.decoder == "greedy":
-        return greedy_ctc_collapse(log_probs)[0]
-    decoder = reference.StreamingCtcDecoder(engine.ctc_config)
-    state = decoder.create_state(1, log_probs.shape[-1])
-    decoder.decode_chunk(state, log_probs[None])
-    return decoder.finalize_stream(state)[0][0].tokens
+    return decode_utterance(log_probs, engine.decoder, engine.ctc_config)
 
 
 def features(num_frames, seed):

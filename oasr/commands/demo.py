@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from oasr import reference
 from oasr.ctc_config import CtcDecoderConfig
-from oasr.engine import StreamingEngine, greedy_ctc_collapse, memory_utilisation
+from oasr.engine import StreamingEngine, decode_utterance, memory_utilisation
 from oasr.memory import footprint, format_bytes
 from oasr.models import ConformerConfig, StreamingConformer, twin_ready
 
@@ -96,16 +95,6 @@ def build(args) -> tuple[StreamingConformer, object]:
     return model, cache
 
 
-def offline_tokens(engine, log_probs: torch.Tensor) -> list:
-    """The engine's decoder run once over a whole utterance's offline log-probs (reference twin)."""
-    if engine.decoder == "greedy":
-        return greedy_ctc_collapse(log_probs)[0]
-    decoder = reference.StreamingCtcDecoder(engine.ctc_config)
-    state = decoder.create_state(1, log_probs.shape[-1])
-    decoder.decode_chunk(state, log_probs[None])
-    return decoder.finalize_stream(state)[0][0].tokens
-
-
 def check_sample(model, cache_config, engine, workload, count: int) -> tuple[bool, str]:
     """Rerun ``count`` streams one at a time on the reference twin, and offline; compare with the engine."""
     sample = workload[:: max(1, len(workload) // max(count, 1))][:count]
@@ -113,7 +102,7 @@ def check_sample(model, cache_config, engine, workload, count: int) -> tuple[boo
     for s in sample:
         got = engine.result(s.stream_id)
         alone = StreamingEngine(model, cache_config, twin="reference", decoder=engine.decoder,
-                                ctc_config=getattr(engine, "ctc_config", None), keep_log_probs=True)
+                                ctc_config=engine.ctc_config, keep_log_probs=True)
         alone.add_stream(s.stream_id)
         alone.push(s.stream_id, s.features)
         alone.end_stream(s.stream_id)
@@ -122,7 +111,7 @@ def check_sample(model, cache_config, engine, workload, count: int) -> tuple[boo
         off = model.forward_offline(feats, prefill_window=cache_config.prefill_kv_window)[0][0].float().cpu()
         worst_ref = max(worst_ref, (got.log_probs - ref.log_probs).abs().max().item())
         worst_off = max(worst_off, (got.log_probs - off).abs().max().item())
-        ok &= got.tokens == ref.tokens == offline_tokens(engine, off)
+        ok &= got.tokens == ref.tokens == decode_utterance(off, engine.decoder, engine.ctc_config)
     ok &= worst_ref <= CHECK_ATOL and worst_off <= CHECK_ATOL
     verdict = "OK" if ok else "MISMATCH"
     return ok, (f"sample check: {len(sample)} streams rerun alone on the reference twin and offline: tokens "

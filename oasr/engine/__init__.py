@@ -1,6 +1,6 @@
 """The streaming engine: many streams over one shared pool, either twin (see ``streaming``)."""
 
-from oasr.engine.decoding import GreedyCtcDecoder, greedy_ctc_collapse
+from oasr.engine.decoding import GreedyCtcDecoder, decode_utterance, greedy_ctc_collapse
 from oasr.engine.metrics import memory_utilisation
 from oasr.engine.streaming import StepOutput, StreamingEngine, StreamResult, TickStats
 
@@ -10,6 +10,7 @@ __all__ = [
     "StreamResult",
     "StreamingEngine",
     "TickStats",
+    "decode_utterance",
     "greedy_ctc_collapse",
     "memory_utilisation",
 ]

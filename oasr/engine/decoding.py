@@ -43,3 +43,21 @@ class GreedyCtcDecoder:
 
     def finalize(self) -> list[int]:
         return list(self.tokens)
+
+
+def decode_utterance(log_probs: torch.Tensor, decoder: str = "beam", ctc_config=None) -> list[int]:
+    """Decode a whole utterance's ``(T, vocab)`` log-probs in one call with the reference twin.
+
+    The oracle for the engine's streaming decode: chunked, batched and pooled
+    decoding must give exactly these tokens. ``decoder`` and ``ctc_config`` are
+    the engine's own settings (``engine.decoder``, ``engine.ctc_config``).
+    """
+    if decoder == "greedy":
+        return greedy_ctc_collapse(log_probs)[0]
+    from oasr.ctc_config import CtcDecoderConfig
+    from oasr.reference.ctc_decoder import StreamingCtcDecoder
+
+    search = StreamingCtcDecoder(ctc_config or CtcDecoderConfig(beam_size=4))
+    state = search.create_state(1, log_probs.shape[-1])
+    search.decode_chunk(state, log_probs[None])
+    return list(search.finalize_stream(state)[0][0].tokens)

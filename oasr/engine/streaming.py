@@ -139,7 +139,7 @@ class StreamingEngine:
         self.ops = twin_module(twin)
         self.twin = twin_name(self.ops)
         self.decoder = decoder
-        self.ctc = None
+        self.ctc = self.ctc_config = None
         if decoder == "beam":
             self.ctc_config = ctc_config or CtcDecoderConfig(beam_size=4)
             self.ctc = self.ops.CtcStateCacheManager(self.ops.StreamingCtcDecoder(self.ctc_config))
