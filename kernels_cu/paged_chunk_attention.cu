@@ -13,13 +13,22 @@
 //   masked write zeros. Only positions inside the key range are ever read, so
 //   the rest of the pool may hold anything (the tests fill it with NaN).
 //
-// Layouts (contiguous): q, out (B, n_head, T, D); k_cache, v_cache
-//   (num_pool_blocks, block_size, n_kv_head, D); block_table (B, >= W) int32
+// Layouts (contiguous): q, out (B, n_head, T, D) of T; k_cache, v_cache
+//   (num_pool_blocks, block_size, n_kv_head, D) of Page; block_table (B, >= W) int32
 //   with row stride `table_stride`; cache_seqlens, cache_seqstarts, chunk_lens
 //   (B,) int32 (chunk_lens may be null: every row has T frames).
 //   Split partials (num_splits > 1), fp32: part_acc (S, B, n_head, T, D), the
 //   unnormalised sum of p * v; part_ml (S, B, n_head, T, 2) = (m, l), the
 //   running max in the log2 domain and the sum of p.
+//
+// Page types: Page = T (pages in the model dtype; k_scale/v_scale unused, may
+//   be null) or Page = __nv_fp8_e4m3 (fp8 pages; k_scale, v_scale
+//   (num_pool_blocks, block_size, n_kv_head) fp32, one scale per vector). The
+//   only difference is the tile load: fp8 values are widened and multiplied by
+//   their vector's scale (load_vec_scaled), which is exactly the reference's
+//   dequantize(stored, scale) in fp32, so the shared-memory tiles, and all the
+//   arithmetic after them, are those of an fp32 pool holding the dequantized
+//   values. A 16-byte load moves 16 fp8 values instead of 8 halves.
 //
 // Grid/block of the attention kernel: grid (q_tiles * num_splits, n_kv_head,
 //   B), 128 threads = 4 warps. One CTA serves one (row, KV head, query tile,
@@ -44,9 +53,11 @@
 //   Registers: 16 accumulators + 4 scores + 8 running-softmax values per lane,
 //   plus the float4 operands of the score loop. Measured with NVRTC 13
 //   (`python -m oasr kernels`): 71-78 per thread at D = 64, 122-131 at D = 128,
-//   no spills, no stack. At D = 128 registers, not shared memory, bound
-//   residency to 3 CTAs (12 warps) per SM; that is the first knob to turn when
-//   someone times this on a GPU (it has not been timed yet).
+//   no spills, no stack; with fp8 pages 72-80 at D = 64 and 117-121 at D = 128
+//   (the 16-value tile loads sit outside the accumulation loop). At D = 128
+//   registers, not shared memory, bound residency to 3 CTAs (12 warps) per SM;
+//   that is the first knob to turn when someone times this on a GPU (it has not
+//   been timed yet).
 //
 // Combine kernel: grid ceil(B * n_head * T / 4), 128 threads, one warp per
 //   output row, lane owning head_dim/32 dims: M = max m_s, L = sum l_s 2^(m_s -
@@ -55,8 +66,11 @@
 // Checked by: tests/test_kernels_emulated.py::test_attention_* (host
 // emulation against the reference: random geometries, GQA, causal, forced
 // split counts, NaN-poisoned pools, shuffled block tables) and
-// tests/test_kernels_cuda.py (same on a GPU, plus CUDA-graph replay).
+// tests/test_kernels_cuda.py (same on a GPU, plus CUDA-graph replay);
+// fp8 pages: tests/test_fp8_kernels.py::test_attention_* (against the reference
+// on the same fp8 pages).
 //   python -m pytest tests/test_kernels_emulated.py -k attention (CPU, no GPU needed)
+//   python -m pytest tests/test_fp8_kernels.py -k attention      (CPU, no GPU needed)
 //   python -m pytest -m cuda tests/test_kernels_cuda.py          (GPU)
 //   python -m oasr kernels --arch sm_80,sm_90                    (registers, smem, spills)
 #include "common.cuh"
@@ -71,19 +85,34 @@ constexpr int kRowsPerCta = kWarps * kRowsPerWarp;
 constexpr int kTileKeys = kWarp;  // one key per lane
 }  // namespace attn
 
-template <typename T, int D>
+// One tile row's slice of K or V: N pool values widened to fp32 (and scaled, for fp8 pages).
+template <typename Page, int N>
+__device__ __forceinline__ void load_page(const Page* __restrict__ src, const float* __restrict__ scales,
+                                          long long vec, float (&dst)[N]) {
+    if constexpr (Codec<Page>::kScaled) {
+        load_vec_scaled<Page, N>(src, scales[vec], dst);
+    } else {
+        load_vec<Page, N>(src, dst);
+    }
+}
+
+template <typename T, typename Page, int D>
 __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int* __restrict__ block_table, int table_stride, const int* __restrict__ cache_seqlens,
+    const T* __restrict__ q, const Page* __restrict__ k_cache, const Page* __restrict__ v_cache,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale, const int* __restrict__ block_table,
+    int table_stride, const int* __restrict__ cache_seqlens,
     const int* __restrict__ cache_seqstarts, const int* __restrict__ chunk_lens, T* __restrict__ out,
     float* __restrict__ part_acc, float* __restrict__ part_ml, int n_head, int n_kv_head, int num_frames,
     int block_size, int num_splits, int split_len, float scale_log2, int causal) {
     using namespace attn;
-    static_assert(D % kWarp == 0 && D % kVec16<T> == 0, "head_dim must be a multiple of 32");
+    static_assert(D % kWarp == 0 && D % kVec16<T> == 0 && D % kVec16<Page> == 0,
+                  "head_dim must be a multiple of 32");
     constexpr int R = kRowsPerWarp;
     constexpr int DPL = D / kWarp;          // output dims per lane
-    constexpr int VU = kVec16<T>;           // elements per 16-byte load
-    constexpr int UNITS = D / VU;           // 16-byte loads per head_dim row
+    constexpr int VU = kVec16<T>;           // q elements per 16-byte load
+    constexpr int UNITS = D / VU;           // 16-byte loads per head_dim row of q
+    constexpr int PVU = kVec16<Page>;       // page elements per 16-byte load
+    constexpr int PUNITS = D / PVU;         // 16-byte loads per head_dim row of a page
     constexpr int KS = D + 4;               // padded shared row stride (floats)
 
     __shared__ __align__(16) float k_tile[kTileKeys * KS];
@@ -149,22 +178,22 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
 
     for (int tile = lo; tile < hi; tile += kTileKeys) {
         __syncthreads();  // q_rows written / previous tile fully consumed
-        for (int i = tid; i < kTileKeys * UNITS; i += kThreads) {
-            const int key = i / UNITS;
-            const int c = (i % UNITS) * VU;
+        for (int i = tid; i < kTileKeys * PUNITS; i += kThreads) {
+            const int key = i / PUNITS;
+            const int c = (i % PUNITS) * PVU;
             const int pos = tile + key;
-            float kx[VU], vx[VU];
+            float kx[PVU], vx[PVU];
             if (pos < hi) {
                 const long long block = block_table[table_row + pos / block_size];
                 const long long slot = (block * block_size + pos % block_size) * n_kv_head + kvh;
-                load_vec<T, VU>(k_cache + slot * D + c, kx);
-                load_vec<T, VU>(v_cache + slot * D + c, vx);
+                load_page<Page, PVU>(k_cache + slot * D + c, k_scale, slot, kx);
+                load_page<Page, PVU>(v_cache + slot * D + c, v_scale, slot, vx);
             } else {  // zeros, never NaN: p = 0 times v must stay 0
 #pragma unroll
-                for (int e = 0; e < VU; ++e) kx[e] = vx[e] = 0.f;
+                for (int e = 0; e < PVU; ++e) kx[e] = vx[e] = 0.f;
             }
 #pragma unroll
-            for (int e = 0; e < VU; ++e) {
+            for (int e = 0; e < PVU; ++e) {
                 k_tile[key * KS + c + e] = kx[e];
                 v_tile[key * KS + c + e] = vx[e];
             }

@@ -2,7 +2,9 @@
 
 The baseline kernels must not spill, keep no stack frame, and stay under the
 48 KB of static shared memory a CTA can declare; the attention kernel's budget
-is worked out in the header of kernels_cu/paged_chunk_attention.cu.
+is worked out in the header of kernels_cu/paged_chunk_attention.cu. The fp8
+page variants are registry entries like the others, so the same checks cover
+them (sm_80 converts e4m3 in software, sm_90 with the hardware cvt).
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ def test_kernels_command_reports_every_kernel(kernel_cache, capsys):
         for targs in kernel.instances:
             assert kernel.name_expression(targs) in out
     assert "0 compile errors, 0 spilling" in out
+
+
+def test_fp8_variants_are_registered():
+    # The fp8 page kernels are in the registry (so compiled, reported and budget-checked above) for
+    # every model dtype and every head_dim the fp8 refusal admits.
+    expect = {(t, str(d)) for t in registry.DTYPE_ARG.values() for d in registry.FP8_HEAD_DIMS}
+    assert set(registry.BY_NAME["paged_kv_append_fp8_kernel"].instances) == expect
+    attention = {
+        (t, d) for t, page, d in registry.BY_NAME["paged_chunk_attention_kernel"].instances if page == registry.FP8_ARG
+    }
+    assert attention == expect
+    assert {t for (t,) in registry.BY_NAME["gather_kv_blocks_fp8_kernel"].instances} == set(registry.DTYPE_ARG.values())
 
 
 def test_kernels_command_fails_on_compile_error(kernel_cache, capsys):

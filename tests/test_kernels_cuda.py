@@ -4,6 +4,10 @@ Marked ``cuda`` and skipped without a device (run them with
 ``tools/gpu_check.sh DIR``). Same scenarios and bounds as the emulated tests:
 shuffled block tables, NaN-poisoned pools, whole-pool bitwise checks for
 append, calibrated bounds for attention (see oasr.fast.kernels.testing).
+fp8 pages (the ``test_fp8_*`` cases) as in tests/test_fp8_kernels.py: bytes and
+scales bitwise against the reference and torch's CPU conversion (on sm_89+ the
+kernels convert with the hardware cvt, so this is where its rounding is checked),
+attention against the reference on the same pages, gather bitwise.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import torch
 from oasr.fast import paged_ops as fast
 from oasr.fast.kernels import ops
 from oasr.fast.kernels.nvrtc import executor_for
-from oasr.fast.kernels.testing import bits, low_precision_bound, make_scenario
+from oasr.fast.kernels.testing import bits, low_precision_bound, make_scenario, to_fp8
 from oasr.reference import paged_ops as ref
+from tests.test_fp8_kernels import fp8_pool, rounding_sweep, scale_oracle, spread
 
 pytestmark = [
     pytest.mark.cuda,
@@ -144,6 +149,120 @@ def test_no_device_sync_in_launches(device):
         fast.paged_attention(s.q, s.cache, s.chunk_lens)
         fast.paged_attention(s.q, s.cache, s.chunk_lens, causal=True)
         fast.gather_kv_blocks(k_pool, v_pool, ids, 0, s.cache.block_size)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize(device)
+
+
+# -- fp8 pages ---------------------------------------------------------------------------------------
+
+FP8_CASES = [(d, hd, seed) for d in DTYPES for hd in (64, 128) for seed in range(3)]
+FP8_FIELDS = ("k_cache", "v_cache", "k_scale", "v_scale")
+
+
+def _same_pools(gpu_cache, cpu_cache):
+    for name in FP8_FIELDS:
+        assert torch.equal(bits(getattr(gpu_cache, name).cpu()), bits(getattr(cpu_cache, name))), name
+
+
+@pytest.mark.parametrize("dtype,head_dim,seed", FP8_CASES)
+def test_fp8_append_and_attention_match_reference(device, dtype, head_dim, seed):
+    s = to_fp8(make_scenario(seed, **_geometry(seed, head_dim, dtype)))
+    k, v = spread(s.k, seed), spread(s.v, seed + 1)  # magnitudes down to fp32 denormals: no flush to zero
+    want = s.clone()
+    ref.append_kv(want.cache, k, v, s.chunk_lens)
+    g = s.to(device=device)
+    fast.append_kv(g.cache, k.to(device), v.to(device), g.chunk_lens)
+    _same_pools(g.cache, want.cache)
+
+    ref.append_kv(want.cache, s.k, s.v, s.chunk_lens)  # ordinary magnitudes for the attention check
+    fast.append_kv(g.cache, g.k, g.v, g.chunk_lens)
+    _same_pools(g.cache, want.cache)
+    causal = seed % 2 == 1
+    ref32 = ref.paged_attention(want.q.float(), want.cache, want.chunk_lens, causal=causal)
+    if dtype == torch.float32:
+        bound = FP32_FLOOR * (1 + ref32.abs())
+    else:
+        bound = low_precision_bound(ref32, ref.paged_attention(want.q, want.cache, want.chunk_lens, causal=causal),
+                                    FP32_FLOOR)  # fmt: skip
+    executor = executor_for(device)
+    for num_splits in (None, 1, 3):
+        out = ops.paged_attention(executor, g.q, g.cache, g.chunk_lens, head_dim**-0.5, causal, num_splits)
+        assert out.dtype == dtype and not out.isnan().any()
+        err = (out.float().cpu() - ref32).abs()
+        assert (err <= bound).all(), f"num_splits={num_splits}: max err {err.max():.3g}"
+
+
+def test_fp8_conversion_rounds_like_torch(device):
+    sweep = rounding_sweep()
+    vectors = torch.cat([sweep, sweep * 2.0**-130, sweep * 2.0**100])
+    n = vectors.shape[0]
+    s = to_fp8(make_scenario(0, batch=2, n_kv_head=1, group=1, num_frames=n, head_dim=64, block_size=16,
+                             max_history=20))  # fmt: skip
+    assert int(s.chunk_lens[0]) == n
+    k = torch.stack([vectors, vectors.flip(0)]).view(2, n, 1, 64)
+    g = s.to(device=device)
+    fast.append_kv(g.cache, k.to(device), (-k).to(device), g.chunk_lens)
+    pos = s.cache.cache_seqlens[0] + torch.arange(n)
+    blocks, offs = s.cache.block_table[0, pos // 16].long(), pos % 16
+    scale = scale_oracle(vectors.abs().amax(-1))
+    expect = (vectors / scale[:, None]).to(torch.float8_e4m3fn)
+    assert torch.equal(g.cache.k_scale.cpu()[blocks, offs, 0], scale)
+    assert torch.equal(g.cache.k_cache.cpu()[blocks, offs, 0].view(torch.uint8), expect.view(torch.uint8))
+    assert torch.equal(g.cache.v_cache.cpu()[blocks, offs, 0].view(torch.uint8), (-expect.float()).to(
+        torch.float8_e4m3fn).view(torch.uint8))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_gather_matches_reference_pool(device, dtype, head_dim):
+    for seed in range(3):
+        pool, ids, start, T = fp8_pool(seed, dtype, head_dim, [8, 16, 64][seed])
+        want = pool.gather_kv_blocks(ids.tolist(), start, T)
+        got = fast.gather_kv_blocks(pool.k_pool.to(device), pool.v_pool.to(device), ids.to(device), start, T,
+                                    k_scale=pool.k_scale.to(device), v_scale=pool.v_scale.to(device),
+                                    out_dtype=dtype)  # fmt: skip
+        assert torch.equal(bits(got.cpu()), bits(want))
+
+
+def test_fp8_graph_replay_is_bit_identical_to_eager(device):
+    s = to_fp8(make_scenario(4, **_geometry(4, 128, torch.bfloat16, max_history=600))).to(device=device)
+    base = {name: getattr(s.cache, name).clone() for name in FP8_FIELDS}
+
+    def step():
+        fast.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+        return fast.paged_attention(s.q, s.cache, s.chunk_lens)
+
+    eager = step().clone()
+    eager_pools = {name: getattr(s.cache, name).clone() for name in FP8_FIELDS}
+    warm = torch.cuda.Stream(device)
+    warm.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(warm):
+        step()
+    torch.cuda.current_stream(device).wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for name in FP8_FIELDS:
+        getattr(s.cache, name).copy_(base[name])
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert torch.equal(bits(captured), bits(eager))
+    for name in FP8_FIELDS:
+        assert torch.equal(bits(getattr(s.cache, name)), bits(eager_pools[name])), name
+
+
+def test_fp8_no_device_sync_in_launches(device):
+    s = to_fp8(make_scenario(5, **_geometry(5, 64, torch.float16))).to(device=device)
+    ids = s.cache.block_table[0].contiguous()
+    c = s.cache
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast.append_kv(c, s.k, s.v, s.chunk_lens)
+        fast.paged_attention(s.q, c, s.chunk_lens)
+        fast.gather_kv_blocks(c.k_cache[None], c.v_cache[None], ids, 0, c.block_size, k_scale=c.k_scale[None],
+                              v_scale=c.v_scale[None], out_dtype=torch.float16)  # fmt: skip
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize(device)

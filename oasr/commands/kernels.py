@@ -39,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
             for expr, res in compiled.resources.items():
                 rows.append({"kernel": expr, "arch": arch, **asdict(res)})
 
-    header = f"{'kernel':58s} {'arch':6s} {'regs':>5s} {'smem B':>7s} {'stack B':>7s} {'spill st/ld B':>14s}"
+    header = f"{'kernel':70s} {'arch':6s} {'regs':>5s} {'smem B':>7s} {'stack B':>7s} {'spill st/ld B':>14s}"
     print(header)
     print("-" * len(header))
     for r in rows:
         spill = f"{r['spill_stores']}/{r['spill_loads']}"
         print(
-            f"{r['kernel']:58s} {r['arch']:6s} {r['registers']:5d} {r['shared_bytes']:7d} "
+            f"{r['kernel']:70s} {r['arch']:6s} {r['registers']:5d} {r['shared_bytes']:7d} "
             f"{r['stack_bytes']:7d} {spill:>14s}"
         )
     spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]

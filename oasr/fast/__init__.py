@@ -16,6 +16,8 @@ from oasr.fast.slot_state import CnnCacheManager, SlotStateCache, StateView
 from oasr.state_spec import StreamStateSpec
 from oasr.stream_context import StreamContext
 
+SUPPORTS_FP8 = True  # fp8 e4m3 K/V pages (oasr.fast.paged_ops; kernels for head_dim 64 / 128)
+
 __all__ = [
     "AttentionCacheManager",
     "BlockPool",

@@ -74,6 +74,7 @@ import torch
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream
 from oasr.fast.block_pool import BlockPool
+from oasr.fast.paged_ops import quantize_fp8
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache, StreamKVInfo
@@ -133,6 +134,7 @@ class AttentionCacheManager:
         self._cohorts: dict[int, tuple] = {}  # width -> (block_table (w, W), seq meta (2, w))
         self._views: dict[int, tuple] = {}  # width -> (max_seqlen, max_span, its PagedKVCache per layer)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
+        self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
 
     # ---- helpers --------------------------------------------------------------
     def _frames(self, num_frames) -> int:
@@ -427,8 +429,8 @@ class AttentionCacheManager:
         if cached is None or cached[:2] != (max_seqlen, max_span):
             bs = self.config.block_size_frames
             views = [
-                PagedKVCache(k, v, table, seqlens, seqstarts, bs, max_seqlen, max_span, layer)
-                for layer, (k, v) in enumerate(self._layer_kv)
+                PagedKVCache(k, v, table, seqlens, seqstarts, bs, max_seqlen, max_span, layer, *scales)
+                for layer, ((k, v), scales) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
             ]
             cached = self._views[B + pad] = (max_seqlen, max_span, views)
         return list(cached[2])  # the records are frozen; the same ones serve while nothing in them changes
@@ -477,10 +479,15 @@ class AttentionCacheManager:
         if need:
             self._flat_table.index_copy_(0, flat_d, ids_d)
         device = self.pool.k_pool.device
-        k = kv_chunk[..., : cfg.head_dim].transpose(1, 2).to(device=device, dtype=cfg.dtype)  # (L, T, H, D)
-        v = kv_chunk[..., cfg.head_dim :].transpose(1, 2).to(device=device, dtype=cfg.dtype)
-        self.pool.k_pool[:, block_d, offset_d] = k
-        self.pool.v_pool[:, block_d, offset_d] = v
+        k = kv_chunk[..., : cfg.head_dim].transpose(1, 2).to(device=device)  # (L, T, H, D)
+        v = kv_chunk[..., cfg.head_dim :].transpose(1, 2).to(device=device)
+        pool = self.pool
+        if cfg.kv_quantized:  # from the chunk's own values, as the reference's quantize(x) does
+            pool.k_pool[:, block_d, offset_d], pool.k_scale[:, block_d, offset_d] = quantize_fp8(k)
+            pool.v_pool[:, block_d, offset_d], pool.v_scale[:, block_d, offset_d] = quantize_fp8(v)
+        else:
+            pool.k_pool[:, block_d, offset_d] = k.to(cfg.dtype)
+            pool.v_pool[:, block_d, offset_d] = v.to(cfg.dtype)
         slots = np.array([slot])
         self._total[slot] += T
         self._advance(slots, np.array([seqlen + T]))

@@ -13,7 +13,9 @@ for a CPU backend, raises ``ValueError``; a backend that cannot run (no g++, no
 CUDA headers, no NVRTC) raises when first used. The first time a device type is
 served by a backend, one INFO line goes to the ``oasr.fast`` logger;
 ``backend_choices()`` says what a call without ``backend=`` would use now and
-``backends_used()`` what has run so far.
+``backends_used()`` what has run so far; ``choose_backend(device, backend)`` answers
+the same question for one device without recording anything (constructors use it
+to refuse early what the chosen backend cannot serve).
 """
 
 from __future__ import annotations
@@ -45,18 +47,23 @@ def _cpu_default() -> str:
     return name
 
 
-def resolve_backend(device: torch.device, backend: str | None = None) -> str:
-    """The backend that serves tensors on ``device``; reports a new choice once."""
+def choose_backend(device: torch.device, backend: str | None = None) -> str:
+    """The backend that would serve tensors on ``device``; records and reports nothing."""
+    device = torch.device(device)
     if device.type == "cuda":
         if backend not in (None, "cuda"):
             raise ValueError(f"backend={backend!r} is for CPU tensors; CUDA tensors always run the CUDA kernels")
-        name = "cuda"
-    elif device.type == "cpu":
+        return "cuda"
+    if device.type == "cpu":
         if backend is not None and backend not in CPU_BACKENDS:
             raise ValueError(f"backend={backend!r}: CPU tensors take one of {CPU_BACKENDS}")
-        name = backend or _cpu_default()
-    else:
-        raise ValueError(f"oasr.fast has no backend for {device.type} tensors")
+        return backend or _cpu_default()
+    raise ValueError(f"oasr.fast has no backend for {device.type} tensors")
+
+
+def resolve_backend(device: torch.device, backend: str | None = None) -> str:
+    """The backend that serves tensors on ``device``; reports a new choice once."""
+    name = choose_backend(device, backend)
     _used[device.type] = name
     if (device.type, name) not in _reported:
         _reported.add((device.type, name))

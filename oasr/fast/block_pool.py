@@ -30,6 +30,7 @@ import torch
 
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError
+from oasr.fast.paged_ops import check_fp8_supported
 from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
 from oasr.fast.staging import Stager
 
@@ -56,8 +57,14 @@ class BlockPool:
             config.n_kv_head,
             config.head_dim,
         )
-        self.k_pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
-        self.v_pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        if config.kv_quantized:  # refuse now what the fp8 kernels cannot serve, not at the first chunk
+            check_fp8_supported(config.head_dim, config.device, dtype=config.dtype)
+        self.k_pool = torch.zeros(shape, dtype=config.kv_storage_dtype, device=config.device)
+        self.v_pool = torch.zeros(shape, dtype=config.kv_storage_dtype, device=config.device)
+        self.k_scale = self.v_scale = None
+        if config.kv_quantized:
+            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=config.device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=config.device)
         n = config.max_num_blocks
         self._ring = np.arange(n, dtype=np.int32)
         self._head = 0
@@ -178,13 +185,26 @@ class BlockPool:
             raise ValueError(f"BlockPool.zero_blocks: block id {i} outside the pool")
         if ids.size:
             index = self._device_ids(ids)
-            self.k_pool.index_fill_(1, index, 0)
-            self.v_pool.index_fill_(1, index, 0)
+            if self.k_scale is None:
+                self.k_pool.index_fill_(1, index, 0)
+                self.v_pool.index_fill_(1, index, 0)
+            else:  # index_fill_ has no fp8 kernel: zero the bytes (0x00 is +0.0 in e4m3)
+                self.k_pool.view(torch.uint8).index_fill_(1, index, 0)
+                self.v_pool.view(torch.uint8).index_fill_(1, index, 0)
+                self.k_scale.index_fill_(1, index, 0)
+                self.v_scale.index_fill_(1, index, 0)
 
     # ---- tensor entry points ----------------------------------------------
     def get_kv_view(self, layer: int):
         """``(k, v)`` of one layer, each ``(num_pool_blocks, block_size, n_kv_head, head_dim)``."""
         return self.k_pool[layer], self.v_pool[layer]
+
+    def get_kv_scale_view(self, layer: int):
+        """``(k_scale, v_scale)`` of one layer, each ``(num_pool_blocks, block_size, n_kv_head)``;
+        ``(None, None)`` unless the pool stores fp8."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
 
     def get_kv_block_view(self, layer: int, block_id: int):
         """``(k, v)`` of one block in one layer, each ``(block_size, n_kv_head, head_dim)``."""
@@ -208,5 +228,8 @@ class BlockPool:
             )
         if not ids.size:
             L, _, _, H, D = self.k_pool.shape
-            return self.k_pool.new_zeros((L, H, 0, 2 * D))
-        return _gather_kv_blocks(self.k_pool, self.v_pool, self._device_ids(ids), start, num_frames)
+            return self.k_pool.new_zeros((L, H, 0, 2 * D), dtype=self.config.dtype)
+        return _gather_kv_blocks(
+            self.k_pool, self.v_pool, self._device_ids(ids), start, num_frames,
+            k_scale=self.k_scale, v_scale=self.v_scale, out_dtype=self.config.dtype,
+        )  # fmt: skip

@@ -18,6 +18,18 @@ used as is, without a device-to-host read, and the kernels clamp it to
 
 Before capturing a CUDA graph, call ``load_kernels(device)`` (or run each op
 once) so that compilation and module loading happen outside the capture.
+
+fp8 pages (``cache.quantized``; the rule is ``oasr.reference.fp8``'s, restated
+here by ``fp8_scales`` / ``quantize_fp8`` / ``dequantize_fp8``)::
+
+    append_kv          quantizes each written (frame, head) vector: e4m3 data + fp32 scale,
+                       stored bytes and scales bit-identical to the reference on every backend
+    paged_attention    reads dequantized pages (the kernels per tile); q, out in the model dtype
+    gather_kv_blocks   k_scale=, v_scale= and out_dtype= (the model dtype): dequantizes
+
+The kernels tile fp8 pages for head_dim in ``FP8_HEAD_DIMS`` only; the torch
+backend serves any head_dim. ``check_fp8_supported(head_dim, device)`` raises
+the ``ValueError`` a call would raise, so a pool can refuse at construction.
 """
 
 from __future__ import annotations
@@ -26,9 +38,12 @@ import math
 
 import torch
 
-from oasr.fast.backend import resolve_backend
-from oasr.fast.kernels import ops
+from oasr.fast.backend import choose_backend, resolve_backend
+from oasr.fast.kernels import ops, registry
 from oasr.paged import PagedKVCache, check_chunk_lens, check_kv_chunk, check_query
+
+FP8_DTYPE = registry.FP8_DTYPE
+FP8_HEAD_DIMS = registry.FP8_HEAD_DIMS
 
 
 def _executor(name: str, device: torch.device):
@@ -74,6 +89,52 @@ def _kernel_lens(chunk_lens, batch: int, num_frames: int, device: torch.device, 
     return _host_lens(chunk_lens, batch, num_frames, op).to(device)
 
 
+# -- fp8 ----------------------------------------------------------------------------------------
+
+
+def check_fp8_supported(
+    head_dim: int, device: torch.device | str, *, dtype: torch.dtype | None = None, backend: str | None = None
+) -> None:
+    """Raise ``ValueError`` if fp8 K/V pages of ``head_dim`` (and model ``dtype``) cannot be served on
+    ``device`` by ``backend`` (default: what a call without ``backend=`` would use now). The kernels
+    ("cuda", "emulated") tile head_dim in ``FP8_HEAD_DIMS`` and take fp32/fp16/bf16 queries; "torch"
+    serves any. Reads nothing from the device; records no backend choice."""
+    name = choose_backend(torch.device(device), backend)
+    if name != "torch":
+        ops.check_fp8_geometry(int(head_dim), dtype, name)
+
+
+def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Per-vector fp32 scales for absolute maxima ``amax``: the least power of two ``s`` with
+    ``amax / s <= 448``, at least 2**-149, and 1 for ``amax == 0``.
+
+    The kernels' exponent arithmetic (``fp8_scale`` in kernels_cu/common.cuh), vectorised:
+    ``amax = 1.f * 2**e`` gives ``s = 2**(e - 8)`` when ``1.f <= 1.75`` (fraction bits <= 0x600000),
+    else ``2**(e - 7)``; fp32 denormals are scaled by 2**64 first. NaN maxima get 1 (not specified).
+    """
+    amax = amax.float().contiguous()
+    tiny = amax < 2.0**-126
+    bits = torch.where(tiny, amax * 2.0**64, amax).view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127 - torch.where(tiny, 64, 0).to(torch.int32)
+    k = (exponent - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)).clamp(min=-149)
+    normal = (k.clamp(min=-126) + 127) << 23
+    subnormal = torch.ones_like(k) << (k + 149).clamp(0, 22)
+    scale = torch.where(k >= -126, normal, subnormal).view(torch.float32)
+    return torch.where(amax > 0, scale, 1.0)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 data of x's shape, fp32 scales of x.shape[:-1])``, one scale per vector along the last dim."""
+    x = x.float()
+    scale = fp8_scales(x.abs().amax(dim=-1))
+    return (x / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``stored.float() * scale`` in fp32, rounded once to ``dtype``."""
+    return (stored.float() * scale.unsqueeze(-1)).to(dtype)
+
+
 # -- append_kv ---------------------------------------------------------------------------------
 
 
@@ -85,6 +146,8 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
     if name == "torch":
         _append_kv_torch(cache, k, v, _host_lens(chunk_lens, B, T, "append_kv"))
     else:
+        if cache.quantized:
+            check_fp8_supported(cache.head_dim, k.device, backend=name)
         lens = _kernel_lens(chunk_lens, B, T, k.device, "append_kv")
         ops.append_kv(_executor(name, k.device), cache, k, v, lens)
 
@@ -97,6 +160,10 @@ def _append_kv_torch(cache: PagedKVCache, k, v, lens: torch.Tensor) -> None:
     positions = (cache.cache_seqlens.long()[:, None] + t[None, :])[valid]
     blocks = cache.block_table[rows, positions // cache.block_size].long()
     offsets = positions % cache.block_size
+    if cache.quantized:
+        cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize_fp8(k[valid])
+        cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize_fp8(v[valid])
+        return
     cache.k_cache[blocks, offsets] = k[valid].to(cache.k_cache.dtype)
     cache.v_cache[blocks, offsets] = v[valid].to(cache.v_cache.dtype)
 
@@ -120,6 +187,8 @@ def paged_attention(
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     if name == "torch":
         return _paged_attention_torch(q, cache, _host_lens(chunk_lens, B, T, "paged_attention"), scale, causal)
+    if cache.quantized:
+        check_fp8_supported(D, q.device, dtype=q.dtype, backend=name)
     lens = _kernel_lens(chunk_lens, B, T, q.device, "paged_attention")
     return ops.paged_attention(_executor(name, q.device), q, cache, lens, scale, causal)
 
@@ -145,8 +214,12 @@ def _paged_attention_torch(q, cache: PagedKVCache, lens: torch.Tensor, scale: fl
     blocks = torch.where(key_ok, cache.block_table.long().gather(1, columns), 0)
     offsets = torch.where(key_ok, key_pos % cache.block_size, 0)
     keep = key_ok[:, :, None, None]
-    k = torch.where(keep, cache.k_cache[blocks, offsets].float(), 0.0)  # (B, L, Hkv, D)
-    v = torch.where(keep, cache.v_cache[blocks, offsets].float(), 0.0)
+    k, v = cache.k_cache[blocks, offsets], cache.v_cache[blocks, offsets]  # (B, L, Hkv, D)
+    if cache.quantized:  # dequantize exactly as the reference: stored.float() * scale, in fp32
+        k = dequantize_fp8(k, cache.k_scale[blocks, offsets])
+        v = dequantize_fp8(v, cache.v_scale[blocks, offsets])
+    k = torch.where(keep, k.float(), 0.0)
+    v = torch.where(keep, v.float(), 0.0)
 
     qf = q.float().reshape(B, Hkv, H // Hkv, T, D)
     scores = torch.einsum("bkgtd,blkd->bkgtl", qf, k) * scale
@@ -174,6 +247,9 @@ def gather_kv_blocks(
     num_frames: int,
     out: torch.Tensor | None = None,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     backend=None,
 ) -> torch.Tensor:
     """All layers of ``num_frames`` frames of one stream, packed K|V: ``(L, Hkv, T, 2 * D)``.
@@ -181,7 +257,13 @@ def gather_kv_blocks(
     ``k_pool, v_pool``: the pool, ``(num_layers, num_pool_blocks, block_size, n_kv_head,
     head_dim)``. ``block_ids``: the stream's physical blocks in order (int32, 1-D).
     Frame ``f`` is position ``start + f`` of the blocks' concatenation. ``out``, when
-    given, must be contiguous with that shape and the pool's dtype and device.
+    given, must be contiguous with that shape, on the pool's device.
+
+    The output dtype is ``out``'s, else ``out_dtype``. A pool in the model dtype is copied
+    (the output dtype, if given, must be the pool's). An fp8 pool comes with ``k_scale`` and
+    ``v_scale`` (fp32, ``(num_layers, num_pool_blocks, block_size, n_kv_head)``) and is
+    dequantized, ``(stored.float() * scale).to(dtype)``, into the model dtype, which must
+    then be given (``out`` or ``out_dtype``).
     """
     if k_pool.dim() != 5 or k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
         raise ValueError(
@@ -200,12 +282,21 @@ def gather_kv_blocks(
             f"gather_kv_blocks: frames [{start}, {start + num_frames}) outside the {block_ids.shape[0]} "
             f"blocks of {bs} frames"
         )
+    quantized = _check_gather_scales(k_pool, k_scale, v_scale)
+    dtype = out.dtype if out is not None else out_dtype
+    if out is not None and out_dtype is not None and out_dtype != out.dtype:
+        raise ValueError(f"gather_kv_blocks: out is {out.dtype} but out_dtype={out_dtype}")
+    if quantized and dtype is None:
+        raise ValueError("gather_kv_blocks: an fp8 pool needs the model dtype to dequantize into (out or out_dtype)")
+    if not quantized and dtype not in (None, k_pool.dtype):
+        raise ValueError(f"gather_kv_blocks: the pool is {k_pool.dtype}; it is copied, not converted, to {dtype}")
+    dtype = dtype or k_pool.dtype
     shape = (L, Hkv, num_frames, 2 * D)
     if out is None:
-        out = torch.empty(shape, dtype=k_pool.dtype, device=k_pool.device)
-    elif out.shape != shape or out.dtype != k_pool.dtype or out.device != k_pool.device or not out.is_contiguous():
+        out = torch.empty(shape, dtype=dtype, device=k_pool.device)
+    elif out.shape != shape or out.device != k_pool.device or not out.is_contiguous():
         raise ValueError(
-            f"gather_kv_blocks: out must be a contiguous {shape} {k_pool.dtype} tensor on {k_pool.device}, "
+            f"gather_kv_blocks: out must be a contiguous {shape} {dtype} tensor on {k_pool.device}, "
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
     name = resolve_backend(k_pool.device, backend)
@@ -213,13 +304,37 @@ def gather_kv_blocks(
         positions = start + torch.arange(num_frames)
         blocks = block_ids.long()[positions // bs]
         offsets = positions % bs
-        out[..., :D] = k_pool[:, blocks, offsets].transpose(1, 2)  # (L, T, Hkv, D) -> (L, Hkv, T, D)
-        out[..., D:] = v_pool[:, blocks, offsets].transpose(1, 2)
+        k, v = k_pool[:, blocks, offsets], v_pool[:, blocks, offsets]  # (L, T, Hkv, D)
+        if quantized:
+            k = dequantize_fp8(k, k_scale[:, blocks, offsets], dtype)
+            v = dequantize_fp8(v, v_scale[:, blocks, offsets], dtype)
+        out[..., :D] = k.transpose(1, 2)  # (L, T, Hkv, D) -> (L, Hkv, T, D)
+        out[..., D:] = v.transpose(1, 2)
         return out
+    if quantized:
+        check_fp8_supported(D, k_pool.device, dtype=dtype, backend=name)
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise ValueError("gather_kv_blocks: the pools must be contiguous for the kernels")
     if name == "emulated" and num_frames:  # host memory: a bad id would be a wild read, so check
         used = block_ids[start // bs : (start + num_frames - 1) // bs + 1]
         if int(used.min()) < 0 or int(used.max()) >= k_pool.shape[1]:
             raise IndexError(f"gather_kv_blocks: block id outside [0, {k_pool.shape[1]})")
-    return ops.gather_kv_blocks(_executor(name, k_pool.device), k_pool, v_pool, block_ids, start, num_frames, out)
+    executor = _executor(name, k_pool.device)
+    return ops.gather_kv_blocks(executor, k_pool, v_pool, block_ids, start, num_frames, out, k_scale, v_scale)
+
+
+def _check_gather_scales(k_pool: torch.Tensor, k_scale, v_scale) -> bool:
+    """True for an fp8 pool with its scales; refuses half a pair, or scales of the wrong shape or dtype."""
+    if k_scale is None and v_scale is None:
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError("gather_kv_blocks: pass both k_scale and v_scale, or neither")
+    if k_pool.dtype != FP8_DTYPE:
+        raise ValueError(f"gather_kv_blocks: scales were given but the pool is {k_pool.dtype}, not {FP8_DTYPE}")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.shape != k_pool.shape[:-1] or t.dtype != torch.float32 or t.device != k_pool.device:
+            raise ValueError(
+                f"gather_kv_blocks: {name} must be {tuple(k_pool.shape[:-1])} float32 on {k_pool.device}, "
+                f"got {tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+    return True

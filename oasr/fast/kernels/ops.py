@@ -8,6 +8,12 @@ alignment), sizes the grid from shapes and the view's host-side maxima
 ``.tolist()``, no ``.cpu()``. Per-row values (``chunk_lens``, seqlens) are
 trusted as the kernels see them; the fast twin's ``paged_ops`` validates them
 first wherever they are on the host already.
+
+fp8 pages (``cache.quantized``): ``append_kv`` launches the quantizing
+``paged_kv_append_fp8_kernel``, ``paged_attention`` the attention kernel's fp8
+page variant (q and out stay in the model dtype), ``gather_kv_blocks`` the
+dequantizing ``gather_kv_blocks_fp8_kernel``. Each refuses, by name, a geometry
+the kernels cannot tile (``check_fp8_geometry``).
 """
 
 from __future__ import annotations
@@ -56,6 +62,42 @@ def _check_pool(cache: PagedKVCache) -> None:
         raise ValueError("k_cache and v_cache must have the same shape and dtype")
     if cache.k_cache.shape[1] != cache.block_size:
         raise ValueError(f"pool block dim {cache.k_cache.shape[1]} != block_size {cache.block_size}")
+    if cache.quantized:
+        _check_scales(cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)
+
+
+def _check_scales(k_pool, v_pool, k_scale, v_scale) -> None:
+    """fp8 data and its fp32 scales: one scale per vector, contiguous, on the pool's device."""
+    if k_pool.dtype != registry.FP8_DTYPE:
+        raise ValueError(f"fp8 pages: the pool is {k_pool.dtype}, expected {registry.FP8_DTYPE} with scales")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None or t.shape != k_pool.shape[:-1] or t.dtype != torch.float32:
+            got = None if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise ValueError(f"fp8 pages: {name} must be {tuple(k_pool.shape[:-1])} float32, got {got}")
+        if not t.is_contiguous() or t.device != k_pool.device:
+            raise ValueError(f"fp8 pages: {name} must be contiguous and on {k_pool.device}")
+    for name, t in (("k", k_pool), ("v", v_pool)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"fp8 pages: the {name} pool must be 16-byte aligned")
+
+
+def check_fp8_geometry(head_dim: int, dtype: torch.dtype | None = None, backend: str = "cuda") -> None:
+    """Refuse what the fp8 kernels cannot serve: a head_dim they do not tile, a model dtype they do not take."""
+    if head_dim not in registry.FP8_HEAD_DIMS:
+        raise ValueError(
+            f"fp8 K/V pages: the {backend!r} kernels tile head_dim in {registry.FP8_HEAD_DIMS}, got head_dim={head_dim}"
+        )
+    if dtype is not None and dtype not in registry.DTYPE_ARG:
+        raise ValueError(
+            f"fp8 K/V pages: the {backend!r} kernels take a model dtype in "
+            f"{tuple(str(d) for d in registry.DTYPE_ARG)}, got {dtype}"
+        )
+
+
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at a 16-byte aligned address (a copy only when it is not)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _copy_unit(row_bytes: int, *tensors: torch.Tensor) -> int:
@@ -75,9 +117,13 @@ def _grid_1d(items: int, executor) -> int:
 def append_kv(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | None) -> None:
     """Launch paged_kv_append. ``chunk_lens`` is None (all T) or an int32 (B,) tensor on the pool's device."""
     _check_pool(cache)
+    if cache.quantized:
+        check_fp8_geometry(cache.head_dim, None, executor.kind)
     B, T = k.shape[:2]
     if B == 0 or T == 0:
         return
+    if cache.quantized:
+        return _append_kv_fp8(executor, cache, k, v, chunk_lens)
     dtype = cache.k_cache.dtype
     k = k.to(dtype).contiguous()
     v = v.to(dtype).contiguous()
@@ -93,6 +139,24 @@ def append_kv(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | No
     )  # fmt: skip
     grid = (_grid_1d(B * T * units, executor), 1, 1)
     executor.launch(kernel, (registry.UNIT_ARG[unit],), grid, (THREADS, 1, 1), args)
+
+
+def _append_kv_fp8(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | None) -> None:
+    """Launch paged_kv_append_fp8: quantize each (frame, head) vector, write data and scale."""
+    B, T, Hkv, D = k.shape
+    if k.dtype != v.dtype or k.dtype not in registry.DTYPE_ARG:
+        k, v = k.float(), v.float()  # the reference's x.float(); the kernel widens the others itself
+    k, v = _aligned16(k), _aligned16(v)
+    table = _block_table(cache)
+    seqlens = _int32_vector(cache.cache_seqlens, "cache_seqlens", B, k.device)
+    lanes_per_vector = D // (16 // k.element_size())
+    args = (
+        _ptr(k), _ptr(v), _ptr(cache.k_cache), _ptr(cache.v_cache), _ptr(cache.k_scale), _ptr(cache.v_scale),
+        _ptr(table), table.stride(0), _ptr(seqlens), _ptr(chunk_lens), B, T, cache.block_size, Hkv,
+    )  # fmt: skip
+    grid = (_grid_1d(B * T * Hkv * lanes_per_vector, executor), 1, 1)
+    kernel = registry.BY_NAME["paged_kv_append_fp8_kernel"]
+    executor.launch(kernel, (registry.DTYPE_ARG[k.dtype], str(D)), grid, (THREADS, 1, 1), args)
 
 
 def choose_num_splits(batch: int, n_kv_head: int, q_tiles: int, max_keys: int, sm_count: int) -> int:
@@ -123,14 +187,21 @@ def paged_attention(
     _check_pool(cache)
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
-    dtype = cache.k_cache.dtype
-    if q.dtype != dtype:
-        raise ValueError(f"fast paged_attention: q is {q.dtype} but the pool is {dtype}; the kernels need one dtype")
-    if dtype not in registry.DTYPE_ARG or D not in registry.HEAD_DIMS:
-        raise ValueError(
-            f"fast paged_attention: no kernel for dtype={dtype}, head_dim={D} "
-            f"(kernels: {sorted(str(d) for d in registry.DTYPE_ARG)}, head_dim {registry.HEAD_DIMS})"
-        )
+    if cache.quantized:  # fp8 pages, q and out in the model dtype
+        check_fp8_geometry(D, q.dtype, executor.kind)
+        dtype, page = q.dtype, registry.FP8_ARG
+    else:
+        dtype = cache.k_cache.dtype
+        if q.dtype != dtype:
+            raise ValueError(
+                f"fast paged_attention: q is {q.dtype} but the pool is {dtype}; the kernels need one dtype"
+            )
+        if dtype not in registry.DTYPE_ARG or D not in registry.HEAD_DIMS:
+            raise ValueError(
+                f"fast paged_attention: no kernel for dtype={dtype}, head_dim={D} "
+                f"(kernels: {sorted(str(d) for d in registry.DTYPE_ARG)}, head_dim {registry.HEAD_DIMS})"
+            )
+        page = registry.DTYPE_ARG[dtype]
     q = q.contiguous()
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     if B == 0 or T == 0 or H == 0:
@@ -156,12 +227,17 @@ def paged_attention(
         part_ml = torch.empty((num_splits, B, H, T, 2), dtype=torch.float32, device=q.device)
     targs = (registry.DTYPE_ARG[dtype], str(D))
     args = (
-        _ptr(q), _ptr(cache.k_cache), _ptr(cache.v_cache), _ptr(table), table.stride(0), _ptr(seqlens),
-        _ptr(seqstarts), _ptr(chunk_lens), _ptr(out), _ptr(part_acc), _ptr(part_ml), H, Hkv, T,
-        cache.block_size, num_splits, split_len, scale * math.log2(math.e), int(bool(causal)),
+        _ptr(q), _ptr(cache.k_cache), _ptr(cache.v_cache), _ptr(cache.k_scale), _ptr(cache.v_scale), _ptr(table),
+        table.stride(0), _ptr(seqlens), _ptr(seqstarts), _ptr(chunk_lens), _ptr(out), _ptr(part_acc),
+        _ptr(part_ml), H, Hkv, T, cache.block_size, num_splits, split_len, scale * math.log2(math.e),
+        int(bool(causal)),
     )  # fmt: skip
     executor.launch(
-        registry.BY_NAME["paged_chunk_attention_kernel"], targs, (q_tiles * num_splits, Hkv, B), (THREADS, 1, 1), args
+        registry.BY_NAME["paged_chunk_attention_kernel"],
+        (targs[0], page, targs[1]),
+        (q_tiles * num_splits, Hkv, B),
+        (THREADS, 1, 1),
+        args,
     )
     if num_splits > 1:
         rows = B * H * T
@@ -176,11 +252,40 @@ def paged_attention(
 
 
 def gather_kv_blocks(
-    executor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor, start: int, num_frames: int, out
+    executor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_ids: torch.Tensor,
+    start: int,
+    num_frames: int,
+    out,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch gather_kv_blocks: all layers of one stream's frames into (L, Hkv, T, 2D)."""
+    """Launch gather_kv_blocks: all layers of one stream's frames into (L, Hkv, T, 2D).
+
+    With ``k_scale``/``v_scale`` (fp8 pools, scales ``(L, NB, bs, Hkv)``) the fp8 kernel dequantizes
+    into ``out``'s dtype.
+    """
     L, NB, bs, Hkv, D = k_pool.shape
+    if k_scale is not None or v_scale is not None:
+        _check_scales(k_pool, v_pool, k_scale, v_scale)
+        check_fp8_geometry(D, out.dtype, executor.kind)
     if out.shape[2] == 0 or L == 0 or Hkv == 0:
+        return out
+    if k_scale is not None:
+        if out.data_ptr() % 16:
+            raise ValueError("gather_kv_blocks: out must be 16-byte aligned for the fp8 kernel")
+        block_ids = block_ids.to(torch.int32).contiguous()
+        args = (
+            _ptr(k_pool), _ptr(v_pool), _ptr(k_scale), _ptr(v_scale), _ptr(out), _ptr(block_ids), int(start),
+            int(num_frames), L, NB, bs, Hkv, D,
+        )  # fmt: skip
+        grid = (_grid_1d(out.numel() * out.element_size() // 16, executor), 1, 1)
+        executor.launch(
+            registry.BY_NAME["gather_kv_blocks_fp8_kernel"], (registry.DTYPE_ARG[out.dtype],), grid,
+            (THREADS, 1, 1), args,
+        )  # fmt: skip
         return out
     row_bytes = D * k_pool.element_size()
     unit = _copy_unit(row_bytes, k_pool, v_pool, out)

@@ -28,9 +28,13 @@ EMULATION_HEADERS = ("emu/simt_emu.h",)
 
 # Template arguments for each dtype the kernels take.
 DTYPE_ARG = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+# fp8 pages (CacheConfig(kv_cache_dtype="fp8_e4m3")): e4m3 data plus one fp32 scale per vector.
+FP8_ARG = "__nv_fp8_e4m3"
+FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 # Copy kernels move bytes: 16-byte units when sizes and addresses allow, else 2.
 UNIT_ARG = {16: "oasr::Bytes16", 2: "unsigned short"}
 HEAD_DIMS = (64, 128)
+FP8_HEAD_DIMS = HEAD_DIMS  # the fp8 kernels tile the same head dims
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class Kernel:
 
 _COPY_UNITS = tuple((u,) for u in UNIT_ARG.values())
 _DTYPE_HEAD = tuple((t, str(d)) for t in DTYPE_ARG.values() for d in HEAD_DIMS)
+_DTYPE_FP8_HEAD = tuple((t, str(d)) for t in DTYPE_ARG.values() for d in FP8_HEAD_DIMS)
+# Attention: (model dtype, page type, head_dim), pages in the model dtype or in fp8.
+_ATTENTION = tuple((t, page, str(d)) for t in DTYPE_ARG.values() for page in (t, FP8_ARG) for d in HEAD_DIMS)
 
 KERNELS: tuple[Kernel, ...] = (
     Kernel(
@@ -74,12 +81,35 @@ KERNELS: tuple[Kernel, ...] = (
         instances=_COPY_UNITS,
     ),
     Kernel(
+        name="oasr::paged_kv_append_fp8_kernel",
+        family="paged_kv_append",
+        params=(
+            ("k_chunk", "ptr"),
+            ("v_chunk", "ptr"),
+            ("k_cache", "ptr"),
+            ("v_cache", "ptr"),
+            ("k_scale", "ptr"),
+            ("v_scale", "ptr"),
+            ("block_table", "ptr"),
+            ("table_stride", "i32"),
+            ("cache_seqlens", "ptr"),
+            ("chunk_lens", "ptr"),
+            ("batch", "i32"),
+            ("num_frames", "i32"),
+            ("block_size", "i32"),
+            ("n_kv_head", "i32"),
+        ),
+        instances=_DTYPE_FP8_HEAD,
+    ),
+    Kernel(
         name="oasr::paged_chunk_attention_kernel",
         family="paged_chunk_attention",
         params=(
             ("q", "ptr"),
             ("k_cache", "ptr"),
             ("v_cache", "ptr"),
+            ("k_scale", "ptr"),
+            ("v_scale", "ptr"),
             ("block_table", "ptr"),
             ("table_stride", "i32"),
             ("cache_seqlens", "ptr"),
@@ -97,7 +127,7 @@ KERNELS: tuple[Kernel, ...] = (
             ("scale_log2", "f32"),
             ("causal", "i32"),
         ),
-        instances=_DTYPE_HEAD,
+        instances=_ATTENTION,
     ),
     Kernel(
         name="oasr::paged_attention_combine_kernel",
@@ -128,6 +158,26 @@ KERNELS: tuple[Kernel, ...] = (
             ("units_per_row", "i32"),
         ),
         instances=_COPY_UNITS,
+    ),
+    Kernel(
+        name="oasr::gather_kv_blocks_fp8_kernel",
+        family="gather_kv_blocks",
+        params=(
+            ("k_pool", "ptr"),
+            ("v_pool", "ptr"),
+            ("k_scale", "ptr"),
+            ("v_scale", "ptr"),
+            ("out", "ptr"),
+            ("block_ids", "ptr"),
+            ("start", "i32"),
+            ("num_frames", "i32"),
+            ("num_layers", "i32"),
+            ("num_pool_blocks", "i32"),
+            ("block_size", "i32"),
+            ("n_kv_head", "i32"),
+            ("head_dim", "i32"),
+        ),
+        instances=tuple((t,) for t in DTYPE_ARG.values()),
     ),
 )
 

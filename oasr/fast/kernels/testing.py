@@ -13,6 +13,11 @@ want to see the kernels fail:
 
 Values are drawn in fp32 and rounded to the pool dtype, so the same scenario
 upcast to fp32 (``Scenario.to(torch.float32)``) holds exactly the same numbers.
+
+``to_fp8(scenario)`` turns a scenario into one over fp8 pages: the history is
+quantized (``oasr.reference.fp8.quantize``), every other pool byte is the e4m3
+NaN (0x7f) and every other scale is NaN, so a stray read of either shows up.
+q, k and v keep the model dtype.
 """
 
 from __future__ import annotations
@@ -35,10 +40,14 @@ class Scenario:
 
     def clone(self) -> Scenario:
         c = self.cache
-        return replace(self, cache=replace(c, k_cache=c.k_cache.clone(), v_cache=c.v_cache.clone()))
+        scales = {}
+        if c.quantized:
+            scales = dict(k_scale=c.k_scale.clone(), v_scale=c.v_scale.clone())
+        return replace(self, cache=replace(c, k_cache=c.k_cache.clone(), v_cache=c.v_cache.clone(), **scales))
 
     def to(self, dtype=None, device=None) -> Scenario:
-        """Same numbers in another dtype / on another device (pools copied)."""
+        """Same numbers in another dtype / on another device (pools copied; fp8 pools and their
+        scales keep their dtypes)."""
         c = self.cache
 
         def move(t, keep_dtype=False):
@@ -46,11 +55,13 @@ class Scenario:
 
         cache = replace(
             c,
-            k_cache=move(c.k_cache),
-            v_cache=move(c.v_cache),
+            k_cache=move(c.k_cache, c.quantized),
+            v_cache=move(c.v_cache, c.quantized),
             block_table=move(c.block_table, True),
             cache_seqlens=move(c.cache_seqlens, True),
             cache_seqstarts=move(c.cache_seqstarts, True),
+            k_scale=None if c.k_scale is None else move(c.k_scale, True),
+            v_scale=None if c.v_scale is None else move(c.v_scale, True),
         )
         return Scenario(cache, move(self.q), move(self.k), move(self.v), move(self.chunk_lens, True))
 
@@ -116,6 +127,23 @@ def make_scenario(
     return Scenario(cache, q, k, v, torch.tensor(lens, dtype=torch.int32))
 
 
+def to_fp8(s: Scenario) -> Scenario:
+    """The scenario over fp8 pages: quantized history, NaN bytes and NaN scales everywhere else."""
+    from oasr.reference.fp8 import FP8_DTYPE, quantize
+
+    c = s.cache
+    shape = c.k_cache.shape
+    pools = []
+    for src in (c.k_cache, c.v_cache):
+        data = torch.full(shape, 0x7F, dtype=torch.uint8).view(FP8_DTYPE)  # e4m3 NaN
+        scale = torch.full(shape[:-1], float("nan"), dtype=torch.float32)
+        held = ~src.float().isnan().any(dim=-1)  # the history's vectors (make_scenario poisons the rest)
+        data[held], scale[held] = quantize(src[held])
+        pools += [data, scale]
+    k, k_scale, v, v_scale = pools
+    return replace(s, cache=replace(c, k_cache=k, v_cache=v, k_scale=k_scale, v_scale=v_scale))
+
+
 def written_slots(s: Scenario) -> torch.Tensor:
     """Bool (num_pool_blocks, block_size): the slots append_kv writes for this scenario."""
     c = s.cache
@@ -129,7 +157,7 @@ def written_slots(s: Scenario) -> torch.Tensor:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of a float tensor as ints: NaN == NaN when the bytes are equal."""
-    return t.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
 def low_precision_bound(ref32: torch.Tensor, ref_lowp: torch.Tensor, floor: float) -> torch.Tensor:
