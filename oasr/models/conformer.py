@@ -241,12 +241,14 @@ class StreamingConformer(nn.Module):
     # ---- 1. offline ------------------------------------------------------------------------
     @torch.no_grad()
     def forward_offline(self, xs: torch.Tensor, xs_lens=None, num_left_chunks: int | None = None,
-                        prefill_window: bool = False):
+                        prefill_window: bool = False, kv_transform=None):
         """Whole utterances ``xs (B, T_in, input_dim)`` -> ``(log_probs (B, T_in // 4, vocab), out_lens (B,))``.
 
         Chunk-masked attention (``num_left_chunks`` defaults to the model's), causal
         convolutions. ``prefill_window`` puts ``num_left_chunks * chunk_size`` zero keys
-        and values before frame 0, as a prefilled paged window does.
+        and values before frame 0, as a prefilled paged window does. ``kv_transform``,
+        if given, maps every layer's keys and values ``(B, T, n_kv_head, head_dim)``
+        before attention: what a cache stores them as (e.g. an fp8 round trip).
         """
         cfg = self.config
         self._check_features(xs, "forward_offline")
@@ -270,6 +272,8 @@ class StreamingConformer(nn.Module):
         zero_context = x.new_zeros((B, cfg.kernel_size - 1, cfg.hidden_dim))
 
         def attend(q, k, v):
+            if kv_transform is not None:
+                k, v = kv_transform(k), kv_transform(v)
             return masked_attention(q, torch.cat([zeros_kv, k], 1), torch.cat([zeros_kv, v], 1), allowed)
 
         for layer in self.layers:
