@@ -194,7 +194,7 @@ def paged_attention(
 
 
 def _paged_attention_torch(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causal: bool):
-    """Gather every row's key range into a padded (B, L, Hkv, D), mask, and run fp32 attention."""
+    """Gather every row's key range into a padded (B, Hkv, L, D), mask, and run fp32 attention."""
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
     lens = lens.long()
@@ -213,16 +213,22 @@ def _paged_attention_torch(q, cache: PagedKVCache, lens: torch.Tensor, scale: fl
     columns = torch.where(key_ok, key_pos // cache.block_size, 0)
     blocks = torch.where(key_ok, cache.block_table.long().gather(1, columns), 0)
     offsets = torch.where(key_ok, key_pos % cache.block_size, 0)
-    keep = key_ok[:, :, None, None]
-    k, v = cache.k_cache[blocks, offsets], cache.v_cache[blocks, offsets]  # (B, L, Hkv, D)
+    # One index_select over (block, offset, head) vectors lands K/V directly in the (B, Hkv, L, D)
+    # layout the matmuls read: no advanced-indexing gather, no transposing copy.
+    vector = ((blocks * cache.block_size + offsets)[:, None, :] * Hkv + torch.arange(Hkv)[None, :, None]).view(-1)
+    k = cache.k_cache.reshape(-1, D).index_select(0, vector).view(B, Hkv, L, D)
+    v = cache.v_cache.reshape(-1, D).index_select(0, vector).view(B, Hkv, L, D)
     if cache.quantized:  # dequantize exactly as the reference: stored.float() * scale, in fp32
-        k = dequantize_fp8(k, cache.k_scale[blocks, offsets])
-        v = dequantize_fp8(v, cache.v_scale[blocks, offsets])
-    k = torch.where(keep, k.float(), 0.0)
-    v = torch.where(keep, v.float(), 0.0)
-
-    qf = q.float().reshape(B, Hkv, H // Hkv, T, D)
-    scores = torch.einsum("bkgtd,blkd->bkgtl", qf, k) * scale
+        k = dequantize_fp8(k, cache.k_scale.reshape(-1).index_select(0, vector).view(B, Hkv, L))
+        v = dequantize_fp8(v, cache.v_scale.reshape(-1).index_select(0, vector).view(B, Hkv, L))
+    k, v = k.float(), v.float()  # fresh tensors from the gather (float() copies only other dtypes)
+    if not bool(key_ok.all()):  # a host read, fine on this CPU-only path: zero the padding in place
+        pad = ~key_ok[:, None, :, None]
+        k.masked_fill_(pad, 0.0)
+        v.masked_fill_(pad, 0.0)
+    G = H // Hkv
+    qf = q.float().reshape(B, Hkv, G * T, D)  # query head h = kv_head * G + g, rows (g, t)
+    scores = (qf @ k.transpose(2, 3)).mul_(scale).view(B, Hkv, G, T, L)
     allowed = key_ok[:, None, :].expand(B, T, L)  # (B, T, L)
     if causal:
         query_pos = seqlens[:, None] + torch.arange(T)[None, :]
@@ -231,8 +237,8 @@ def _paged_attention_torch(q, cache: PagedKVCache, lens: torch.Tensor, scale: fl
     allowed = allowed[:, None, None]  # (B, 1, 1, T, L)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, 0.0)  # fully masked rows: zeros
-    out = torch.einsum("bkgtl,blkd->bkgtd", probs, v).reshape(B, H, T, D)
+    probs = probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)  # fully masked rows: zeros
+    out = (probs.view(B, Hkv, G * T, L) @ v).view(B, H, T, D)
     return out.to(q.dtype)
 
 
