@@ -160,3 +160,17 @@ def check_log_probs(where: str, log_probs, batch: int, vocab_size: int, frame_di
     # one reduction: the max is NaN if any entry is NaN, +inf if any is +inf
     if log_probs.numel() and not bool(log_probs.amax() < math.inf):
         raise ValueError(f"{where}: log_probs contains NaN or +inf")
+
+
+def check_cohort(states: list, log_probs_list: list, check_state) -> None:
+    """Validation both twins' ``decode_chunks`` share: one chunk per distinct state, each valid for it.
+
+    ``check_state(state, where)`` is the twin's own check that ``state`` is one of its states.
+    """
+    if len(states) != len(log_probs_list):
+        raise ValueError(f"decode_chunks: {len(states)} states but {len(log_probs_list)} log-probability chunks")
+    if len({id(s) for s in states}) != len(states):
+        raise ValueError("decode_chunks: the same state appears twice in one cohort")
+    for state, log_probs in zip(states, log_probs_list, strict=True):
+        check_state(state, "decode_chunk")
+        check_log_probs("decode_chunk", log_probs, state.batch, state.vocab_size)

@@ -70,6 +70,7 @@ import torch
 from oasr.ctc_config import (
     CtcDecoderConfig,
     CtcHypothesis,
+    check_cohort,
     check_log_probs,
     check_state_shape,
 )
@@ -459,13 +460,7 @@ class StreamingCtcDecoder:
             raise ValueError(f"{where}: state was made for {state.config}, this decoder has {self.config}")
 
     def _check_cohort(self, states, log_probs_list) -> None:
-        if len(states) != len(log_probs_list):
-            raise ValueError(f"decode_chunks: {len(states)} states but {len(log_probs_list)} log-probability chunks")
-        if len({id(s) for s in states}) != len(states):
-            raise ValueError("decode_chunks: the same state appears twice in one cohort")
-        for state, log_probs in zip(states, log_probs_list, strict=True):
-            self._check_state(state, "decode_chunk")
-            check_log_probs("decode_chunk", log_probs, state.batch, state.vocab_size)
+        check_cohort(states, log_probs_list, self._check_state)
         if states:
             shapes = {(x.shape[1], x.shape[2]) for x in log_probs_list}
             devices = {s.device for s in states}
