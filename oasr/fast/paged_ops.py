@@ -34,9 +34,11 @@ the ``ValueError`` a call would raise, so a pool can refuse at construction.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
+import torch.nn.functional as F
 
 from oasr.fast.backend import choose_backend, resolve_backend
 from oasr.fast.kernels import ops, registry
@@ -193,7 +195,30 @@ def paged_attention(
     return ops.paged_attention(_executor(name, q.device), q, cache, lens, scale, causal)
 
 
+# Rows per group on the CPU path: a group's gathered K and V stay within this many bytes, so they
+# live in cache instead of in freshly mapped memory (at 32 streams x 1040 keys one ungrouped
+# gather was 34 MB, page-faulted on every call, and twice the reference's time).
+_CPU_GROUP_BYTES = 4 << 20
+
+
 def _paged_attention_torch(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causal: bool):
+    """Vectorised attention over groups of rows sized to ``_CPU_GROUP_BYTES`` (see ``_attend_rows``)."""
+    B, H, T, D = q.shape
+    per_row = 2 * cache.n_kv_head * max(cache.max_span + T, 1) * D * 4
+    rows = max(1, _CPU_GROUP_BYTES // per_row)
+    if rows >= B:
+        return _attend_rows(q, cache, lens, scale, causal)
+    out = torch.empty_like(q)
+    for r0 in range(0, B, rows):  # row tiles, like a kernel's grid; each tile is one vectorised pass
+        r1 = min(B, r0 + rows)
+        tile = dataclasses.replace(cache, block_table=cache.block_table[r0:r1],
+                                   cache_seqlens=cache.cache_seqlens[r0:r1],
+                                   cache_seqstarts=cache.cache_seqstarts[r0:r1])
+        out[r0:r1] = _attend_rows(q[r0:r1], tile, lens[r0:r1], scale, causal)
+    return out
+
+
+def _attend_rows(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causal: bool):
     """Gather every row's key range into a padded (B, Hkv, L, D), mask, and run fp32 attention."""
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
@@ -213,11 +238,12 @@ def _paged_attention_torch(q, cache: PagedKVCache, lens: torch.Tensor, scale: fl
     columns = torch.where(key_ok, key_pos // cache.block_size, 0)
     blocks = torch.where(key_ok, cache.block_table.long().gather(1, columns), 0)
     offsets = torch.where(key_ok, key_pos % cache.block_size, 0)
-    # One index_select over (block, offset, head) vectors lands K/V directly in the (B, Hkv, L, D)
-    # layout the matmuls read: no advanced-indexing gather, no transposing copy.
+    # One row lookup over (block, offset, head) vectors lands K/V directly in the (B, Hkv, L, D)
+    # layout the matmuls read: no advanced-indexing gather, no transposing copy. (F.embedding is
+    # that lookup; on the CPU it measured ~3x faster than index_select into a fresh tensor.)
     vector = ((blocks * cache.block_size + offsets)[:, None, :] * Hkv + torch.arange(Hkv)[None, :, None]).view(-1)
-    k = cache.k_cache.reshape(-1, D).index_select(0, vector).view(B, Hkv, L, D)
-    v = cache.v_cache.reshape(-1, D).index_select(0, vector).view(B, Hkv, L, D)
+    k = F.embedding(vector, cache.k_cache.reshape(-1, D)).view(B, Hkv, L, D)
+    v = F.embedding(vector, cache.v_cache.reshape(-1, D)).view(B, Hkv, L, D)
     if cache.quantized:  # dequantize exactly as the reference: stored.float() * scale, in fp32
         k = dequantize_fp8(k, cache.k_scale.reshape(-1).index_select(0, vector).view(B, Hkv, L))
         v = dequantize_fp8(v, cache.v_scale.reshape(-1).index_select(0, vector).view(B, Hkv, L))
