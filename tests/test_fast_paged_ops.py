@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -76,6 +77,20 @@ def test_attention_matches_reference(geo, seed, causal, lens_as):
         # once; so does this path. See low_precision_bound for why 2x + floor.
         bound = low_precision_bound(ref32, ref.paged_attention(s.q, s.cache, lens, causal=causal), FP32_FLOOR)
     assert ((out.float() - ref32).abs() <= bound).all()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(geo=geometries, seed=st.integers(0, 2**16), causal=st.booleans(), group_bytes=st.sampled_from([1, 3000]))
+def test_attention_in_row_tiles_equals_one_pass(geo, seed, causal, group_bytes):
+    """Large cohorts run in row tiles sized to stay in cache; force tiny tiles and compare with the
+    one-pass result: each row's arithmetic is the same, only the padding width (padded keys add
+    exact zeros) and the matmul's batch shape differ, so they agree to fp32 rounding."""
+    s = make_scenario(seed, **geo)
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    whole = fast.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, backend="torch")
+    with mock.patch.object(fast, "_CPU_GROUP_BYTES", group_bytes):
+        tiled = fast.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, backend="torch")
+    assert torch.allclose(tiled, whole, rtol=1e-6, atol=1e-6)
 
 
 def test_attention_softmax_scale_and_strided_table():
