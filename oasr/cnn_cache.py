@@ -15,6 +15,7 @@ import torch
 
 from oasr.config import CacheConfig
 from oasr.state_spec import StreamStateSpec
+from oasr.validate import as_id_list
 
 
 class CnnCacheManagerBase:
@@ -57,9 +58,7 @@ class CnnCacheManagerBase:
         return self.state.slot_of(stream_id)
 
     def get_cache(self, stream_ids, pad_to: int | None = None) -> torch.Tensor:
-        ids = [stream_ids] if not isinstance(stream_ids, (list, tuple)) else list(stream_ids)
-        return self.state.view(self.SPEC_NAME, ids, pad_to).gather()
+        return self.state.view(self.SPEC_NAME, as_id_list(stream_ids), pad_to).gather()
 
     def update(self, stream_ids, new_cache: torch.Tensor, pad_to: int | None = None) -> None:
-        ids = [stream_ids] if not isinstance(stream_ids, (list, tuple)) else list(stream_ids)
-        self.state.view(self.SPEC_NAME, ids, pad_to).scatter(new_cache)
+        self.state.view(self.SPEC_NAME, as_id_list(stream_ids), pad_to).scatter(new_cache)

@@ -78,18 +78,15 @@ from oasr.fast.paged_ops import quantize_fp8
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache, StreamKVInfo
+from oasr.validate import as_id_list, check_count
 
 _I32, _I64 = torch.int32, torch.int64
 
 
-def _as_list(stream_ids) -> list:
-    return list(stream_ids) if isinstance(stream_ids, (list, tuple)) else [stream_ids]
-
 
 class AttentionCacheManager:
     def __init__(self, pool: BlockPool, config: CacheConfig, pad_lanes: int = 0):
-        if isinstance(pad_lanes, bool) or not isinstance(pad_lanes, int) or pad_lanes < 0:
-            raise ValueError(f"AttentionCacheManager: pad_lanes must be an int >= 0, got {pad_lanes!r}")
+        check_count("AttentionCacheManager", "pad_lanes", pad_lanes)
         if pad_lanes and pool.scratch_blocks == 0:
             raise ValueError("AttentionCacheManager: pad_lanes > 0 needs a pool with scratch_blocks >= 1")
         self.pool = pool
@@ -297,7 +294,7 @@ class AttentionCacheManager:
 
         ``num_frames`` is None (``chunk_size`` each), an int, or one int per stream.
         """
-        ids = _as_list(stream_ids)
+        ids = as_id_list(stream_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"prepare_chunks_batched: duplicate stream ids in {ids}")
         if isinstance(num_frames, (list, tuple)) and len(num_frames) != len(ids):
@@ -336,7 +333,7 @@ class AttentionCacheManager:
 
     def commit_chunks_batched(self, stream_ids, num_frames) -> None:
         """Advance each stream by its committed frames (already written with ``append_kv``), then evict."""
-        ids = _as_list(stream_ids)
+        ids = as_id_list(stream_ids)
         count = len(num_frames) if isinstance(num_frames, (list, tuple)) else len(ids)
         if len(set(ids)) != len(ids) or count != len(ids):
             frames = list(num_frames) if isinstance(num_frames, (list, tuple)) else [num_frames] * len(ids)
@@ -390,7 +387,7 @@ class AttentionCacheManager:
 
     def get_paged_caches(self, stream_ids, pad_to: int | None = None) -> list[PagedKVCache]:
         """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows)."""
-        ids = _as_list(stream_ids)
+        ids = as_id_list(stream_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"get_paged_caches: duplicate stream ids in {ids}")
         try:

@@ -33,6 +33,7 @@ from oasr.errors import PoolExhaustedError
 from oasr.fast.paged_ops import check_fp8_supported
 from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
 from oasr.fast.staging import Stager
+from oasr.validate import check_count
 
 
 def _id_array(block_ids) -> tuple[list, np.ndarray]:
@@ -46,8 +47,7 @@ def _id_array(block_ids) -> tuple[list, np.ndarray]:
 
 class BlockPool:
     def __init__(self, config: CacheConfig, scratch_blocks: int = 1):
-        if isinstance(scratch_blocks, bool) or not isinstance(scratch_blocks, int) or scratch_blocks < 0:
-            raise ValueError(f"BlockPool: scratch_blocks must be an int >= 0, got {scratch_blocks!r}")
+        check_count("BlockPool", "scratch_blocks", scratch_blocks)
         self.config = config
         self.scratch_blocks = scratch_blocks
         shape = (

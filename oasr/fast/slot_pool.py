@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from oasr.errors import SlotsExhaustedError, duplicate_stream, unknown_stream
+from oasr.validate import check_count
 
 
 class StreamSlotPool:
     def __init__(self, capacity: int):
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(f"StreamSlotPool: capacity must be a positive int, got {capacity!r}")
+        check_count("StreamSlotPool", "capacity", capacity, minimum=1)
         self.capacity = capacity
         self._is_free = np.ones(capacity, dtype=bool)
         self._num_free = capacity

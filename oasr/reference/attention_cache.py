@@ -40,6 +40,7 @@ from oasr.paged import PagedKVCache, StreamKVInfo
 from oasr.reference.block_pool import BlockPool
 from oasr.reference.fp8 import quantize
 from oasr.reference.slot_pool import StreamSlotPool
+from oasr.validate import as_id_list, check_count
 
 
 @dataclass
@@ -54,14 +55,10 @@ class _StreamKVState:
     cache_seqstarts: torch.Tensor | None = None
 
 
-def _as_list(stream_ids) -> list:
-    return list(stream_ids) if isinstance(stream_ids, (list, tuple)) else [stream_ids]
-
 
 class AttentionCacheManager:
     def __init__(self, pool: BlockPool, config: CacheConfig, pad_lanes: int = 0):
-        if isinstance(pad_lanes, bool) or not isinstance(pad_lanes, int) or pad_lanes < 0:
-            raise ValueError(f"AttentionCacheManager: pad_lanes must be an int >= 0, got {pad_lanes!r}")
+        check_count("AttentionCacheManager", "pad_lanes", pad_lanes)
         if pad_lanes and pool.scratch_blocks == 0:
             raise ValueError("AttentionCacheManager: pad_lanes > 0 needs a pool with scratch_blocks >= 1")
         self.pool = pool
@@ -176,7 +173,7 @@ class AttentionCacheManager:
 
         ``num_frames`` is None (``chunk_size`` each), an int, or one int per stream.
         """
-        ids = _as_list(stream_ids)
+        ids = as_id_list(stream_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"prepare_chunks_batched: duplicate stream ids in {ids}")
         frames = num_frames if isinstance(num_frames, (list, tuple)) else [num_frames] * len(ids)
@@ -205,7 +202,7 @@ class AttentionCacheManager:
 
     def commit_chunks_batched(self, stream_ids, num_frames) -> None:
         """Advance each stream by its committed frames (already written with ``append_kv``), then evict."""
-        ids = _as_list(stream_ids)
+        ids = as_id_list(stream_ids)
         frames = list(num_frames) if isinstance(num_frames, (list, tuple)) else [num_frames] * len(ids)
         if len(set(ids)) != len(ids) or len(frames) != len(ids):
             raise ValueError(f"commit_chunks_batched: need unique ids and one frame count each: {ids}, {frames}")
@@ -241,7 +238,7 @@ class AttentionCacheManager:
 
     def get_paged_caches(self, stream_ids, pad_to: int | None = None) -> list[PagedKVCache]:
         """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows)."""
-        ids = _as_list(stream_ids)
+        ids = as_id_list(stream_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"get_paged_caches: duplicate stream ids in {ids}")
         views = [self.get_paged_state_views(s) for s in ids]

@@ -36,12 +36,12 @@ import torch
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError
 from oasr.reference.fp8 import dequantize
+from oasr.validate import check_count
 
 
 class BlockPool:
     def __init__(self, config: CacheConfig, scratch_blocks: int = 1):
-        if isinstance(scratch_blocks, bool) or not isinstance(scratch_blocks, int) or scratch_blocks < 0:
-            raise ValueError(f"BlockPool: scratch_blocks must be an int >= 0, got {scratch_blocks!r}")
+        check_count("BlockPool", "scratch_blocks", scratch_blocks)
         self.config = config
         self.scratch_blocks = scratch_blocks
         shape = (

@@ -12,12 +12,12 @@ from __future__ import annotations
 import heapq
 
 from oasr.errors import SlotsExhaustedError, duplicate_stream, unknown_stream
+from oasr.validate import check_count
 
 
 class StreamSlotPool:
     def __init__(self, capacity: int):
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(f"StreamSlotPool: capacity must be a positive int, got {capacity!r}")
+        check_count("StreamSlotPool", "capacity", capacity, minimum=1)
         self.capacity = capacity
         self._free = list(range(capacity))  # a heap
         self._slot_of: dict = {}

@@ -21,6 +21,7 @@ from oasr.cnn_cache import CnnCacheManagerBase
 from oasr.errors import duplicate_stream
 from oasr.reference.slot_pool import StreamSlotPool
 from oasr.state_spec import StreamStateSpec
+from oasr.validate import check_count
 
 
 class StateView:
@@ -63,8 +64,7 @@ class SlotStateCache:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"SlotStateCache: duplicate spec names in {names}")
-        if isinstance(pad_lanes, bool) or not isinstance(pad_lanes, int) or pad_lanes < 0:
-            raise ValueError(f"SlotStateCache: pad_lanes must be an int >= 0, got {pad_lanes!r}")
+        check_count("SlotStateCache", "pad_lanes", pad_lanes)
         self.specs = {s.name: s for s in specs}
         self.max_batch_size = max_batch_size
         self.pad_lanes = pad_lanes
