@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 import oasr
 
@@ -102,3 +103,10 @@ def pytest_runtest_makereport(item, call):
         if any(text in reason for text in _TOOLCHAIN_SKIPS):
             report.outcome = "failed"
             report.longrepr = f"OASR_REQUIRE_KERNELS=1 but the toolchain is missing: {reason}"
+
+
+# CI runs a fixed sequence of hypothesis examples, so a red build always reproduces; development
+# runs keep exploring new ones (and would find what CI's fixed draws miss).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
