@@ -12,3 +12,33 @@ def check_count(owner: str, name: str, value, minimum: int = 0) -> None:
 def as_id_list(stream_ids) -> list:
     """One stream id or a list/tuple of them, as a list."""
     return list(stream_ids) if isinstance(stream_ids, (list, tuple)) else [stream_ids]
+
+
+def gather_range(num_blocks: int, block_size: int, start: int, num_frames: int | None) -> int:
+    """``num_frames`` for ``gather_kv_blocks`` (None: to the end), checked to lie inside the blocks."""
+    total = num_blocks * block_size
+    if num_frames is None:
+        num_frames = total - start
+    if start < 0 or num_frames < 0 or start + num_frames > total:
+        raise ValueError(
+            f"gather_kv_blocks: frames [{start}, {start + num_frames}) outside the {total} frames "
+            f"of {num_blocks} blocks"
+        )
+    return num_frames
+
+
+def check_dense_chunk(config, kv_chunk) -> int:
+    """A dense-mode chunk must be ``(num_layers, n_kv_head, T, 2 * head_dim)``, ``1 <= T <= chunk_size``; returns T."""
+    shape = tuple(kv_chunk.shape)
+    if (
+        kv_chunk.dim() != 4
+        or shape[0] != config.num_layers
+        or shape[1] != config.n_kv_head
+        or shape[3] != config.kv_last_dim
+        or not 1 <= shape[2] <= config.chunk_size
+    ):
+        raise ValueError(
+            f"commit: expected kv_chunk of shape ({config.num_layers}, {config.n_kv_head}, T, {config.kv_last_dim}) "
+            f"with 1 <= T <= chunk_size={config.chunk_size}, got {shape}"
+        )
+    return shape[2]

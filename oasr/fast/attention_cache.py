@@ -78,7 +78,7 @@ from oasr.fast.paged_ops import quantize_fp8
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache, StreamKVInfo
-from oasr.validate import as_id_list, check_count
+from oasr.validate import as_id_list, check_count, check_dense_chunk
 
 _I32, _I64 = torch.int32, torch.int64
 
@@ -447,19 +447,7 @@ class AttentionCacheManager:
         """Write a packed ``(num_layers, n_kv_head, T, 2 * head_dim)`` chunk, then evict."""
         cfg = self.config
         slot = self.slots.slot_of(stream_id)
-        shape = tuple(kv_chunk.shape)
-        if (
-            kv_chunk.dim() != 4
-            or shape[0] != cfg.num_layers
-            or shape[1] != cfg.n_kv_head
-            or shape[3] != cfg.kv_last_dim
-            or not 1 <= shape[2] <= cfg.chunk_size
-        ):
-            raise ValueError(
-                f"commit: expected kv_chunk of shape ({cfg.num_layers}, {cfg.n_kv_head}, T, {cfg.kv_last_dim}) "
-                f"with 1 <= T <= chunk_size={cfg.chunk_size}, got {shape}"
-            )
-        T = shape[2]
+        T = check_dense_chunk(cfg, kv_chunk)
         bs = cfg.block_size_frames
         held, seqlen = int(self._num_blocks[slot]), int(self._seqlen[slot])
         need = max(0, -(-(seqlen + T) // bs) - held)

@@ -33,7 +33,7 @@ from oasr.errors import PoolExhaustedError
 from oasr.fast.paged_ops import check_fp8_supported
 from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
 from oasr.fast.staging import Stager
-from oasr.validate import check_count
+from oasr.validate import check_count, gather_range
 
 
 def _id_array(block_ids) -> tuple[list, np.ndarray]:
@@ -217,15 +217,7 @@ class BlockPool:
         ``(num_layers, n_kv_head, num_frames, 2 * head_dim)``, K then V in the last dimension.
         """
         _, ids = _id_array(block_ids)
-        bs = self.config.block_size_frames
-        total = ids.size * bs
-        if num_frames is None:
-            num_frames = total - start
-        if start < 0 or num_frames < 0 or start + num_frames > total:
-            raise ValueError(
-                f"gather_kv_blocks: frames [{start}, {start + num_frames}) outside the {total} frames "
-                f"of {ids.size} blocks"
-            )
+        num_frames = gather_range(ids.size, self.config.block_size_frames, start, num_frames)
         if not ids.size:
             L, _, _, H, D = self.k_pool.shape
             return self.k_pool.new_zeros((L, H, 0, 2 * D), dtype=self.config.dtype)

@@ -40,7 +40,7 @@ from oasr.paged import PagedKVCache, StreamKVInfo
 from oasr.reference.block_pool import BlockPool
 from oasr.reference.fp8 import quantize
 from oasr.reference.slot_pool import StreamSlotPool
-from oasr.validate import as_id_list, check_count
+from oasr.validate import as_id_list, check_count, check_dense_chunk
 
 
 @dataclass
@@ -296,19 +296,7 @@ class AttentionCacheManager:
         """Write a packed ``(num_layers, n_kv_head, T, 2 * head_dim)`` chunk, then evict."""
         cfg = self.config
         st = self._state(stream_id)
-        shape = tuple(kv_chunk.shape)
-        if (
-            kv_chunk.dim() != 4
-            or shape[0] != cfg.num_layers
-            or shape[1] != cfg.n_kv_head
-            or shape[3] != cfg.kv_last_dim
-            or not 1 <= shape[2] <= cfg.chunk_size
-        ):
-            raise ValueError(
-                f"commit: expected kv_chunk of shape ({cfg.num_layers}, {cfg.n_kv_head}, T, {cfg.kv_last_dim}) "
-                f"with 1 <= T <= chunk_size={cfg.chunk_size}, got {shape}"
-            )
-        T = shape[2]
+        T = check_dense_chunk(cfg, kv_chunk)
         need = self._blocks_needed(st, T)
         self._check_capacity(stream_id, st, need)
         st.blocks.extend(self.pool.allocate(need))

@@ -36,7 +36,7 @@ import torch
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError
 from oasr.reference.fp8 import dequantize
-from oasr.validate import check_count
+from oasr.validate import check_count, gather_range
 
 
 class BlockPool:
@@ -157,14 +157,7 @@ class BlockPool:
         """
         ids = [int(i) for i in block_ids]
         bs = self.config.block_size_frames
-        total = len(ids) * bs
-        if num_frames is None:
-            num_frames = total - start
-        if start < 0 or num_frames < 0 or start + num_frames > total:
-            raise ValueError(
-                f"gather_kv_blocks: frames [{start}, {start + num_frames}) outside the {total} frames "
-                f"of {len(ids)} blocks"
-            )
+        num_frames = gather_range(len(ids), bs, start, num_frames)
         if not ids:
             L, _, _, H, D = self.k_pool.shape
             return torch.zeros((L, H, 0, 2 * D), dtype=self.config.dtype, device=self.k_pool.device)
