@@ -10,7 +10,10 @@
 //                       k/v of KV head hq / (n_head / n_kv_head)   (GQA)
 //   No mask inside the chunk (unless causal). Softmax is online and in fp32.
 //   Queries t >= len_b, rows with no keys, and causal rows whose keys are all
-//   masked write zeros. Only positions inside the key range are ever read, so
+//   masked write zeros: exact zeros, even when V holds NaN or Inf in the range
+//   (such a row accumulates 0 * v like any masked key, so its accumulators are
+//   overwritten with zeros before the store; split partials get m = -inf, l = 0,
+//   which the combine turns into zeros). Only positions inside the key range are ever read, so
 //   the rest of the pool may hold anything (the tests fill it with NaN).
 //
 // Layouts (contiguous): q, out (B, n_head, T, D) of T; k_cache, v_cache
@@ -61,7 +64,8 @@
 //
 // Combine kernel: grid ceil(B * n_head * T / 4), 128 threads, one warp per
 //   output row, lane owning head_dim/32 dims: M = max m_s, L = sum l_s 2^(m_s -
-//   M), out = sum acc_s 2^(m_s - M) / L, zeros where L == 0.
+//   M), out = sum acc_s 2^(m_s - M) / L, zeros where L == 0. A row past its
+//   chunk has m_s = -inf in every split, so M = -inf and no partial is read.
 //
 // Checked by: tests/test_kernels_emulated.py::test_attention_* (host
 // emulation against the reference: random geometries, GQA, causal, forced
@@ -278,6 +282,12 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
         for (int j = 0; j < kTileKeys; ++j) l_sum += scores[warp][r][j];
         const int row = row0 + warp * R + r;
         if (row >= rows_total) continue;
+        if (row >= rows_valid) {  // past the chunk: every p was 0, but 0 * (NaN or Inf in v) is NaN
+            l_sum = 0.f;
+            m[r] = neg_inf();
+#pragma unroll
+            for (int e = 0; e < DPL; ++e) acc[r][e] = 0.f;
+        }
         const int t = row / group;
         const int hq = kvh * group + row % group;
         const long long out_row = (static_cast<long long>(b) * n_head + hq) * num_frames + t;

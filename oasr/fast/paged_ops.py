@@ -263,8 +263,11 @@ def _attend_rows(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causa
     allowed = allowed[:, None, None]  # (B, 1, 1, T, L)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    probs = probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)  # fully masked rows: zeros
-    out = (probs.view(B, Hkv, G * T, L) @ v).view(B, H, T, D)
+    no_keys = ~allowed.any(dim=-1, keepdim=True)  # (B, 1, 1, T, 1): past the chunk, or fully masked
+    probs = probs.masked_fill_(no_keys, 0.0)
+    out = (probs.view(B, Hkv, G * T, L) @ v).view(B, Hkv, G, T, D)
+    # Such rows are zeros like the reference's, also when v holds NaN or Inf (0 * NaN is NaN in the matmul).
+    out = out.masked_fill_(no_keys, 0.0).view(B, H, T, D)
     return out.to(q.dtype)
 
 

@@ -200,3 +200,29 @@ def read_sources(family: str, *, emulation: bool = False) -> dict[str, str]:
     """The texts a build of ``family`` depends on, by path relative to kernels_cu/ (for cache keys)."""
     names = [f"{family}.cu", *SHARED_HEADERS, *(EMULATION_HEADERS if emulation else ())]
     return {name: (KERNELS_DIR / name).read_text() for name in names}
+
+
+def short_name(kernel: Kernel) -> str:
+    """The template's name without its namespace, the key of ``BY_NAME``."""
+    return kernel.name.split("::")[-1]
+
+
+_ATTENTION_PARAMS = {"q", "k_cache", "v_cache", "block_table", "out"}
+_VERSION = re.compile(r"_v(\d+)$")
+
+
+def attention_kernels() -> list[Kernel]:
+    """The paged chunk attention kernels, one per version, in version order.
+
+    An attention kernel is any registered kernel that takes queries, the K/V pool, a block table and
+    an output (its split-K combine kernel does not); its version is its family's ``_vN`` suffix, 1
+    without one (``paged_chunk_attention`` is v1). Tools and tests that compare versions key on this,
+    so a new version shows up in them by being registered.
+    """
+    found = [k for k in KERNELS if _ATTENTION_PARAMS <= {name for name, _ in k.params}]
+    return sorted(found, key=kernel_version)
+
+
+def kernel_version(kernel: Kernel) -> int:
+    m = _VERSION.search(kernel.family)
+    return int(m.group(1)) if m else 1
