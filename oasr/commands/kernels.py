@@ -6,6 +6,12 @@ stack frame and spill bytes, from ptxas's verbose log. No GPU or driver is
 needed. Exits 1 on any compile error (the log goes to stderr) and, with
 ``--fail-on-spill``, when any kernel spills. ``--json PATH`` also writes the
 rows as JSON. ``--no-cache`` recompiles instead of reading the kernel cache.
+
+``--sass`` adds the SASS report (``oasr.fast.kernels.sass``): each kernel's
+main loop and instruction mix from the pip nvdisasm, CTAs per SM, and a MODEL
+(not a measurement) of the attention kernels on an H200 at the ASR shape, v1
+and v2 side by side when both are registered; with ``--json`` it goes under
+the "sass" key. Exits 1 if an attention kernel's K/V loop is not found.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cache", action="store_true", help="recompile instead of using the kernel cache")
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
     parser.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
+    parser.add_argument("--sass", action="store_true", help="main-loop instruction mix and the attention speed model")
     args = parser.parse_args(argv)
 
     from oasr.fast.kernels import nvrtc, registry
@@ -50,10 +57,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     print(f"\n{len(rows)} kernels, {len(failed)} compile errors, {len(spilling)} spilling")
+    result = {"kernels": rows, "errors": failed}
+    sass_ok = True
+    if args.sass and not failed:
+        from oasr.fast.kernels import sass
+
+        result["sass"] = report = sass.report(archs, use_cache=not args.no_cache)
+        print("\n== SASS report ==\n" + sass.format_report(report))
+        attention = [r for r in report["kernels"] if r["version"]]
+        lost = [f"{r['kernel']} {r['arch']}" for r in attention if r["loop"] != "load-math-loop"]
+        for name in lost:
+            print(f"error: no K/V main loop found in {name}", file=sys.stderr)
+        sass_ok = not lost
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"kernels": rows, "errors": failed}, f, indent=1)
-    if failed:
+            json.dump(result, f, indent=1)
+    if failed or not sass_ok:
         return 1
     if args.fail_on_spill and spilling:
         return 1

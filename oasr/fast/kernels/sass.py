@@ -1,0 +1,686 @@
+"""SASS report: each kernel's main loop, its instruction mix, and a paper model of its speed.
+
+``python -m oasr kernels --sass`` runs ``report()``. For every kernel in the registry and every arch
+it NVRTC-compiles the family (``nvrtc.compile_family``, cached), disassembles the cubin with the pip
+``nvdisasm`` (launch bounds from ``cuobjdump -elf``), finds the main loop and counts what it issues.
+For the attention kernels (``registry.attention_kernels()``: v1, v2 when registered) it then models
+one tick at the ASR shape on an H200. Nothing here runs on a GPU.
+
+THIS IS A MODEL, NOT A MEASUREMENT. It is how kernel speed is judged while no GPU is lent; numbers
+from ``python -m oasr bench --device cuda`` replace it wherever they exist.
+
+Main loop (the heuristic). Loops are read off the backward branches: a ``BRA`` to a label at or before
+itself closes a loop ``[label, branch]``. The main loop ("load-math-loop") is the innermost loop whose body
+(nested loops included) holds both a global load (``LDG`` or ``LDGSTS``: in attention, the K/V
+gather) and math (``HMMA`` or ``FFMA``); if several qualify, the one issuing the most instructions
+per iteration. A kernel without
+such a loop (the copy kernels, the combine) reports its hottest loop, the most instructions per
+iteration, or the whole function when it has no loop.
+
+Instructions per iteration are dynamic counts for one warp: every instruction of the body once, and
+each nested loop times its trip count. A trip count is read from the loop's induction variable when
+that is a register set to a constant before the loop, stepped by an immediate and compared with an
+immediate (v1's score and P.V loops); otherwise it is 1 and the loop is flagged ``trips_unknown``.
+Both sides of a branch inside the body are counted, so branchy bodies are over-counted.
+
+Issue model (one K/V tile = one main-loop iteration of every warp of a CTA). Each warp instruction
+takes one issue slot of its SM sub-partition (SMSP) and occupies its pipe for the cycles in
+``H200.pipe_cycles``; the SM's shared-memory/L1 path (``mio``) is shared by the four SMSPs and moves
+``H200.mio_bytes_per_clk``. The CTA's warps are spread evenly over the SMSPs, so a CTA-tile costs::
+
+    cycles = max(warps/4 * max(issue slots, busiest SMSP pipe), warps * mio cycles per warp)
+
+Resident CTAs interleave, so an SM's time is (CTAs it runs) * (tiles per CTA) * cycles, with CTAs
+dealt evenly (``ceil(CTAs / SMs)`` on the busiest SM). Latency is assumed hidden (optimistic when few
+warps are resident). Memory time is the bytes a tick must move (K/V pages once, scales, q, out)
+at the achievable bandwidth. The modelled time is the larger of the two; the fraction is the bytes
+over that time against the achievable bandwidth.
+
+Every constant of the model is in ``H200`` and ``ARCH_LIMITS`` below, with its source.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# -- the model's constants: the ONE place ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The GPU the model prices instructions and bytes on."""
+
+    name: str
+    sms: int
+    clock_ghz: float  # SM clock under load
+    bandwidth_tbs: float  # achievable HBM bandwidth (a large device-to-device copy)
+    peak_bandwidth_tbs: float
+    sub_partitions: int  # SMSPs per SM, one warp instruction issued per SMSP per clock
+    # cycles one warp instruction occupies its pipe on one SMSP, by opcode root
+    pipe_cycles: dict[str, tuple[str, int]] = field(default_factory=dict)
+    default_pipe: tuple[str, int] = ("alu", 2)  # integer/logic ALU: 16 lanes per SMSP
+    mio_bytes_per_clk: int = 128  # shared memory / L1 per SM, shared by the SMSPs
+    shfl_mio_cycles: int = 1  # 32 shuffle lanes per SM per clock
+
+
+# Sources: NVIDIA H200 product brief (132 SMs in the SXM part, 4.8 TB/s HBM3e); the CUDA C++
+# Programming Guide's throughput table for compute capability 9.0 (per SM per clock: 128 fp32
+# FMA/MUL/ADD, 64 int32 multiply-add, 64 int32 add/compare/logic/shift, 16 special functions
+# (MUFU), 16 conversions, 32 shuffles); shared memory 128 B per clock per SM; mma.sync
+# m16n8k16 on Hopper measured near 1024 dense fp16 FMA per clock per SM (Luo et al. 2024,
+# "Benchmarking and Dissecting the Nvidia Hopper GPU Architecture"), i.e. 8 cycles per SMSP
+# (wgmma, not used here, reaches about twice that). 4.3 TB/s is what a large copy achieves.
+# Uniform-datapath (U*) and control instructions cost an issue slot only.
+_PIPES = {
+    **{op: ("fma", 1) for op in ("FFMA", "FMUL", "FADD", "FFMA2", "FMUL2", "FADD2")},
+    **{op: ("fma", 2) for op in ("IMAD", "IMUL", "HFMA2", "HADD2", "HMUL2")},
+    "HMMA": ("tensor", 8),
+    "HGMMA": ("tensor", 8),
+    **{op: ("xu", 8) for op in ("MUFU", "F2I", "I2F", "F2F", "F2FP", "I2FP", "FRND")},
+    **{op: ("issue", 1) for op in ("BRA", "BSSY", "BSYNC", "BAR", "NOP", "EXIT", "RET", "CALL", "WARPSYNC",
+                                    "DEPBAR", "LDGDEPBAR", "S2R", "S2UR", "CS2R", "LDC", "YIELD")},
+}
+H200 = Machine(
+    name="H200 (model)",
+    sms=132,
+    clock_ghz=1.98,
+    bandwidth_tbs=4.3,
+    peak_bandwidth_tbs=4.8,
+    sub_partitions=4,
+    pipe_cycles=_PIPES,
+)
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """Per-SM residency limits (CUDA Programming Guide, compute capabilities table)."""
+
+    registers: int = 65536
+    max_threads: int = 2048
+    max_ctas: int = 32
+    shared_bytes: int = 233472  # largest shared-memory carveout
+    reserved_shared_per_cta: int = 1024
+    register_unit: int = 256  # registers are allocated per warp in units of 256
+
+
+ARCH_LIMITS = {
+    "sm_80": ArchLimits(shared_bytes=167936),  # A100: 164 KB
+    "sm_90": ArchLimits(shared_bytes=233472),  # H100/H200: 228 KB
+}
+
+DISCLAIMER = (
+    "MODEL, NOT MEASURED: instruction counts are read from the SASS; times are an issue/bandwidth model "
+    f"of an {H200.name.split()[0]} ({H200.sms} SMs, {H200.clock_ghz} GHz, {H200.bandwidth_tbs} TB/s achievable). "
+    "Nothing here ran on a GPU."
+)
+
+# -- the workload the model prices: the ASR shape of issue 9 ---------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One layer of one tick: every stream's chunk queries over its history plus the chunk."""
+
+    streams: int = 128
+    chunk: int = 16
+    head_dim: int = 64
+    n_head: int = 8
+    n_kv_head: int = 4
+    block_size: int = 16
+    keys: int = 1040  # history 1024 + chunk 16
+
+    @property
+    def group(self) -> int:
+        return self.n_head // self.n_kv_head
+
+    def bytes_moved(self, page_bytes: float, scale_bytes: int = 0, act_bytes: int = 2) -> int:
+        """K and V read once (``page_bytes`` per value, ``scale_bytes`` per vector), q read, out written."""
+        vectors = self.streams * self.keys * self.n_kv_head
+        kv = 2 * vectors * (self.head_dim * page_bytes + scale_bytes)
+        q_out = 2 * self.streams * self.n_head * self.chunk * self.head_dim * act_bytes
+        return int(kv + q_out)
+
+
+ASR_SHAPE = AttentionShape()
+# page kind -> (template page type, bytes per value, bytes of scale per vector); q and out are bf16
+PAGES = {"bf16": ("__nv_bfloat16", 2, 0), "fp8": ("__nv_fp8_e4m3", 1, 4)}
+MODEL_DTYPE = "__nv_bfloat16"
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How an attention kernel covers the work: what the SASS cannot say."""
+
+    keys_per_iteration: int  # keys one main-loop iteration consumes
+    rows_per_cta: int  # (t, g) query rows of one KV head per CTA
+    split_rule: str  # "v1": ops.choose_num_splits; "waves": fill SMs x resident CTAs
+
+
+# By registry short name. A registered attention kernel missing here is reported without a model.
+TILINGS = {
+    "paged_chunk_attention_kernel": Tiling(keys_per_iteration=32, rows_per_cta=16, split_rule="v1"),
+}
+
+# -- finding the tools ---------------------------------------------------------------------------
+
+
+def find_tool(name: str) -> str:
+    """Path of ``nvdisasm`` or ``cuobjdump``: the pip wheel's (cuda.pathfinder, then the nvidia
+    package directory), then PATH. Raises ``RuntimeError`` naming the pip package to install."""
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+
+        found = find_nvidia_binary_utility(name)
+        if found:
+            return str(found)
+    except Exception:  # pathfinder missing or too old: look where the wheels put the binaries
+        pass
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for hit in sorted(Path(root).glob(f"*/bin/{name}")):
+                if os.access(hit, os.X_OK):
+                    return str(hit)
+    except ImportError:
+        pass
+    if on_path := shutil.which(name):
+        return on_path
+    raise RuntimeError(f"oasr kernels --sass: {name} not found; pip install nvidia-cuda-{name} (the `cuda` extra)")
+
+
+def _run(tool: str, *args: str, cubin: bytes) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "family.cubin"
+        path.write_bytes(cubin)
+        done = subprocess.run([find_tool(tool), *args, str(path)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{tool} failed ({done.returncode}): {done.stderr.strip()[:2000]}")
+    return done.stdout
+
+
+# -- parsing SASS --------------------------------------------------------------------------------
+
+
+@dataclass
+class Instr:
+    offset: int
+    predicate: str  # "" or e.g. "@!P0"
+    opcode: str  # full mnemonic, e.g. "LDS.128"
+    operands: str
+
+    @property
+    def root(self) -> str:
+        return self.opcode.split(".")[0]
+
+
+_SECTION = re.compile(r"^\s*\.section\s+\.text\.([^,\s]+)")
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P(?:T|\d+)\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+@dataclass
+class Function:
+    name: str  # mangled
+    instrs: list[Instr]
+    labels: dict[str, int]  # label -> offset of the next instruction
+
+
+def parse_sass(text: str) -> dict[str, Function]:
+    """``nvdisasm -c`` output -> functions by mangled name."""
+    out: dict[str, Function] = {}
+    current: Function | None = None
+    pending: list[str] = []
+    for line in text.splitlines():
+        if m := _SECTION.match(line):
+            current = out.setdefault(m.group(1), Function(m.group(1), [], {}))
+            pending = []
+            continue
+        if current is None:
+            continue
+        if m := _LABEL.match(line.strip()):
+            pending.append(m.group(1))
+            continue
+        if m := _LINE.search(line):
+            offset = int(m.group(1), 16)
+            for label in pending:
+                current.labels[label] = offset
+            pending = []
+            current.instrs.append(Instr(offset, (m.group(2) or "").strip(), m.group(3), m.group(4).strip()))
+    return out
+
+
+def parse_max_threads(elf_text: str) -> dict[str, int]:
+    """``cuobjdump -elf`` -> launch bound (x*y*z of EIATTR_MAX_THREADS) by mangled name."""
+    out: dict[str, int] = {}
+    name, want = None, False
+    for line in elf_text.splitlines():
+        if line.startswith(".nv.info."):
+            name, want = line[len(".nv.info.") :].strip(), False
+        elif "EIATTR_MAX_THREADS" in line:
+            want = True
+        elif want and name and line.strip().startswith("Value:"):
+            dims = [int(v, 16) for v in line.split(":", 1)[1].split()]
+            out[name] = math.prod(dims)
+            want = False
+    return out
+
+
+# -- instruction classes -------------------------------------------------------------------------
+
+CLASSES = ("HMMA", "FFMA", "LDS/LDSM", "LDGSTS/LDG", "STS", "BAR", "MUFU", "SHFL", "IMAD", "other")
+
+
+def instr_class(root: str) -> str:
+    if root in ("HMMA", "HGMMA"):
+        return "HMMA"
+    if root in ("LDS", "LDSM"):
+        return "LDS/LDSM"
+    if root in ("LDG", "LDGSTS"):
+        return "LDGSTS/LDG"
+    if root in ("FFMA", "STS", "BAR", "MUFU", "SHFL", "IMAD"):
+        return root
+    return "other"
+
+
+def _access_bytes(instr: Instr) -> int:
+    """Bytes one warp moves through the SM's shared-memory/L1 path (0 for everything else)."""
+    if instr.root not in ("LDS", "LDSM", "STS", "LDG", "LDGSTS", "STG", "LD", "ST"):
+        return 0
+    mods = instr.opcode.split(".")[1:]
+    if instr.root == "LDSM":  # .M88.{1,2,4}: 1, 2 or 4 8x8 b16 matrices, 128 B each per warp
+        n = next((int(m) for m in mods if m in ("1", "2", "4")), 4)
+        return 128 * n
+    width = next((int(m) for m in mods if m in ("8", "16", "32", "64", "128")), 32)
+    if any(m in ("U8", "S8") for m in mods):
+        width = 8
+    elif any(m in ("U16", "S16") for m in mods):
+        width = 16
+    return 32 * width // 8
+
+
+# -- loops ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Loop:
+    head: int  # offset of the first instruction
+    tail: int  # offset of the backward branch
+    trips: int | None = None  # per entry; None when not read off the SASS
+    children: list[Loop] = field(default_factory=list)
+
+    def contains(self, other: Loop) -> bool:
+        inside = self.head <= other.head and other.tail <= self.tail
+        return inside and (self.head, self.tail) != (other.head, other.tail)
+
+
+def find_loops(fn: Function) -> list[Loop]:
+    """Top-level loops (nested ones in ``children``), from the backward branches."""
+    spans: dict[int, int] = {}
+    for ins in fn.instrs:
+        if ins.root == "BRA" and (m := _TARGET.search(ins.operands)):
+            target = fn.labels.get(m.group(1))
+            if target is not None and target < ins.offset:  # (a branch to itself is the trailing trap)
+                spans[target] = max(spans.get(target, target), ins.offset)
+    loops = sorted((Loop(h, t) for h, t in spans.items()), key=lambda lp: (lp.head, -lp.tail))
+    for loop in loops:
+        loop.trips = _trip_count(fn, loop)
+    roots: list[Loop] = []
+    for loop in loops:  # sorted by head, outer first: attach each loop to its innermost container
+        parent = None
+        stack = list(roots)
+        while stack:
+            cand = stack.pop()
+            if cand.contains(loop):
+                parent = cand
+                stack = list(cand.children)
+        (parent.children if parent else roots).append(loop)
+    return roots
+
+
+_REG = r"(R\d+)"
+_IMM = r"(-?0x[0-9a-f]+|-?\d+)"
+_STEP = re.compile(rf"^{_REG},\s*{_REG}(?:\.reuse)?,\s*{_IMM}(?:,\s*RZ)?$")
+_CMP = re.compile(rf"^(P\d+),\s*PT,\s*{_REG}(?:\.reuse)?,\s*{_IMM},\s*PT$")
+
+
+def _imm(text: str) -> int:
+    return int(text, 16) if "0x" in text else int(text)
+
+
+def _const_init(fn: Function, reg: str, before: int) -> int | None:
+    """The constant ``reg`` holds on entry, if its last write before ``before`` is a constant move."""
+    for ins in reversed([i for i in fn.instrs if i.offset < before]):
+        ops = [o.strip() for o in ins.operands.split(",")]
+        if not ops or ops[0].split(".")[0] != reg:
+            if ins.root == "CS2R" and ops and ops[0] == f"R{int(reg[1:]) - 1}":  # CS2R R(n-1), SRZ zeroes Rn too
+                return 0 if ops[-1] == "SRZ" else None
+            continue
+        if ins.predicate:
+            return None
+        if ins.opcode in ("MOV", "IMAD.MOV.U32", "MOV.U32"):
+            last = ops[-1]
+            if last == "RZ":
+                return 0
+            return _imm(last) if re.fullmatch(_IMM, last) else None
+        if ins.root == "HFMA2" and ops[1:] == ["-RZ", "RZ", "0", "0"]:
+            return 0
+        if ins.root == "CS2R" and ops[-1] == "SRZ":
+            return 0
+        return None
+    return None
+
+
+def _trip_count(fn: Function, loop: Loop) -> int | None:
+    body = [i for i in fn.instrs if loop.head <= i.offset <= loop.tail]
+    branch = body[-1]
+    pred = branch.predicate.lstrip("@!")
+    if not pred.startswith("P") or pred == "PT":
+        return None
+    cmp = next((i for i in reversed(body) if i.root == "ISETP" and i.operands.startswith(pred + ",")), None)
+    if cmp is None or not (m := _CMP.match(cmp.operands)):
+        return None
+    reg, bound = m.group(2), _imm(m.group(3))
+    steps = [(i, _STEP.match(i.operands)) for i in body if i.root in ("IADD3", "VIADD", "IADD")]
+    steps = [(i, s) for i, s in steps if s and s.group(1) == reg and s.group(2) == reg]
+    init = _const_init(fn, reg, loop.head)
+    if len(steps) != 1 or init is None:
+        return None
+    step = _imm(steps[0][1].group(3))
+    if step == 0:
+        return None
+    after = steps[0][0].offset < cmp.offset  # compare sees the stepped value
+    trips = math.ceil((bound - init) / step) + (0 if after else 1)
+    return trips if 0 < trips <= 1 << 16 else None
+
+
+@dataclass
+class LoopCounts:
+    """One iteration of a loop, for one warp: counts by class, mio bytes, pipe cycles."""
+
+    head: int = -1
+    tail: int = -1
+    classes: Counter = field(default_factory=Counter)
+    roots: Counter = field(default_factory=Counter)
+    mio_bytes: float = 0.0  # every shared/global access priced at its full width (no broadcast)
+    mio_bytes_low: float = 0.0  # LDS/STS priced at one 128-byte wavefront (a broadcast)
+    trips_unknown: bool = False
+
+    @property
+    def total(self) -> float:
+        return sum(self.classes.values())
+
+
+def _count(fn: Function, loop: Loop | None) -> LoopCounts:
+    """Dynamic counts of one iteration of ``loop`` (the whole function when None)."""
+    lo, hi = (loop.head, loop.tail) if loop else (-1, 1 << 62)
+    out = LoopCounts(lo, hi)
+    children = loop.children if loop else find_loops(fn)
+    inside = [(c.head, c.tail) for c in children]
+    for ins in fn.instrs:
+        if lo <= ins.offset <= hi and not any(h <= ins.offset <= t for h, t in inside):
+            out.classes[instr_class(ins.root)] += 1
+            out.roots[ins.root] += 1
+            out.mio_bytes += _access_bytes(ins)
+            out.mio_bytes_low += min(_access_bytes(ins), 128) if ins.root in ("LDS", "STS") else _access_bytes(ins)
+    for child in children:
+        sub = _count(fn, child)
+        trips = child.trips if child.trips is not None else 1
+        out.trips_unknown |= child.trips is None or sub.trips_unknown
+        for k, v in sub.classes.items():
+            out.classes[k] += trips * v
+        for k, v in sub.roots.items():
+            out.roots[k] += trips * v
+        out.mio_bytes += trips * sub.mio_bytes
+        out.mio_bytes_low += trips * sub.mio_bytes_low
+    return out
+
+
+def _walk(loops: list[Loop]):
+    for lp in loops:
+        yield lp
+        yield from _walk(lp.children)
+
+
+def main_loop(fn: Function) -> tuple[LoopCounts, str]:
+    """The main loop's counts and how it was chosen ("load-math-loop", "hottest-loop" or "no-loop")."""
+    loops = list(_walk(find_loops(fn)))
+    counted = [(lp, _count(fn, lp)) for lp in loops]
+
+    def qualifies(c: LoopCounts) -> bool:
+        return c.classes["LDGSTS/LDG"] > 0 and (c.classes["HMMA"] > 0 or c.classes["FFMA"] > 0)
+
+    kv = [(lp, c) for lp, c in counted if qualifies(c)]
+    innermost = [(lp, c) for lp, c in kv if not any(lp.contains(other) for other, _ in kv)]
+    if innermost:
+        return max(innermost, key=lambda pair: pair[1].total)[1], "load-math-loop"
+    if counted:
+        return max(counted, key=lambda pair: pair[1].total)[1], "hottest-loop"
+    return _count(fn, None), "no-loop"
+
+
+# -- occupancy and the time model ---------------------------------------------------------------
+
+
+def ctas_per_sm(registers: int, shared_bytes: int, threads: int, arch: str) -> tuple[int, str]:
+    """Resident CTAs per SM and what limits them ("registers", "shared", "threads" or "ctas")."""
+    lim = ARCH_LIMITS.get(arch, ARCH_LIMITS["sm_90"])
+    warps = math.ceil(threads / 32)
+    per_warp = math.ceil(max(registers, 1) * 32 / lim.register_unit) * lim.register_unit
+    by = {
+        "registers": (lim.registers // per_warp) // warps,
+        "shared": lim.shared_bytes // (shared_bytes + lim.reserved_shared_per_cta),
+        "threads": lim.max_threads // (warps * 32),
+        "ctas": lim.max_ctas,
+    }
+    limiter = min(by, key=lambda k: by[k])
+    return by[limiter], limiter
+
+
+def cta_tile_cycles(counts: LoopCounts, warps: int, machine: Machine = H200, *, broadcast: bool = False) -> dict:
+    """Cycles one CTA needs for one main-loop iteration of all its warps, and what bounds them.
+
+    The SASS does not say whether the lanes of an ``LDS``/``STS`` hit distinct words (``width/8 * 32``
+    bytes, up to four 128-byte wavefronts) or one broadcast word (one wavefront). ``broadcast=False``
+    prices every access at full width (the high estimate), ``True`` prices LDS/STS at one wavefront
+    (the low estimate); LDSM and global accesses are always priced at full width.
+    """
+    pipes: Counter = Counter()
+    for root, n in counts.roots.items():
+        pipe, cycles = machine.pipe_cycles.get(root, machine.default_pipe)
+        if root.startswith("U") and root not in machine.pipe_cycles:
+            pipe, cycles = "issue", 1  # uniform datapath
+        if root in ("LDS", "LDSM", "STS", "LDG", "LDGSTS", "STG", "SHFL", "LD", "ST", "ATOMS", "ATOMG", "RED"):
+            pipe, cycles = "issue", 1  # priced on the SM-wide mio path below
+        if pipe != "issue":
+            pipes[pipe] += n * cycles
+    per_smsp = warps / machine.sub_partitions
+    smsp = max([counts.total, *pipes.values()])
+    mio_bytes = counts.mio_bytes_low if broadcast else counts.mio_bytes
+    mio = (mio_bytes / machine.mio_bytes_per_clk + counts.roots["SHFL"] * machine.shfl_mio_cycles) * warps
+    bound = "issue" if smsp == counts.total else max(pipes, key=lambda k: pipes[k])
+    cycles = max(per_smsp * smsp, mio)
+    return {"cycles": cycles, "bound": "mio" if mio > per_smsp * smsp else bound, "issue_slots": counts.total}
+
+
+def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threads: int, arch: str,
+                    tiling: Tiling, page: str, shape: AttentionShape = ASR_SHAPE,
+                    machine: Machine = H200) -> dict:  # fmt: skip
+    """The modelled tick of one attention kernel at ``shape`` with ``page`` ("bf16"/"fp8") pages."""
+    from oasr.fast.kernels import ops
+
+    resident, limiter = ctas_per_sm(registers, shared_bytes, threads, arch)
+    q_tiles = math.ceil(shape.group * shape.chunk / tiling.rows_per_cta)
+    base = shape.streams * shape.n_kv_head * q_tiles
+    if tiling.split_rule == "v1":
+        splits = ops.choose_num_splits(shape.streams, shape.n_kv_head, q_tiles, shape.keys, machine.sms)
+    else:  # enough CTAs to fill every SM's resident slots once
+        splits = max(1, min(math.ceil(machine.sms * max(resident, 1) / base), shape.keys // tiling.keys_per_iteration))
+    ctas = base * splits
+    tiles = math.ceil(math.ceil(shape.keys / splits) / tiling.keys_per_iteration)
+    warps = math.ceil(threads / 32)
+    busiest = math.ceil(ctas / machine.sms)
+    _, page_bytes, scale_bytes = PAGES[page]
+    moved = shape.bytes_moved(page_bytes, scale_bytes)
+    memory_us = moved / (machine.bandwidth_tbs * 1e6)
+    low, high = (cta_tile_cycles(counts, warps, machine, broadcast=b) for b in (True, False))
+    issue = [busiest * tiles * t["cycles"] / (machine.clock_ghz * 1e3) for t in (low, high)]
+    modelled = [max(t, memory_us) for t in issue]
+    return {
+        "page": page,
+        "instr_per_tile_warp": counts.total,
+        "instr_per_tile_cta": counts.total * warps,
+        "ffma_share": round(counts.classes["FFMA"] / max(counts.total, 1), 3),
+        "cycles_per_cta_tile": [low["cycles"], high["cycles"]],
+        "tile_bound": [low["bound"], high["bound"]],
+        "ctas": ctas,
+        "splits": splits,
+        "ctas_per_sm": resident,
+        "occupancy_limiter": limiter,
+        "waves": round(ctas / (machine.sms * max(resident, 1)), 2),
+        "tiles_per_cta": tiles,
+        "mbytes_moved": round(moved / 1e6, 1),
+        "memory_us": round(memory_us, 1),
+        "issue_us": [round(t, 1) for t in issue],
+        "modelled_us": [round(t, 1) for t in modelled],  # [low, high]
+        "modelled_tbs": [round(moved / (t * 1e6), 2) for t in reversed(modelled)],  # [low, high]
+        "fraction_of_bw": [round(moved / (t * 1e6) / machine.bandwidth_tbs, 3) for t in reversed(modelled)],
+        "bound": "memory" if memory_us >= issue[0] else "issue",
+    }
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def _matches_shape(targs: tuple[str, ...], page_type: str, shape: AttentionShape) -> bool:
+    """An instantiation for bf16 q/out, ``page_type`` pages, the shape's head_dim (and block size, if
+    the kernel takes one as a template argument)."""
+    numbers = [a for a in targs if a.isdigit()]
+    if not targs or targs[0] != MODEL_DTYPE or page_type not in targs[1:] or str(shape.head_dim) not in numbers:
+        return False
+    rest = list(numbers)
+    rest.remove(str(shape.head_dim))
+    return all(n == str(shape.block_size) for n in rest)
+
+
+def report(archs=("sm_80", "sm_90"), *, use_cache: bool = True, families=None, shape: AttentionShape = ASR_SHAPE):
+    """Every kernel's main loop and resources per arch, and the attention model. A dict (JSON-able)."""
+    from oasr.fast.kernels import nvrtc, registry
+
+    attention = {registry.short_name(k): registry.kernel_version(k) for k in registry.attention_kernels()}
+    kernels, model, notes = [], [], []
+    builds = [(arch, family) for arch in archs for family in families or registry.families()]
+    compiled_by = {b: nvrtc.compile_family(b[1], b[0], use_cache=use_cache) for b in builds}
+
+    def disassemble(build):
+        cubin = compiled_by[build].cubin
+        elf = _run("cuobjdump", "-elf", cubin=cubin)
+        return parse_sass(_run("nvdisasm", "-c", cubin=cubin)), parse_max_threads(elf)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:  # the disassemblers are separate processes
+        disassembled = dict(zip(builds, pool.map(disassemble, builds), strict=True))
+    for arch, family in builds:
+        compiled = compiled_by[arch, family]
+        functions, threads = disassembled[arch, family]
+        for kernel in registry.kernels_of(family):
+            short = registry.short_name(kernel)
+            for targs in kernel.instances:
+                expr = kernel.name_expression(targs)
+                mangled = compiled.symbols[expr]
+                res = compiled.resources[expr]
+                counts, how = main_loop(functions[mangled])
+                n_threads = threads.get(mangled, 128)
+                resident, limiter = ctas_per_sm(res.registers, res.shared_bytes, n_threads, arch)
+                row = {
+                    "kernel": expr, "short": short, "arch": arch, "version": attention.get(short),
+                    "registers": res.registers, "shared_bytes": res.shared_bytes,
+                    "spill_bytes": res.spill_stores + res.spill_loads, "threads": n_threads,
+                    "threads_from": "launch bounds" if mangled in threads else "assumed 128",
+                    "ctas_per_sm": resident, "occupancy_limiter": limiter,
+                    "loop": how, "loop_offsets": [counts.head, counts.tail],
+                    "trips_unknown": counts.trips_unknown, "loop_instructions": counts.total,
+                    "mix": {c: counts.classes.get(c, 0) for c in CLASSES},
+                }  # fmt: skip
+                kernels.append(row)
+                if short not in attention:
+                    continue
+                for page, (page_type, _, _) in PAGES.items():
+                    if not _matches_shape(targs, page_type, shape):
+                        continue
+                    tiling = TILINGS.get(short)
+                    if tiling is None:
+                        notes.append(f"{short}: no entry in sass.TILINGS, so no time model (add one)")
+                        continue
+                    entry = model_attention(counts, res.registers, res.shared_bytes, n_threads, arch, tiling,
+                                            page, shape)  # fmt: skip
+                    model.append({"kernel": expr, "version": f"v{attention[short]}", "arch": arch, **entry})
+    model.sort(key=lambda r: (r["page"], r["arch"], r["version"]))
+    return {
+        "disclaimer": DISCLAIMER,
+        "machine": {**asdict(H200), "pipe_cycles": {k: list(v) for k, v in H200.pipe_cycles.items()}},
+        "arch_limits": {k: asdict(v) for k, v in ARCH_LIMITS.items()},
+        "shape": asdict(shape),
+        "kernels": kernels,
+        "attention_model": model,
+        "notes": sorted(set(notes)),
+    }
+
+
+def _markdown(header: list[str], rows: list[list]) -> str:
+    def cell(v):
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _span(pair, fmt: str) -> str:
+    low, high = (fmt.format(v) for v in pair)
+    return low if low == high else f"{low}-{high}"
+
+
+def format_report(rep: dict, *, all_kernels: bool = True) -> str:
+    """Markdown tables: the attention model (pasteable into docs/kernels.md), then every kernel's loop."""
+    s = rep["shape"]
+    out = [
+        rep["disclaimer"],
+        "",
+        f"Attention model: {s['streams']} streams x {s['keys']} keys, chunk {s['chunk']}, head_dim {s['head_dim']}, "
+        f"{s['n_head']} query heads over {s['n_kv_head']} KV heads, block {s['block_size']}, bf16 q/out.",
+        "",
+        _markdown(
+            ["version", "arch", "pages", "instr/tile (warp)", "FFMA share", "cycles/CTA-tile", "tile bound",
+             "CTAs/SM", "CTAs", "waves", "memory us", "modelled us", "TB/s", "of 4.3 TB/s"],
+            [[r["version"], r["arch"], r["page"], r["instr_per_tile_warp"], f"{100 * r['ffma_share']:.0f}%",
+              _span(r["cycles_per_cta_tile"], "{:.0f}"), "/".join(dict.fromkeys(r["tile_bound"])),
+              f"{r['ctas_per_sm']} ({r['occupancy_limiter']})", r["ctas"], r["waves"], r["memory_us"],
+              _span(r["modelled_us"], "{:.0f}"), _span(r["modelled_tbs"], "{:.2f}"),
+              _span([100 * f for f in r["fraction_of_bw"]], "{:.0f}") + "%"] for r in rep["attention_model"]],
+        ),  # fmt: skip
+    ]
+    out += [f"note: {n}" for n in rep["notes"]]
+    rows = [r for r in rep["kernels"] if all_kernels or r["version"]]
+    out += [
+        "",
+        "Main loop per kernel (one warp, one iteration; heuristic in oasr/fast/kernels/sass.py):",
+        "",
+        _markdown(
+            ["kernel", "arch", "regs", "smem B", "spill B", "CTAs/SM", "loop", "instr", *CLASSES],
+            [[r["kernel"].replace("oasr::", ""), r["arch"], r["registers"], r["shared_bytes"], r["spill_bytes"],
+              r["ctas_per_sm"], r["loop"] + ("*" if r["trips_unknown"] else ""), r["loop_instructions"],
+              *(r["mix"][c] for c in CLASSES)] for r in rows],
+        ),  # fmt: skip
+        "(* a nested loop's trip count was not read off the SASS and counts once)",
+    ]
+    return "\n".join(out)
