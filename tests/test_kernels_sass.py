@@ -1,0 +1,173 @@
+"""The SASS report (oasr.fast.kernels.sass): parsing, loop finding, occupancy and the model's arithmetic.
+
+Unit tests run on hand-written SASS and known numbers; the report tests compile the attention
+family for sm_80 and sm_90 and read the real disassembly (no GPU needed). v2's HMMA test is skipped
+only while no v2 attention kernel is registered.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oasr.fast.kernels import nvrtc, registry, sass
+
+ARCHS = ("sm_80", "sm_90")
+
+try:
+    nvrtc.cuda_include_dir()
+    from cuda.core import Program  # noqa: F401
+
+    sass.find_tool("nvdisasm"), sass.find_tool("cuobjdump")
+    _MISSING = None
+except Exception as exc:  # cuda-python, the CUDA headers or the pip disassemblers are not installed
+    _MISSING = str(exc)
+
+needs_toolchain = pytest.mark.skipif(_MISSING is not None, reason=f"NVRTC unavailable: {_MISSING}")
+
+# A loop nest the way nvdisasm prints it: an outer loop with a global load and FFMAs around an
+# inner loop whose counter goes 0 -> 0x40 in steps of 0x10 (4 trips), and a loop with no loads.
+SASS_TEXT = """
+        .section        .text._Z6kernelv,"ax",@progbits
+        /*0000*/                   MOV R2, RZ ;
+.L_x_1:
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R8.64] ;
+        /*0020*/                   HFMA2.MMA R3, -RZ, RZ, 0, 0 ;
+.L_x_2:
+        /*0030*/                   VIADD R3, R3, 0x10 ;
+        /*0040*/                   LDS.128 R12, [R9] ;
+        /*0050*/                   FFMA R5, R4, R5, R6 ;
+        /*0060*/                   ISETP.NE.AND P0, PT, R3, 0x40, PT ;
+        /*0070*/               @P0 BRA `(.L_x_2) ;
+        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0090*/                   IADD3 R2, R2, 0x20, RZ ;
+        /*00a0*/                   ISETP.GE.AND P1, PT, R2, R10, PT ;
+        /*00b0*/              @!P1 BRA `(.L_x_1) ;
+.L_x_3:
+        /*00c0*/                   IMAD R1, R1, R1, RZ ;
+        /*00d0*/                   BRA `(.L_x_3) ;
+        /*00e0*/                   EXIT ;
+.L_x_4:
+        /*00f0*/                   BRA `(.L_x_4) ;
+"""
+
+
+def test_parse_and_loop_nest():
+    fn = sass.parse_sass(SASS_TEXT)["_Z6kernelv"]
+    assert len(fn.instrs) == 16 and fn.labels[".L_x_2"] == 0x30
+    loops = sass.find_loops(fn)
+    assert [(lp.head, lp.tail) for lp in loops] == [(0x10, 0xB0), (0xC0, 0xD0)]  # the trailing trap is no loop
+    outer, _ = loops
+    assert outer.trips is None  # bound is a register
+    assert [(c.head, c.tail, c.trips) for c in outer.children] == [(0x30, 0x70, 4)]
+
+
+def test_main_loop_weights_nested_trips():
+    fn = sass.parse_sass(SASS_TEXT)["_Z6kernelv"]
+    counts, how = sass.main_loop(fn)
+    assert how == "load-math-loop" and (counts.head, counts.tail) == (0x10, 0xB0)
+    # outer body: LDG, HFMA2, BAR, IADD3, ISETP, BRA (6) + inner 5 instructions x 4 trips
+    assert counts.total == 26
+    assert counts.classes["FFMA"] == 4 and counts.classes["LDS/LDSM"] == 4 and counts.classes["LDGSTS/LDG"] == 1
+    assert counts.classes["BAR"] == 1 and not counts.trips_unknown
+    assert counts.mio_bytes == 512 + 4 * 512 and counts.mio_bytes_low == 512 + 4 * 128
+
+
+def test_trip_count_compare_before_step():
+    text = SASS_TEXT.replace(
+        "        /*0030*/                   VIADD R3, R3, 0x10 ;\n", ""
+    ).replace("        /*0060*/                   ISETP.NE.AND P0, PT, R3, 0x40, PT ;\n",
+              "        /*0060*/                   ISETP.LT.AND P0, PT, R3, 0x30, PT ;\n"
+              "        /*0068*/                   VIADD R3, R3, 0x10 ;\n")  # fmt: skip
+    outer = sass.find_loops(sass.parse_sass(text)["_Z6kernelv"])[0]
+    assert outer.children[0].trips == 4  # 0, 0x10, 0x20, 0x30 pass the compare
+
+
+@pytest.mark.parametrize(
+    "regs,smem,threads,arch,expect",
+    [
+        (71, 25600, 128, "sm_90", (7, "registers")),  # v1 bf16 D=64 (issue 9: 1.11 waves at 128 streams)
+        (78, 25600, 128, "sm_80", (6, "registers")),
+        (122, 46080, 128, "sm_90", (4, "registers")),
+        (24, 0, 128, "sm_90", (16, "threads")),
+        (32, 100_000, 128, "sm_90", (2, "shared")),
+        (16, 0, 32, "sm_90", (32, "ctas")),
+    ],
+)
+def test_ctas_per_sm(regs, smem, threads, arch, expect):
+    assert sass.ctas_per_sm(regs, smem, threads, arch) == expect
+
+
+def test_bytes_moved_at_the_asr_shape():
+    s = sass.ASR_SHAPE
+    q_out = 2 * 128 * 8 * 16 * 64 * 2
+    assert s.bytes_moved(2) == 2 * 128 * 1040 * 4 * 64 * 2 + q_out
+    assert s.bytes_moved(1, 4) == 2 * 128 * 1040 * 4 * (64 + 4) + q_out
+
+
+def test_cta_tile_cycles_picks_the_binding_resource():
+    fn = sass.parse_sass(SASS_TEXT)["_Z6kernelv"]
+    counts, _ = sass.main_loop(fn)
+    high = sass.cta_tile_cycles(counts, 4)
+    low = sass.cta_tile_cycles(counts, 4, broadcast=True)
+    # 4 warps, one per SMSP: 26 issue slots; the SM's mio path moves (512 + 4*512) * 4 B at 128 B/clk
+    assert high == {"cycles": 80.0, "bound": "mio", "issue_slots": 26}
+    assert low["cycles"] == 32.0 and low["bound"] == "mio"  # (512 + 4*128) * 4 / 128
+
+
+def test_tools_are_found():
+    if _MISSING:
+        pytest.skip(f"NVRTC unavailable: {_MISSING}")
+    assert sass.find_tool("nvdisasm").endswith("nvdisasm")
+    with pytest.raises(RuntimeError, match="pip install nvidia-cuda-no-such-tool"):
+        sass.find_tool("no-such-tool")
+
+
+@pytest.fixture(scope="module")
+def attention_report():
+    families = sorted({k.family for k in registry.attention_kernels()})
+    return sass.report(ARCHS, families=families)
+
+
+@needs_toolchain
+def test_report_is_json_and_finds_v1_main_loop(attention_report):
+    rep = json.loads(json.dumps(attention_report))
+    assert "MODEL, NOT MEASURED" in rep["disclaimer"]
+    v1 = [r for r in rep["kernels"] if r["short"] == "paged_chunk_attention_kernel"]
+    assert {r["arch"] for r in v1} == set(ARCHS) and len(v1) == 2 * len(registry.BY_NAME[v1[0]["short"]].instances)
+    for r in v1:
+        assert r["loop"] == "load-math-loop", r["kernel"]
+        assert r["mix"]["FFMA"] > 0 and r["mix"]["LDGSTS/LDG"] > 0 and r["mix"]["BAR"] > 0, r
+        assert r["loop_instructions"] == sum(r["mix"].values())
+        assert r["threads"] == 128 and r["threads_from"] == "launch bounds"
+        assert r["mix"]["HMMA"] == 0  # v1 is the scalar kernel
+
+
+@needs_toolchain
+def test_model_rows_for_v1(attention_report):
+    rows = [r for r in attention_report["attention_model"] if r["version"] == "v1"]
+    assert {(r["arch"], r["page"]) for r in rows} == {(a, p) for a in ARCHS for p in sass.PAGES}
+    for r in rows:
+        low, high = r["modelled_us"]
+        assert r["memory_us"] <= low <= high
+        assert r["ctas"] == 128 * 4 * 2 and r["tiles_per_cta"] == 33  # 32 query rows per KV head, 16 per CTA
+        assert 0 < r["fraction_of_bw"][0] <= r["fraction_of_bw"][1] <= 1
+    text = sass.format_report(attention_report)
+    assert "| v1 | sm_90 | bf16 |" in text and "MODEL, NOT MEASURED" in text
+
+
+V2 = [k for k in registry.attention_kernels() if registry.kernel_version(k) == 2]
+
+
+@needs_toolchain
+@pytest.mark.skipif(not V2, reason="no v2 attention kernel registered (kernels_cu/paged_chunk_attention_v2.cu)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_v2_main_loop_runs_on_tensor_cores(attention_report, arch):
+    rows = [r for r in attention_report["kernels"] if r["version"] == 2 and r["arch"] == arch]
+    assert rows
+    for r in rows:
+        assert r["loop"] == "load-math-loop", r["kernel"]
+        assert r["mix"]["HMMA"] > 0, f"{r['kernel']} on {arch}: no HMMA in the main loop: {r['mix']}"
+    modelled = [r for r in attention_report["attention_model"] if r["version"] == "v2" and r["arch"] == arch]
+    assert modelled, f"v2 has no time model: add its Tiling to sass.TILINGS ({attention_report['notes']})"
