@@ -29,11 +29,9 @@ try:
 except emulation.EmulationUnavailable as exc:
     _NO_EMULATION = str(exc)
 
-# How the test launches each registered attention kernel: (executor, q, cache, chunk_lens, scale, causal,
-# num_splits) -> out. A kernel registered without an entry here fails test_every_attention_kernel_is_launched.
-LAUNCHERS = {
-    "paged_chunk_attention_kernel": ops.paged_attention,
-}
+# Each registered attention kernel's launcher: (executor, q, cache, chunk_lens, scale, causal, num_splits) -> out.
+# A kernel registered without one fails test_every_attention_kernel_is_launched.
+LAUNCHERS = ops.ATTENTION_LAUNCHERS
 ATTENTION_KERNELS = [registry.short_name(k) for k in registry.attention_kernels()]
 
 
@@ -89,7 +87,7 @@ def test_fast_twin_emulated_past_length_rows_are_zero(dtype, fp8):
 @pytest.mark.parametrize("kernel", ATTENTION_KERNELS)
 def test_each_attention_kernel_past_length_rows_are_zero(kernel, dtype, fp8, num_splits):
     if kernel not in LAUNCHERS:
-        pytest.fail(f"{kernel} is registered but this test has no launcher for it: add it to LAUNCHERS")
+        pytest.fail(f"{kernel} is registered but has no launcher: add it to ops.ATTENTION_LAUNCHERS")
     s = _poisoned_scenario(dtype, fp8)
     out = LAUNCHERS[kernel](emulation.executor(), s.q, s.cache, s.chunk_lens, 0.125, True, num_splits)
     _check_past_length_rows(out, s)
@@ -98,4 +96,4 @@ def test_each_attention_kernel_past_length_rows_are_zero(kernel, dtype, fp8, num
 def test_every_attention_kernel_is_launched():
     assert "paged_chunk_attention_kernel" in ATTENTION_KERNELS  # v1 stays
     missing = sorted(set(ATTENTION_KERNELS) - set(LAUNCHERS))
-    assert not missing, f"registered attention kernels without a launcher in this test: {missing}"
+    assert not missing, f"registered attention kernels without a launcher in ops.ATTENTION_LAUNCHERS: {missing}"

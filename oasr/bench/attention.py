@@ -82,4 +82,8 @@ def section(quick: bool, device="cpu") -> list[dict]:
             row["fast_GBps"] = achieved
             row["of_copy_bw"] = achieved / peak
         rows.append(row)
+    if device.type == "cuda":  # one layer at the ASR shape: v1, v2, SDPA, FlashInfer (oasr/bench/attention_gpu.py)
+        from oasr.bench import attention_gpu
+
+        rows += attention_gpu.section(quick, device)
     return rows

@@ -299,3 +299,11 @@ def gather_kv_blocks(
         registry.BY_NAME["gather_kv_blocks_kernel"], (registry.UNIT_ARG[unit],), grid, (THREADS, 1, 1), args
     )
     return out
+
+
+# Each registered attention kernel's launcher (registry.attention_kernels(), by short name), all with
+# paged_attention's signature. Tests and the GPU bench run every entry, so a new version is compared
+# by adding its line here.
+ATTENTION_LAUNCHERS = {
+    "paged_chunk_attention_kernel": paged_attention,
+}
