@@ -75,8 +75,9 @@
 // on the same fp8 pages).
 //   python -m pytest tests/test_kernels_emulated.py -k attention (CPU, no GPU needed)
 //   python -m pytest tests/test_fp8_kernels.py -k attention      (CPU, no GPU needed)
+//   python -m pytest tests/test_attention_past_length.py         (zeros past the chunk, NaN/Inf in V)
 //   python -m pytest -m cuda tests/test_kernels_cuda.py          (GPU)
-//   python -m oasr kernels --arch sm_80,sm_90                    (registers, smem, spills)
+//   python -m oasr kernels --arch sm_80,sm_90 [--sass]           (registers, smem, spills; main loop, model)
 #include "common.cuh"
 
 namespace oasr {
