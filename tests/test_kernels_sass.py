@@ -171,3 +171,29 @@ def test_v2_main_loop_runs_on_tensor_cores(attention_report, arch):
         assert r["mix"]["HMMA"] > 0, f"{r['kernel']} on {arch}: no HMMA in the main loop: {r['mix']}"
     modelled = [r for r in attention_report["attention_model"] if r["version"] == "v2" and r["arch"] == arch]
     assert modelled, f"v2 has no time model: add its Tiling to sass.TILINGS ({attention_report['notes']})"
+
+
+@needs_toolchain
+def test_kernels_command_sass_table_and_json(tmp_path, capsys):
+    from oasr.commands.kernels import main
+
+    path = tmp_path / "kernels.json"
+    assert main(["--arch", "sm_90", "--sass", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "MODEL, NOT MEASURED" in out and "| v1 | sm_90 | bf16 |" in out and "| v1 | sm_90 | fp8 |" in out
+    data = json.loads(path.read_text())
+    assert {r["kernel"] for r in data["sass"]["kernels"]} == {r["kernel"] for r in data["kernels"]}
+
+
+@needs_toolchain
+def test_kernels_command_fails_when_an_attention_loop_is_lost(monkeypatch, capsys):
+    from oasr.commands.kernels import main
+
+    def lost(archs, use_cache=True):
+        row = {"kernel": "oasr::paged_chunk_attention_kernel<...>", "arch": "sm_90", "version": 1, "loop": "no-loop"}
+        return {"disclaimer": "", "shape": {}, "kernels": [row], "attention_model": [], "notes": []}
+
+    monkeypatch.setattr(sass, "report", lost)
+    monkeypatch.setattr(sass, "format_report", lambda rep: "")
+    assert main(["--arch", "sm_90", "--sass"]) == 1
+    assert "no K/V main loop found in oasr::paged_chunk_attention_kernel<...> sm_90" in capsys.readouterr().err

@@ -406,7 +406,7 @@ def _trip_count(fn: Function, loop: Loop) -> int | None:
 
 @dataclass
 class LoopCounts:
-    """One iteration of a loop, for one warp: counts by class, mio bytes, pipe cycles."""
+    """One iteration of a loop, for one warp: counts by class and by opcode, bytes through the mio path."""
 
     head: int = -1
     tail: int = -1
@@ -563,14 +563,14 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
 
 
 def _matches_shape(targs: tuple[str, ...], page_type: str, shape: AttentionShape) -> bool:
-    """An instantiation for bf16 q/out, ``page_type`` pages, the shape's head_dim (and block size, if
-    the kernel takes one as a template argument)."""
+    """An instantiation for bf16 q/out, ``page_type`` pages, the shape's head_dim (and, if it takes more
+    numbers as template arguments, one equal to the block size)."""
     numbers = [a for a in targs if a.isdigit()]
     if not targs or targs[0] != MODEL_DTYPE or page_type not in targs[1:] or str(shape.head_dim) not in numbers:
         return False
     rest = list(numbers)
     rest.remove(str(shape.head_dim))
-    return all(n == str(shape.block_size) for n in rest)
+    return not rest or str(shape.block_size) in rest
 
 
 def report(archs=("sm_80", "sm_90"), *, use_cache: bool = True, families=None, shape: AttentionShape = ASR_SHAPE):
