@@ -81,6 +81,7 @@ def make_cohort(history: int, page: str, device, seed: int = 0) -> tuple[PagedKV
     """A pool holding every stream's history and chunk (cache_seqlens = history), and the chunk's q."""
     s = shape_for(history)
     g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # the pool's values, drawn on the device
     width = math.ceil(s.keys / s.block_size)
     blocks = s.streams * width + 1
     table = torch.randperm(blocks, generator=g)[: s.streams * width].view(s.streams, width).to(torch.int32)

@@ -542,6 +542,9 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
         "instr_per_tile_cta": counts.total * warps,
         "ffma_share": round(counts.classes["FFMA"] / max(counts.total, 1), 3),
         "cycles_per_cta_tile": [low["cycles"], high["cycles"]],
+        # the tile's share of the bytes at one SM's share of the bandwidth
+        "memory_cycles_per_cta_tile": round(moved / (ctas * tiles) * machine.sms / (machine.bandwidth_tbs * 1e3)
+                                            * machine.clock_ghz, 1),
         "tile_bound": [low["bound"], high["bound"]],
         "ctas": ctas,
         "splits": splits,
@@ -645,6 +648,20 @@ def _markdown(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+MODEL_COLUMNS = ["version", "arch", "pages", "instr/tile (warp)", "FFMA share", "cycles/CTA-tile", "memory cycles",
+                 "tile bound", "CTAs/SM", "CTAs", "waves", "memory us", "modelled us", "TB/s", "of 4.3 TB/s"]
+
+
+def _model_cells(r: dict) -> list:
+    return [
+        r["version"], r["arch"], r["page"], r["instr_per_tile_warp"], f"{100 * r['ffma_share']:.0f}%",
+        _span(r["cycles_per_cta_tile"], "{:.0f}"), f"{r['memory_cycles_per_cta_tile']:.0f}",
+        "/".join(dict.fromkeys(r["tile_bound"])), f"{r['ctas_per_sm']} ({r['occupancy_limiter']})", r["ctas"],
+        r["waves"], r["memory_us"], _span(r["modelled_us"], "{:.0f}"), _span(r["modelled_tbs"], "{:.2f}"),
+        _span([100 * f for f in r["fraction_of_bw"]], "{:.0f}") + "%",
+    ]  # fmt: skip
+
+
 def _span(pair, fmt: str) -> str:
     low, high = (fmt.format(v) for v in pair)
     return low if low == high else f"{low}-{high}"
@@ -660,13 +677,8 @@ def format_report(rep: dict, *, all_kernels: bool = True) -> str:
         f"{s['n_head']} query heads over {s['n_kv_head']} KV heads, block {s['block_size']}, bf16 q/out.",
         "",
         _markdown(
-            ["version", "arch", "pages", "instr/tile (warp)", "FFMA share", "cycles/CTA-tile", "tile bound",
-             "CTAs/SM", "CTAs", "waves", "memory us", "modelled us", "TB/s", "of 4.3 TB/s"],
-            [[r["version"], r["arch"], r["page"], r["instr_per_tile_warp"], f"{100 * r['ffma_share']:.0f}%",
-              _span(r["cycles_per_cta_tile"], "{:.0f}"), "/".join(dict.fromkeys(r["tile_bound"])),
-              f"{r['ctas_per_sm']} ({r['occupancy_limiter']})", r["ctas"], r["waves"], r["memory_us"],
-              _span(r["modelled_us"], "{:.0f}"), _span(r["modelled_tbs"], "{:.2f}"),
-              _span([100 * f for f in r["fraction_of_bw"]], "{:.0f}") + "%"] for r in rep["attention_model"]],
+            MODEL_COLUMNS,
+            [_model_cells(r) for r in rep["attention_model"]],
         ),  # fmt: skip
     ]
     out += [f"note: {n}" for n in rep["notes"]]
