@@ -15,8 +15,9 @@
 //
 // fp8 pages. `__nv_fp8_e4m3` is a storage type like the others: its Codec widens
 // exactly and narrows with round-to-nearest-even, saturating to +-448 (the rule
-// of oasr/reference/fp8.py never hands it anything larger). A vector of
-// head_dim values carries one fp32 scale, a power of two chosen by
+// of oasr/fp8.py never hands it anything larger). Inputs are first clamped to
+// `fp8_saturate<T>`'s bound, so that every one dequantizes to a finite T. A
+// vector of head_dim values carries one fp32 scale, a power of two chosen by
 // `fp8_scale(amax)`; `load_vec_scaled` reads N stored values and multiplies by
 // their vector's scale, so an fp8 page widens to the same fp32 as the
 // reference's `stored.float() * scale`. NaN or infinite inputs are outside the
@@ -118,7 +119,32 @@ namespace oasr {
 
 constexpr float kFp8Max = 448.f;
 
-// The scale of one vector whose largest magnitude is `amax` (oasr/reference/fp8.py):
+// The saturation bound L of oasr/fp8.py for a model in dtype T: 1.875 * 2^emax(T), the largest
+// value of 4 significant bits (an e4m3 value times a power of two) that T holds, so L, and
+// everything an e4m3 byte times its scale can round to below it, is finite in T.
+template <typename T>
+struct Fp8Saturation;
+template <>
+struct Fp8Saturation<float> {
+    static constexpr float kBound = 3.1901471898837980e38f;  // 1.875 * 2^127 (fp32 max is ~1.99999 * 2^127)
+};
+template <>
+struct Fp8Saturation<__nv_bfloat16> {
+    static constexpr float kBound = 3.1901471898837980e38f;  // 1.875 * 2^127 (bf16 max is 1.9921875 * 2^127)
+};
+template <>
+struct Fp8Saturation<__half> {
+    static constexpr float kBound = 61440.f;  // 1.875 * 2^15 (fp16 max is 65504)
+};
+
+// x clamped to [-L, L] for model dtype T. NaN passes through (fminf would turn it into L).
+template <typename T>
+__device__ __forceinline__ float fp8_saturate(float x) {
+    constexpr float L = Fp8Saturation<T>::kBound;
+    return x > L ? L : (x < -L ? -L : x);
+}
+
+// The scale of one vector whose largest magnitude is `amax` (oasr/fp8.py; amax already saturated):
 // the least power of two s with amax / s <= 448, floored at 2^-149, and 1 for a
 // zero vector. Exponent arithmetic on amax's bits, no division: write amax =
 // 1.f * 2^e; 448 = 1.75 * 2^8, so s = 2^(e - 8) when 1.f <= 1.75 (the fraction

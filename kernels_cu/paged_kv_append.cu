@@ -65,8 +65,9 @@ __global__ void __launch_bounds__(128) paged_kv_append_kernel(
 // paged_kv_append_fp8_kernel -- the same write into fp8 (e4m3) pages, quantizing.
 //
 // Computes (the oracle is oasr.reference.paged_ops.append_kv on a quantized
-// cache, i.e. oasr.reference.fp8.quantize per vector):
+// cache, i.e. oasr.fp8.quantize per vector, T being the model dtype):
 //   for every written frame (as above) and KV head h, with x = float(k_chunk[b, t, h, :]):
+//       x = fp8_saturate<T>(x)            (common.cuh: clamp to +-L, so x's dequantized value is finite in T)
 //       s = fp8_scale(max |x|)            (common.cuh: the least power of two with max|x| / s <= 448)
 //       k_cache[slot, h, :] = e4m3(x / s)  (IEEE division: exact, s is a power of two)
 //       k_scale[slot, h]    = s
@@ -122,6 +123,11 @@ __global__ void __launch_bounds__(128) paged_kv_append_fp8_kernel(
         if (active) {
             load_vec<T, E>(k_chunk + vec * D + e0, kx);
             load_vec<T, E>(v_chunk + vec * D + e0, vx);
+#pragma unroll
+            for (int i = 0; i < E; ++i) {
+                kx[i] = fp8_saturate<T>(kx[i]);
+                vx[i] = fp8_saturate<T>(vx[i]);
+            }
         } else {
 #pragma unroll
             for (int i = 0; i < E; ++i) kx[i] = vx[i] = 0.f;

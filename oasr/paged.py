@@ -21,7 +21,26 @@ are ``float8_e4m3fn`` and ``k_scale``/``v_scale`` hold one fp32 scale per
 ``max_seqlen`` and ``max_span`` are host-side maxima over the rows (of
 ``cache_seqlens`` and of ``cache_seqlens - cache_seqstarts``), filled from the
 manager's host bookkeeping so that a launcher can size a grid without reading
-the device tensors back.
+the device tensors back. Two more host-side fields, filled by the managers and
+optional for a hand-built view, let the ops refuse bad input without a device
+read:
+
+* ``prepared_frames``: per row, the most frames a chunk may write past
+  ``cache_seqlens[b]`` (and so the most queries it may have): what the row's
+  held blocks cover, capped at ``chunk_size`` (exactly what
+  ``commit_chunk_paged`` would accept); ``chunk_size`` for a padding-lane row.
+  None: not known, not checked.
+* ``model_dtype``: the dtype K, V and q must come in. It is the pool's dtype
+  for pages in the model dtype; for fp8 pages the manager's ``CacheConfig.dtype``.
+  None on an fp8 view: K's own dtype serves, which must be fp32, fp16 or bf16.
+
+Tensor arguments of the ops (checked by ``oasr.validate``; the same in both twins)::
+
+    argument          shape                          dtype                       device
+    q                 (B, n_head, T, head_dim)       the model dtype             the pool's
+    k, v              (B, T, n_kv_head, head_dim)    the model dtype             the pool's
+    chunk_lens        (B,) or None (all T)           integer, 0 <= len <= T      any (fast: a CUDA tensor is not read)
+    returned out      (B, n_head, T, head_dim)       q's dtype
 
 The view is a plain record: it owns nothing, and ``append_kv`` writes through
 it into the pool but never moves ``cache_seqlens`` (the manager's commit does).
@@ -47,6 +66,8 @@ class PagedKVCache:
     layer: int = 0
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    prepared_frames: tuple[int, ...] | None = None
+    model_dtype: torch.dtype | None = None
 
     @property
     def quantized(self) -> bool:
@@ -65,50 +86,16 @@ class PagedKVCache:
     def head_dim(self) -> int:
         return self.k_cache.shape[3]
 
-
-def check_chunk_lens(chunk_lens, batch: int, num_frames: int, device) -> torch.Tensor:
-    """Normalise ``chunk_lens`` to an int32 tensor of shape ``(batch,)`` on ``device``.
-
-    ``None`` means every row's chunk is ``num_frames`` long. Values must lie in
-    ``[0, num_frames]``. Validation of a tensor's *values* reads it on the host,
-    so the fast twin calls this only where the values are host-side already.
-    """
-    if chunk_lens is None:
-        return torch.full((batch,), num_frames, dtype=torch.int32, device=device)
-    lens = torch.as_tensor(chunk_lens, dtype=torch.int32, device=device)
-    if lens.shape != (batch,):
-        raise ValueError(f"chunk_lens: expected shape ({batch},), got {tuple(lens.shape)}")
-    return lens
+    @property
+    def served_dtype(self) -> torch.dtype | None:
+        """The dtype K, V and q must have: ``model_dtype`` if given, else the pool's unless it is fp8 (None)."""
+        if self.model_dtype is not None:
+            return self.model_dtype
+        return None if self.quantized else self.k_cache.dtype
 
 
-def check_kv_chunk(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Shape / dtype / device checks shared by both twins' ``append_kv``."""
-    B = cache.batch_size
-    for name, t in (("k", k), ("v", v)):
-        if t.dim() != 4 or t.shape[0] != B or t.shape[2:] != cache.k_cache.shape[2:]:
-            raise ValueError(
-                f"append_kv: {name} must be (B={B}, T, n_kv_head={cache.n_kv_head}, "
-                f"head_dim={cache.head_dim}), got {tuple(t.shape)}"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"append_kv: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if k.device != cache.k_cache.device:
-        raise ValueError(f"append_kv: k is on {k.device}, the pool on {cache.k_cache.device}")
-
-
-def check_query(cache: PagedKVCache, q: torch.Tensor) -> None:
-    """Shape / device checks shared by both twins' ``paged_attention``."""
-    B = cache.batch_size
-    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != cache.head_dim:
-        raise ValueError(
-            f"paged_attention: q must be (B={B}, n_head, T, head_dim={cache.head_dim}), got {tuple(q.shape)}"
-        )
-    if q.shape[1] % cache.n_kv_head != 0:
-        raise ValueError(
-            f"paged_attention: n_head={q.shape[1]} must be a multiple of n_kv_head={cache.n_kv_head}"
-        )
-    if q.device != cache.k_cache.device:
-        raise ValueError(f"paged_attention: q is on {q.device}, the pool on {cache.k_cache.device}")
+# The argument checks live in oasr.validate (one place for both twins); imported here for old callers.
+from oasr.validate import check_chunk_lens, check_kv_chunk, check_query  # noqa: E402, F401
 
 
 @dataclass

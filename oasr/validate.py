@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def check_count(owner: str, name: str, value, minimum: int = 0) -> None:
     """``value`` must be an int (not a bool) ``>= minimum``; ``ValueError`` naming ``owner.name`` otherwise."""
@@ -42,3 +44,112 @@ def check_dense_chunk(config, kv_chunk) -> int:
             f"with 1 <= T <= chunk_size={config.chunk_size}, got {shape}"
         )
     return shape[2]
+
+
+# -- paged ops (append_kv, paged_attention): both twins call these first --------------------------------
+
+# The dtypes a model runs in (CacheConfig.dtype); K, V and q come in one of them.
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_chunk_lens(chunk_lens, batch: int, num_frames: int, device) -> torch.Tensor:
+    """Normalise ``chunk_lens`` to an int32 tensor of shape ``(batch,)`` on ``device``.
+
+    ``None`` means every row's chunk is ``num_frames`` long. Only the shape is checked here; the
+    values (each in ``[0, num_frames]`` and within the row's prepared frames) are checked by
+    ``check_lens_values``, which reads them, so the fast twin calls it only where the values are
+    host-side already.
+    """
+    if chunk_lens is None:
+        return torch.full((batch,), num_frames, dtype=torch.int32, device=device)
+    if isinstance(chunk_lens, torch.Tensor) and (chunk_lens.dtype.is_floating_point or chunk_lens.dtype.is_complex):
+        raise ValueError(f"chunk_lens: expected an integer tensor, got {chunk_lens.dtype}")
+    lens = torch.as_tensor(chunk_lens, dtype=torch.int32, device=device)
+    if lens.shape != (batch,):
+        raise ValueError(f"chunk_lens: expected shape ({batch},), got {tuple(lens.shape)}")
+    return lens
+
+
+def check_lens_values(op: str, cache, lens: torch.Tensor, num_frames: int, what: str = "frames") -> None:
+    """Every row's chunk length in ``[0, num_frames]`` and at most the row's ``prepared_frames``.
+
+    ``lens``: the normalised lengths (reads them: host data, or the reference). Raises
+    ``ValueError`` for the first bad row, before the caller writes anything.
+    """
+    lens = lens.cpu().long()
+    bad = (lens < 0) | (lens > num_frames)
+    prepared = cache.prepared_frames
+    if prepared is not None:
+        if len(prepared) != lens.shape[0]:
+            raise ValueError(f"{op}: the view's prepared_frames has {len(prepared)} rows, the cohort {lens.shape[0]}")
+        limit = torch.tensor(prepared, dtype=torch.long)
+        bad |= lens > limit
+    rows = bad.nonzero()
+    if not len(rows):
+        return
+    b = int(rows[0, 0])
+    n = int(lens[b])
+    if not 0 <= n <= num_frames:
+        raise ValueError(f"{op}: chunk_lens[{b}]={n} outside [0, T={num_frames}]")
+    raise ValueError(
+        f"{op}: row {b} has a chunk of {n} {what}, more than the {prepared[b]} frames prepared for it "
+        f"(prepare_chunk with num_frames >= {n} first, or pass chunk_lens)"
+    )
+
+
+def _check_dtype(op: str, name: str, t: torch.Tensor, cache) -> None:
+    """``t`` must be in the view's served dtype (see ``PagedKVCache``): no silent casts."""
+    expected = cache.served_dtype
+    if not cache.quantized and cache.model_dtype not in (None, cache.k_cache.dtype):
+        raise ValueError(
+            f"{op}: the view's model_dtype {cache.model_dtype} differs from its pool's {cache.k_cache.dtype}"
+        )
+    if expected is None:  # fp8 pages, model dtype not declared: the tensor's own, if a model dtype
+        if t.dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"{op}: {name} must be in a model dtype {tuple(str(d) for d in MODEL_DTYPES)} for fp8 pages, "
+                f"got {t.dtype}"
+            )
+    elif t.dtype != expected:
+        role = "the model dtype (CacheConfig.dtype)" if cache.quantized else "the pool's dtype"
+        raise ValueError(f"{op}: {name} must be {expected}, {role}, got {t.dtype}; convert it before the call")
+
+
+def check_kv_chunk(cache, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Checks shared by both twins' ``append_kv``: ``k`` and ``v`` are ``(B, T, n_kv_head, head_dim)``
+    (B the view's rows), of one shape, in the view's served dtype (the pool's; for fp8 pages the model
+    dtype), on the pool's device. ``ValueError`` naming what was expected and what came."""
+    B = cache.batch_size
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4 or t.shape[0] != B or t.shape[2:] != cache.k_cache.shape[2:]:
+            raise ValueError(
+                f"append_kv: {name} must be (B={B}, T, n_kv_head={cache.n_kv_head}, "
+                f"head_dim={cache.head_dim}), got {tuple(t.shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"append_kv: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        _check_dtype("append_kv", name, t, cache)
+    if k.dtype != v.dtype:
+        raise ValueError(f"append_kv: k and v dtypes differ: {k.dtype} vs {v.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != cache.k_cache.device:
+            raise ValueError(f"append_kv: {name} is on {t.device}, the pool on {cache.k_cache.device}")
+
+
+def check_query(cache, q: torch.Tensor) -> None:
+    """Checks shared by both twins' ``paged_attention``: ``q`` is ``(B, n_head, T, head_dim)`` (heads
+    before frames, unlike K/V), ``n_head`` a multiple of ``n_kv_head``, in the view's served dtype, on
+    the pool's device. ``ValueError`` naming what was expected and what came."""
+    B = cache.batch_size
+    layout = f"q must be (B={B}, n_head, T, head_dim={cache.head_dim}) (K/V are (B, T, n_kv_head, head_dim))"
+    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != cache.head_dim:
+        raise ValueError(f"paged_attention: {layout}, got {tuple(q.shape)}")
+    if q.shape[1] % cache.n_kv_head != 0:
+        raise ValueError(
+            f"paged_attention: n_head={q.shape[1]} must be a multiple of "
+            f"n_kv_head={cache.n_kv_head}; {layout}"
+        )
+    _check_dtype("paged_attention", "q", q, cache)
+    if q.device != cache.k_cache.device:
+        raise ValueError(f"paged_attention: q is on {q.device}, the pool on {cache.k_cache.device}")

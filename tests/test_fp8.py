@@ -7,6 +7,7 @@ import torch
 
 import oasr
 from oasr import memory
+from oasr.fp8 import saturation_bound
 from oasr.reference.fp8 import FP8_MAX, dequantize, quantize
 from tests.conftest import small_config
 from tests.test_paged_attention import make_case, sdpa_oracle
@@ -156,3 +157,66 @@ def test_budget_affords_more_blocks():
 def test_refusals_at_construction():
     with pytest.raises(ValueError, match="kv_cache_dtype must be None"):
         oasr.CacheConfig(kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize(
+    "dtype,value",
+    [(torch.float16, 65000.0), (torch.float16, -65504.0), (torch.float32, 3.3e38), (torch.float32, -3.4028234e38),
+     (torch.bfloat16, 3.3e38), (torch.bfloat16, 3.3895314e38)],
+)  # fmt: skip
+def test_values_near_the_model_dtype_max_dequantize_finite(twin, dtype, value):
+    """Issue 14: fp16 65000 got scale 256 and e4m3 256, 256 * 256 = 65536 > 65504: inf in attention and
+    in get_stacked_cache (fp32/bf16 likewise from ~3.3e38). Under the amended rule the value saturates
+    at L = 1.875 * 2**emax (61440 for fp16), in the paged path and the dense path of both twins."""
+    twin = fp8_twin(twin)
+    cfg = small_config(dtype=dtype, kv_cache_dtype="fp8_e4m3", num_layers=1)
+    bound = saturation_bound(dtype)
+    pool = twin.BlockPool(cfg)
+    att = twin.AttentionCacheManager(pool, cfg)
+    att.allocate_stream("paged")
+    att.prepare_chunk("paged", 1)
+    cache = att.get_paged_caches(["paged"])[0]
+    x = torch.zeros(1, 1, cfg.n_kv_head, cfg.head_dim, dtype=dtype)
+    x[..., 0] = value
+    x[..., 1] = 1.0
+    twin.append_kv(cache, x, x, [1])
+    q = torch.zeros(1, 2 * cfg.n_kv_head, 1, cfg.head_dim, dtype=dtype)
+    out = twin.paged_attention(q, cache, [1])  # one key: out is that V row, dequantized
+    assert torch.isfinite(out).all()
+    assert float(out[0, 0, 0, 0]) == math.copysign(bound, value)
+    att.commit_chunk_paged("paged", 1)
+    stacked = att.get_stacked_cache("paged")
+    assert torch.isfinite(stacked).all() and float(stacked[0, 0, 0, 0]) == math.copysign(bound, value)
+
+    att.allocate_stream("dense")
+    kv = torch.zeros(1, cfg.n_kv_head, 2, 2 * cfg.head_dim, dtype=dtype)
+    kv[..., 0] = value
+    kv[..., cfg.head_dim] = value
+    att.commit("dense", kv)
+    stacked = att.get_stacked_cache("dense")
+    assert torch.isfinite(stacked).all()
+    assert float(stacked[0, 0, 0, 0]) == float(stacked[0, 0, 0, cfg.head_dim]) == math.copysign(bound, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_saturation_changes_only_what_overflowed(dtype):
+    """The clamp at L changes a stored byte or a scale only where the plain rule dequantized to inf:
+    checked on every finite fp16 value and on the top 2**21 (fp32) / 2**14 (bf16) below their max."""
+    if dtype is torch.float16:
+        x = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    elif dtype is torch.bfloat16:
+        x = torch.arange(0x7F80 - 0x4000, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    else:
+        x = torch.arange(0x7F800000 - 0x200000, 0x7F800000, dtype=torch.int32).view(torch.float32)
+    x = x.view(-1, 1)
+    data, scale = quantize(x, dtype)
+    a = x.double().abs().view(-1)  # the plain rule's scale, least 2**j with a / 2**j <= 448 (all normal here)
+    plain_scale = torch.where(a > 0, torch.exp2(torch.ceil(torch.log2(a / 448.0))), 1.0)
+    plain_scale = torch.where(a / plain_scale > 448.0, plain_scale * 2, plain_scale).float()
+    assert (x.double().abs().view(-1) / plain_scale > 224.0).logical_or(a < 2.0**-100).all()
+    plain = (x.float() / plain_scale[:, None]).to(FP8)
+    assert torch.equal(scale, plain_scale)
+    differs = data.view(torch.uint8) != plain.view(torch.uint8)
+    assert torch.isinf(dequantize(plain, plain_scale, dtype)[differs]).all()
+    assert differs.any()  # the top of the range did overflow before
+    assert torch.isfinite(dequantize(data, scale, dtype)).all()

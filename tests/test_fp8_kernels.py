@@ -17,6 +17,7 @@ inside a block.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -81,6 +82,17 @@ def scale_oracle(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(a[:, 0] == 0, 1.0, s).float().reshape(amax.shape)
 
 
+def saturation_oracle(dtype: torch.dtype) -> float:
+    """The largest value of 4 significant bits below ``dtype``'s largest finite (``15 * 2**(emax - 3)``),
+    found by walking down from the max in float64: the clamp bound of the amended rule."""
+    top = torch.finfo(dtype).max
+    value = 2.0 ** math.floor(math.log2(top))
+    step = value / 8  # 3 fraction bits
+    while value + step <= top:
+        value += step
+    return value
+
+
 def spread(x: torch.Tensor, seed: int) -> torch.Tensor:
     """x with each vector scaled by its own power of two, over most of the dtype's range (fp32 and bf16
     vectors reach denormal maxima, below 448 * 2**-149), one zero vector and one with a single value."""
@@ -140,8 +152,9 @@ def _check_append(s, got, want, k, v):
     for name in ("k_cache", "v_scale"):
         assert torch.equal(bits(getattr(got.cache, name))[untouched], bits(getattr(s.cache, name))[untouched])
     valid, blocks, offsets = written_vectors(s, k)
+    bound = saturation_oracle(k.dtype)
     for x, data, scale in ((k, got.cache.k_cache, got.cache.k_scale), (v, got.cache.v_cache, got.cache.v_scale)):
-        x = x[valid].float()  # (N, Hkv, D)
+        x = x[valid].float().clamp(-bound, bound)  # (N, Hkv, D), saturated as the rule says
         expect_scale = scale_oracle(x.abs().amax(dim=-1))
         assert torch.equal(scale[blocks, offsets], expect_scale)
         expect = (x / expect_scale.unsqueeze(-1)).to(FP8)
@@ -208,18 +221,70 @@ def test_append_many_vectors(backend, dtype, head_dim):
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_append_input_forms(backend):
-    # A misaligned chunk, a float64 chunk and k/v of different dtypes: each is widened with .float()
-    # exactly as the reference's quantize does.
+    # A misaligned chunk is served (copied to an aligned one). A float64 chunk and k/v of different
+    # dtypes are refused by both twins, before anything is written (they used to be widened silently).
     s = to_fp8(make_scenario(7, **_geometry(7, 64, torch.bfloat16)))
     storage = torch.empty(s.k.numel() + 1, dtype=torch.bfloat16)
     k_misaligned = storage[1:].view(s.k.shape)
     k_misaligned.copy_(s.k)
     assert k_misaligned.data_ptr() % 16 != 0
-    for k, v in ((k_misaligned, s.v), (s.k.double() / 3, s.v.double()), (s.k, s.v.float() * 1e-3)):
-        want, got = s.clone(), s.clone()
-        ref.append_kv(want.cache, k, v, s.chunk_lens)
-        fast.append_kv(got.cache, k, v, s.chunk_lens.tolist(), backend=backend)
-        _check_append(s, got, want, k, v)
+    want, got = s.clone(), s.clone()
+    ref.append_kv(want.cache, k_misaligned, s.v, s.chunk_lens)
+    fast.append_kv(got.cache, k_misaligned, s.v, s.chunk_lens.tolist(), backend=backend)
+    _check_append(s, got, want, k_misaligned, s.v)
+    for k, v, message in ((s.k.double() / 3, s.v.double(), "k must be in a model dtype"),
+                          (s.k, s.v.float() * 1e-3, "k and v dtypes differ")):
+        for op, kwargs in ((ref.append_kv, {}), (fast.append_kv, {"backend": backend})):
+            before = s.clone()
+            with pytest.raises(ValueError, match=message):
+                op(before.cache, k, v, s.chunk_lens, **kwargs)
+            assert bits(before.cache.k_cache).equal(bits(s.cache.k_cache))
+
+
+NEAR_MAX = {  # values at the top of each model dtype: the plain rule rounded most of them up to inf
+    torch.float16: [65504.0, 65000.0, 63488.0, 63487.0, 62000.0, 61440.0, -65504.0, -64000.0],
+    torch.float32: [3.4028234e38, 3.3e38, 3.2969e38, 3.25e38, 3.19e38, -3.4028234e38, 1e38, -3.3e38],
+    torch.bfloat16: [3.3895314e38, 3.3e38, 3.2e38, 3.19e38, -3.3895314e38, 1e38, -3.3e38, 3.25e38],
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_append_saturates_near_the_model_dtype_max(backend, dtype):
+    # Issue 14: fp16 65000 was stored as 256 * scale 256 = 65536, inf in fp16 (fp32/bf16 from ~3.3e38).
+    # Amended rule: clamp to L first. Bytes still equal torch's conversion of the clamped values, and
+    # every written vector, the gather and attention over those pages are finite in the model dtype.
+    s = to_fp8(make_scenario(3, batch=2, n_kv_head=2, group=2, num_frames=8, head_dim=64, block_size=16,
+                             max_history=30, dtype=dtype))  # fmt: skip
+    s.chunk_lens[:] = 8
+    top = torch.tensor(NEAR_MAX[dtype], dtype=torch.float64).to(dtype)
+    k, v = s.k.clone(), s.v.clone()
+    for t in range(8):  # frame t: one near-max value in each vector (others stay small), then a full one
+        k[:, t, :, t] = top[t]
+        v[:, t, :, -1 - t] = top[-1 - t]
+    k[1, 7] = top[0]  # a whole vector at the top: V keeps one near-max value per column, because the
+    # kernel sums exp-weighted V rows before dividing (flash attention), and two fp32 values near
+    # 3.3e38 overflow that sum with or without fp8; the plain rule made even one of them inf.
+    assert torch.isfinite(k).all() and torch.isfinite(v).all()
+    want, got = s.clone(), s.clone()
+    ref.append_kv(want.cache, k, v, s.chunk_lens)
+    fast.append_kv(got.cache, k, v, s.chunk_lens, backend=backend)
+    _check_append(s, got, want, k, v)
+    valid, blocks, offsets = written_vectors(s, k)
+    for data, scale in ((got.cache.k_cache, got.cache.k_scale), (got.cache.v_cache, got.cache.v_scale)):
+        restored = (data[blocks, offsets].float() * scale[blocks, offsets].unsqueeze(-1)).to(dtype)
+        assert torch.isfinite(restored).all()
+    c = got.cache
+    for b in range(2):  # gather the row's new frames: dequantized into the model dtype, finite
+        start = int(c.cache_seqlens[b])
+        ids = c.block_table[b].contiguous()
+        out = fast.gather_kv_blocks(c.k_cache[None], c.v_cache[None], ids, start, 8, k_scale=c.k_scale[None],
+                                    v_scale=c.v_scale[None], out_dtype=dtype, backend=backend)  # fmt: skip
+        assert torch.isfinite(out).all() and out.abs().max() >= 0.9 * float(top.float().abs().max()) / 1.1
+    q = torch.zeros_like(s.q)  # uniform weights: out is a mean of V rows, so at most L, never inf
+    out = fast.paged_attention(q, c, s.chunk_lens, backend=backend)
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(ref.paged_attention(q, want.cache, s.chunk_lens)).all()
 
 
 # -- attention on fp8 pages --------------------------------------------------------------------------

@@ -129,7 +129,7 @@ class AttentionCacheManager:
         self._dense_stager = Stager([(per_chunk, _I64), (per_chunk, _I32), (chunk, _I64), (chunk, _I64)], device)
         self._prepared_cohort = None  # (slot epoch, ids, staged device slots) of the last prepare
         self._cohorts: dict[int, tuple] = {}  # width -> (block_table (w, W), seq meta (2, w))
-        self._views: dict[int, tuple] = {}  # width -> (max_seqlen, max_span, its PagedKVCache per layer)
+        self._views: dict[int, tuple] = {}  # width -> (max_seqlen, max_span, prepared_frames, views per layer)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
 
@@ -386,7 +386,8 @@ class AttentionCacheManager:
         return slot_d
 
     def get_paged_caches(self, stream_ids, pad_to: int | None = None) -> list[PagedKVCache]:
-        """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows)."""
+        """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows);
+        ``prepared_frames`` and ``model_dtype`` as in the reference (host numbers, no device read)."""
         ids = as_id_list(stream_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"get_paged_caches: duplicate stream ids in {ids}")
@@ -409,8 +410,9 @@ class AttentionCacheManager:
 
         table, meta = self._cohort_buffers(B + pad)
         seqlens, seqstarts = meta[0], meta[1]
-        prefill = self.config.prefill_frames
+        prefill, chunk = self.config.prefill_frames, self.config.chunk_size
         max_seqlen = max_span = prefill if pad else 0
+        prepared = ()
         if B:
             slot_d = self._device_slots(ids, slots)
             torch.index_select(self.block_table, 0, slot_d, out=table[:B])
@@ -418,19 +420,22 @@ class AttentionCacheManager:
             lens = self._seqlen[slots]
             max_seqlen = max(max_seqlen, int(lens.max()))
             max_span = max(max_span, int((lens - self._seqstart[slots]).max()))
+            room = self._num_blocks[slots] * self.config.block_size_frames - lens
+            prepared = tuple(np.minimum(room, chunk).tolist())
+        prepared += (chunk,) * pad
         if pad:
             table[B:].fill_(self.pool.null_block)
             seqlens[B:].fill_(prefill)
             seqstarts[B:].zero_()
         cached = self._views.get(B + pad)
-        if cached is None or cached[:2] != (max_seqlen, max_span):
-            bs = self.config.block_size_frames
+        if cached is None or cached[:3] != (max_seqlen, max_span, prepared):
+            bs, dtype = self.config.block_size_frames, self.config.dtype
             views = [
-                PagedKVCache(k, v, table, seqlens, seqstarts, bs, max_seqlen, max_span, layer, *scales)
+                PagedKVCache(k, v, table, seqlens, seqstarts, bs, max_seqlen, max_span, layer, *scales, prepared, dtype)
                 for layer, ((k, v), scales) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
             ]
-            cached = self._views[B + pad] = (max_seqlen, max_span, views)
-        return list(cached[2])  # the records are frozen; the same ones serve while nothing in them changes
+            cached = self._views[B + pad] = (max_seqlen, max_span, prepared, views)
+        return list(cached[3])  # the records are frozen; the same ones serve while nothing in them changes
 
     def cached_frames(self, stream_ids):
         """History a stream's next chunk attends to (``seqlen - seqstart``); a list for a list."""
@@ -468,8 +473,8 @@ class AttentionCacheManager:
         v = kv_chunk[..., cfg.head_dim :].transpose(1, 2).to(device=device)
         pool = self.pool
         if cfg.kv_quantized:  # from the chunk's own values, as the reference's quantize(x) does
-            pool.k_pool[:, block_d, offset_d], pool.k_scale[:, block_d, offset_d] = quantize_fp8(k)
-            pool.v_pool[:, block_d, offset_d], pool.v_scale[:, block_d, offset_d] = quantize_fp8(v)
+            pool.k_pool[:, block_d, offset_d], pool.k_scale[:, block_d, offset_d] = quantize_fp8(k, cfg.dtype)
+            pool.v_pool[:, block_d, offset_d], pool.v_scale[:, block_d, offset_d] = quantize_fp8(v, cfg.dtype)
         else:
             pool.k_pool[:, block_d, offset_d] = k.to(cfg.dtype)
             pool.v_pool[:, block_d, offset_d] = v.to(cfg.dtype)

@@ -19,8 +19,9 @@ used as is, without a device-to-host read, and the kernels clamp it to
 Before capturing a CUDA graph, call ``load_kernels(device)`` (or run each op
 once) so that compilation and module loading happen outside the capture.
 
-fp8 pages (``cache.quantized``; the rule is ``oasr.reference.fp8``'s, restated
-here by ``fp8_scales`` / ``quantize_fp8`` / ``dequantize_fp8``)::
+fp8 pages (``cache.quantized``; the rule is stated in ``oasr.fp8`` and restated
+here, vectorised as the kernels compute it, by ``fp8_scales`` / ``quantize_fp8`` /
+``dequantize_fp8``)::
 
     append_kv          quantizes each written (frame, head) vector: e4m3 data + fp32 scale,
                        stored bytes and scales bit-identical to the reference on every backend
@@ -42,7 +43,9 @@ import torch.nn.functional as F
 
 from oasr.fast.backend import choose_backend, resolve_backend
 from oasr.fast.kernels import ops, registry
-from oasr.paged import PagedKVCache, check_chunk_lens, check_kv_chunk, check_query
+from oasr.fp8 import saturation_bound
+from oasr.paged import PagedKVCache
+from oasr.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
 
 FP8_DTYPE = registry.FP8_DTYPE
 FP8_HEAD_DIMS = registry.FP8_HEAD_DIMS
@@ -66,29 +69,29 @@ def load_kernels(device: torch.device | str, backend: str | None = None) -> None
         _executor(name, device).load_all()
 
 
-def _host_lens(chunk_lens, batch: int, num_frames: int, op: str) -> torch.Tensor:
-    """``chunk_lens`` as a validated int32 CPU tensor (reads the values: host data only)."""
+def _host_lens(cache: PagedKVCache, chunk_lens, num_frames: int, op: str, what: str = "frames") -> torch.Tensor:
+    """``chunk_lens`` as a validated int32 CPU tensor (reads the values: host data only): each in
+    ``[0, T]`` and within the row's prepared frames (``oasr.validate.check_lens_values``)."""
     if isinstance(chunk_lens, torch.Tensor):
         chunk_lens = chunk_lens.cpu()
-    lens = check_chunk_lens(chunk_lens, batch, num_frames, "cpu")
-    bad = ((lens < 0) | (lens > num_frames)).nonzero()
-    if len(bad):
-        b = int(bad[0, 0])
-        raise ValueError(f"{op}: chunk_lens[{b}]={int(lens[b])} outside [0, T={num_frames}]")
+    lens = check_chunk_lens(chunk_lens, cache.batch_size, num_frames, "cpu")
+    check_lens_values(op, cache, lens, num_frames, what)
     return lens
 
 
-def _kernel_lens(chunk_lens, batch: int, num_frames: int, device: torch.device, op: str):
+def _kernel_lens(cache: PagedKVCache, chunk_lens, num_frames: int, device: torch.device, op: str, what: str):
     """None (every row has T frames) or an int32 (B,) tensor on ``device`` for the kernels."""
+    batch = cache.batch_size
     if chunk_lens is None:
+        if cache.prepared_frames is not None:  # every row writes T: check T against each row, on the host
+            check_lens_values(op, cache, torch.full((batch,), num_frames), num_frames, what)
         return None
     if isinstance(chunk_lens, torch.Tensor) and chunk_lens.device.type == "cuda":
-        if chunk_lens.shape != (batch,):
-            raise ValueError(f"chunk_lens: expected shape ({batch},), got {tuple(chunk_lens.shape)}")
+        check_chunk_lens(chunk_lens, batch, num_frames, chunk_lens.device)  # shape and integer dtype only
         if chunk_lens.device != device:
             raise ValueError(f"{op}: chunk_lens is on {chunk_lens.device}, the pool on {device}")
         return chunk_lens.to(torch.int32).contiguous()  # device values: not read back, not validated
-    return _host_lens(chunk_lens, batch, num_frames, op).to(device)
+    return _host_lens(cache, chunk_lens, num_frames, op, what).to(device)
 
 
 # -- fp8 ----------------------------------------------------------------------------------------
@@ -106,15 +109,16 @@ def check_fp8_supported(
         ops.check_fp8_geometry(int(head_dim), dtype, name)
 
 
-def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
-    """Per-vector fp32 scales for absolute maxima ``amax``: the least power of two ``s`` with
-    ``amax / s <= 448``, at least 2**-149, and 1 for ``amax == 0``.
+def fp8_scales(amax: torch.Tensor, model_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-vector fp32 scales for absolute maxima ``amax`` (clamped first to ``saturation_bound(model_dtype)``):
+    the least power of two ``s`` with ``amax / s <= 448``, at least 2**-149, and 1 for ``amax == 0``
+    (the rule of ``oasr.fp8``).
 
     The kernels' exponent arithmetic (``fp8_scale`` in kernels_cu/common.cuh), vectorised:
     ``amax = 1.f * 2**e`` gives ``s = 2**(e - 8)`` when ``1.f <= 1.75`` (fraction bits <= 0x600000),
     else ``2**(e - 7)``; fp32 denormals are scaled by 2**64 first. NaN maxima get 1 (not specified).
     """
-    amax = amax.float().contiguous()
+    amax = amax.float().clamp(max=saturation_bound(model_dtype)).contiguous()
     tiny = amax < 2.0**-126
     bits = torch.where(tiny, amax * 2.0**64, amax).view(torch.int32)
     exponent = ((bits >> 23) & 0xFF) - 127 - torch.where(tiny, 64, 0).to(torch.int32)
@@ -125,9 +129,16 @@ def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, scale, 1.0)
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(e4m3 data of x's shape, fp32 scales of x.shape[:-1])``, one scale per vector along the last dim."""
-    x = x.float()
+def quantize_fp8(x: torch.Tensor, model_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 data of x's shape, fp32 scales of x.shape[:-1])``, one scale per vector along the last dim.
+
+    ``model_dtype`` (default ``x``'s own) sets the saturation bound: values are clamped to
+    ``+-saturation_bound(model_dtype)`` first, so every one dequantizes to a finite value (``oasr.fp8``).
+    """
+    if model_dtype is None:
+        model_dtype = x.dtype
+    bound = saturation_bound(model_dtype)
+    x = x.float().clamp(-bound, bound)
     scale = fp8_scales(x.abs().amax(dim=-1))
     return (x / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
 
@@ -141,16 +152,22 @@ def dequantize_fp8(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=None, *, backend=None) -> None:
-    """Write a cohort's chunk ``k, v`` of shape ``(B, T, n_kv_head, head_dim)`` into the pages."""
+    """Write a cohort's chunk ``k, v`` of shape ``(B, T, n_kv_head, head_dim)`` into the pages.
+
+    Arguments and checks as the reference's (``k``, ``v``: ``(B, T, n_kv_head, head_dim)`` in the
+    served dtype; ``chunk_lens`` ``(B,)`` in ``[0, T]`` and within each row's prepared frames), all
+    before the first write. A ``chunk_lens`` tensor on the GPU is not read: its values are trusted
+    (the kernels clamp them to ``[0, T]``).
+    """
     check_kv_chunk(cache, k, v)
     name = resolve_backend(k.device, backend)
-    B, T = k.shape[:2]
+    T = k.shape[1]
     if name == "torch":
-        _append_kv_torch(cache, k, v, _host_lens(chunk_lens, B, T, "append_kv"))
+        _append_kv_torch(cache, k, v, _host_lens(cache, chunk_lens, T, "append_kv"))
     else:
         if cache.quantized:
             check_fp8_supported(cache.head_dim, k.device, backend=name)
-        lens = _kernel_lens(chunk_lens, B, T, k.device, "append_kv")
+        lens = _kernel_lens(cache, chunk_lens, T, k.device, "append_kv", "frames")
         ops.append_kv(_executor(name, k.device), cache, k, v, lens)
 
 
@@ -163,8 +180,8 @@ def _append_kv_torch(cache: PagedKVCache, k, v, lens: torch.Tensor) -> None:
     blocks = cache.block_table[rows, positions // cache.block_size].long()
     offsets = positions % cache.block_size
     if cache.quantized:
-        cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize_fp8(k[valid])
-        cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize_fp8(v[valid])
+        cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize_fp8(k[valid], k.dtype)
+        cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize_fp8(v[valid], v.dtype)
         return
     cache.k_cache[blocks, offsets] = k[valid].to(cache.k_cache.dtype)
     cache.v_cache[blocks, offsets] = v[valid].to(cache.v_cache.dtype)
@@ -182,16 +199,22 @@ def paged_attention(
     *,
     backend=None,
 ) -> torch.Tensor:
-    """Chunk attention of queries ``(B, n_head, T, head_dim)`` over each row's own pages."""
+    """Chunk attention of queries ``(B, n_head, T, head_dim)`` over each row's own pages.
+
+    ``q``: ``(B, n_head, T, head_dim)`` (heads first, unlike K/V) in the served dtype; ``chunk_lens``
+    as for ``append_kv``. Returns ``(B, n_head, T, head_dim)`` in ``q``'s dtype.
+    """
     check_query(cache, q)
     name = resolve_backend(q.device, backend)
     B, n_head, T, D = q.shape
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    what = "query frames (q's dim 2)"
     if name == "torch":
-        return _paged_attention_torch(q, cache, _host_lens(chunk_lens, B, T, "paged_attention"), scale, causal)
+        lens = _host_lens(cache, chunk_lens, T, "paged_attention", what)
+        return _paged_attention_torch(q, cache, lens, scale, causal)
     if cache.quantized:
         check_fp8_supported(D, q.device, dtype=q.dtype, backend=name)
-    lens = _kernel_lens(chunk_lens, B, T, q.device, "paged_attention")
+    lens = _kernel_lens(cache, chunk_lens, T, q.device, "paged_attention", what)
     return ops.paged_attention(_executor(name, q.device), q, cache, lens, scale, causal)
 
 

@@ -237,7 +237,12 @@ class AttentionCacheManager:
         return table, seqlens, seqstarts
 
     def get_paged_caches(self, stream_ids, pad_to: int | None = None) -> list[PagedKVCache]:
-        """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows)."""
+        """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows).
+
+        Each view carries ``model_dtype`` (``config.dtype``) and ``prepared_frames``: per stream row,
+        the frames its held blocks cover past its length, at most ``chunk_size`` (what a commit would
+        accept); ``chunk_size`` for a padding row. ``append_kv`` and ``paged_attention`` refuse more.
+        """
         ids = as_id_list(stream_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"get_paged_caches: duplicate stream ids in {ids}")
@@ -263,6 +268,9 @@ class AttentionCacheManager:
         host_lens = [self._streams[s].seqlen for s in ids] + [self.config.prefill_frames] * pad
         host_spans = [self._streams[s].seqlen - self._streams[s].seqstart for s in ids]
         host_spans += [self.config.prefill_frames] * pad
+        cfg = self.config
+        prepared = [min(len(self._streams[s].blocks) * cfg.block_size_frames - self._streams[s].seqlen, cfg.chunk_size)
+                    for s in ids] + [cfg.chunk_size] * pad  # fmt: skip
         caches = []
         for layer in range(self.config.num_layers):
             k, v = self.pool.get_kv_view(layer)
@@ -280,6 +288,8 @@ class AttentionCacheManager:
                     layer=layer,
                     k_scale=k_scale,
                     v_scale=v_scale,
+                    prepared_frames=tuple(prepared),
+                    model_dtype=cfg.dtype,
                 )
             )
         return caches
@@ -307,8 +317,8 @@ class AttentionCacheManager:
             pos = st.seqlen + t
             block, offset = st.blocks[pos // bs], pos % bs
             if cfg.kv_quantized:
-                pool.k_pool[:, block, offset], pool.k_scale[:, block, offset] = quantize(k[:, :, t])
-                pool.v_pool[:, block, offset], pool.v_scale[:, block, offset] = quantize(v[:, :, t])
+                pool.k_pool[:, block, offset], pool.k_scale[:, block, offset] = quantize(k[:, :, t], cfg.dtype)
+                pool.v_pool[:, block, offset], pool.v_scale[:, block, offset] = quantize(v[:, :, t], cfg.dtype)
             else:
                 pool.k_pool[:, block, offset] = k[:, :, t].to(cfg.dtype)
                 pool.v_pool[:, block, offset] = v[:, :, t].to(cfg.dtype)

@@ -20,6 +20,18 @@ dequantize per tile) and accumulates in fp32.
 Queries past a row's length, and rows with nothing to attend to, get zeros.
 Softmax runs in fp32; the output has ``q``'s dtype. GQA: query head ``h`` reads
 KV head ``h // (n_head // n_kv_head)``.
+
+Arguments (the table with devices is in ``oasr.paged``; the checks in ``oasr.validate``)::
+
+    q        (B, n_head, T, head_dim)      heads before frames
+    k, v     (B, T, n_kv_head, head_dim)   frames before heads
+    chunk_lens  (B,) ints in [0, T], or None (every row T)
+
+K, V and q must be in the view's served dtype (the pool's; for fp8 pages the
+model dtype): anything else is refused, never cast. A row's chunk may not be
+longer than the frames prepared for it (``cache.prepared_frames``, when the
+view carries it). Every check runs before the first write: a refused call
+leaves the pool as it was.
 """
 
 from __future__ import annotations
@@ -28,8 +40,9 @@ import math
 
 import torch
 
-from oasr.paged import PagedKVCache, check_chunk_lens, check_kv_chunk, check_query
+from oasr.paged import PagedKVCache
 from oasr.reference.fp8 import dequantize, quantize
+from oasr.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
 
 
 def _table_slots(cache: PagedKVCache, row: int, start: int, end: int):
@@ -40,19 +53,24 @@ def _table_slots(cache: PagedKVCache, row: int, start: int, end: int):
 
 
 def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=None) -> None:
-    """Write a cohort's chunk ``k, v`` of shape ``(B, T, n_kv_head, head_dim)`` into the pages."""
+    """Write a cohort's chunk ``k, v`` of shape ``(B, T, n_kv_head, head_dim)`` into the pages.
+
+    ``k``, ``v``: ``(B, T, n_kv_head, head_dim)`` in the served dtype, on the pool's device.
+    ``chunk_lens``: ``(B,)`` ints in ``[0, T]`` (None: all ``T``), each at most the row's prepared
+    frames. Validates everything, then writes: a ``ValueError`` leaves the pages untouched.
+    """
     check_kv_chunk(cache, k, v)
     B, T = k.shape[:2]
-    lens = check_chunk_lens(chunk_lens, B, T, k.device).tolist()
+    lens = check_chunk_lens(chunk_lens, B, T, k.device)
+    check_lens_values("append_kv", cache, lens, T)
+    lens = lens.tolist()
     seqlens = cache.cache_seqlens.tolist()
     for b in range(B):
         n = lens[b]
-        if not 0 <= n <= T:
-            raise ValueError(f"append_kv: chunk_lens[{b}]={n} outside [0, T={T}]")
         blocks, offsets = _table_slots(cache, b, seqlens[b], seqlens[b] + n)
         if cache.quantized:
-            cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize(k[b, :n])
-            cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize(v[b, :n])
+            cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize(k[b, :n], k.dtype)
+            cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize(v[b, :n], v.dtype)
         else:
             cache.k_cache[blocks, offsets] = k[b, :n].to(cache.k_cache.dtype)
             cache.v_cache[blocks, offsets] = v[b, :n].to(cache.v_cache.dtype)
@@ -76,19 +94,24 @@ def paged_attention(
     softmax_scale: float | None = None,
     causal: bool = False,
 ) -> torch.Tensor:
-    """Chunk attention of queries ``(B, n_head, T, head_dim)`` over each row's own pages."""
+    """Chunk attention of queries ``(B, n_head, T, head_dim)`` over each row's own pages.
+
+    ``q``: ``(B, n_head, T, head_dim)`` (heads first, unlike K/V), ``n_head`` a multiple of
+    ``n_kv_head``, in the served dtype. ``chunk_lens`` as for ``append_kv``. Returns
+    ``(B, n_head, T, head_dim)`` in ``q``'s dtype.
+    """
     check_query(cache, q)
     B, n_head, T, D = q.shape
     group = n_head // cache.n_kv_head
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    lens = check_chunk_lens(chunk_lens, B, T, q.device).tolist()
+    lens = check_chunk_lens(chunk_lens, B, T, q.device)
+    check_lens_values("paged_attention", cache, lens, T, what="query frames (q's dim 2)")
+    lens = lens.tolist()
     seqlens = cache.cache_seqlens.tolist()
     seqstarts = cache.cache_seqstarts.tolist()
     out = torch.zeros_like(q)
     for b in range(B):
         n = lens[b]
-        if not 0 <= n <= T:
-            raise ValueError(f"paged_attention: chunk_lens[{b}]={n} outside [0, T={T}]")
         start, end = seqstarts[b], seqlens[b] + n
         if n == 0 or end <= start:
             continue

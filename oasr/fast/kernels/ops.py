@@ -144,8 +144,8 @@ def append_kv(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | No
 def _append_kv_fp8(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | None) -> None:
     """Launch paged_kv_append_fp8: quantize each (frame, head) vector, write data and scale."""
     B, T, Hkv, D = k.shape
-    if k.dtype != v.dtype or k.dtype not in registry.DTYPE_ARG:
-        k, v = k.float(), v.float()  # the reference's x.float(); the kernel widens the others itself
+    if k.dtype != v.dtype or k.dtype not in registry.DTYPE_ARG:  # paged_ops refuses these first
+        raise ValueError(f"fp8 append_kv: k and v must share a model dtype, got {k.dtype} and {v.dtype}")
     k, v = _aligned16(k), _aligned16(v)
     table = _block_table(cache)
     seqlens = _int32_vector(cache.cache_seqlens, "cache_seqlens", B, k.device)
