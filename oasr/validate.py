@@ -148,7 +148,7 @@ def check_query(cache, q: torch.Tensor) -> None:
     if q.shape[1] % cache.n_kv_head != 0:
         raise ValueError(
             f"paged_attention: n_head={q.shape[1]} must be a multiple of "
-            f"n_kv_head={cache.n_kv_head}; {layout}"
+            f"n_kv_head={cache.n_kv_head}; {layout}, got {tuple(q.shape)}"
         )
     _check_dtype("paged_attention", "q", q, cache)
     if q.device != cache.k_cache.device:

@@ -114,3 +114,49 @@ def test_thread_safety(twin):
     assert len(set(held)) == len(held), "a block was handed out twice"
     assert sorted(held + free) == list(range(64)), "a block was lost"
     assert pool.num_free_blocks == len(free)
+
+
+def test_free_of_a_block_a_stream_holds_is_refused_and_names_the_owner(twin):
+    # Issue 14 (5): pool.free of a managed block used to succeed; the stream could then never be
+    # freed or reset (its own free became a double free).
+    cfg = small_config()
+    pool = twin.BlockPool(cfg)
+    att = twin.AttentionCacheManager(pool, cfg)
+    att.allocate_stream("s")
+    att.prepare_chunk("s")
+    held = list(att.describe("s").blocks)
+    assert held and all(pool.owner_of(i) == "AttentionCacheManager#1" for i in held)
+    plain = pool.allocate(1)  # unowned: free(plain) alone would be fine
+    other = pool.new_owner("Decoder")  # a second owner may not free the first's blocks either
+    refused = [
+        (held[:1], 0, f"block {held[0]} is owned by AttentionCacheManager#1; only its owner may free it"),
+        (plain + held, 0, f"block {held[0]} is owned by AttentionCacheManager#1"),
+        (held, other, f"block {held[0]} is owned by AttentionCacheManager#1"),
+        (held, 99, "owner must be 0 or a tag from new_owner"),
+    ]
+    for ids, owner, message in refused:
+        before = snapshot(pool, att)
+        with pytest.raises(ValueError, match=message):
+            pool.free(ids, owner)
+        assert_same_snapshot(before, snapshot(pool, att))
+    mine = pool.allocate(2, other)
+    assert pool.owner_of(mine[0]) == "Decoder#2"
+    with pytest.raises(ValueError, match=f"block {mine[0]} is owned by Decoder#2"):
+        pool.free(mine)
+    pool.free(mine, other)
+    pool.free(plain)
+    att.reset_stream("s")  # the stream still resets and frees normally
+    att.free_stream("s")
+    assert pool.num_used_blocks == 0
+    assert all(pool.owner_of(i) is None for i in range(cfg.max_num_blocks))
+
+
+def test_unowned_blocks_are_not_a_managers_to_free(twin):
+    cfg = small_config()
+    pool = twin.BlockPool(cfg)
+    att = twin.AttentionCacheManager(pool, cfg)
+    plain = pool.allocate(1)
+    with pytest.raises(ValueError, match=f"block {plain[0]} has no owner; AttentionCacheManager#1 may free only"):
+        pool.free(plain, 1)
+    pool.free(plain)
+    assert att.pool is pool

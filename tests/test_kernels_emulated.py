@@ -128,9 +128,9 @@ def test_append_matches_reference_bitwise(emu, dtype, head_dim, seed):
     assert torch.equal(bits(got.cache.k_cache)[untouched], bits(s.cache.k_cache)[untouched])
 
 
-def test_append_two_byte_units_and_cast(emu):
-    # A misaligned chunk forces the 2-byte copy path; an fp32 chunk into a bf16
-    # pool is cast first, exactly as the reference's .to(pool dtype).
+def test_append_two_byte_units_and_refused_cast(emu):
+    # A misaligned chunk forces the 2-byte copy path. An fp32 chunk into a bf16 pool is refused by
+    # both twins alike (issue 14: it used to be cast silently), before anything is written.
     s = make_scenario(7, **_geometry(7, 64, torch.bfloat16))
     k32 = torch.randn(s.k.shape)
     storage = torch.empty(k32.numel() + 1, dtype=torch.bfloat16)
@@ -138,10 +138,16 @@ def test_append_two_byte_units_and_cast(emu):
     k_misaligned.copy_(k32)
     assert k_misaligned.data_ptr() % 16 != 0
     want, got = s.clone(), s.clone()
-    ref.append_kv(want.cache, k_misaligned, k32, s.chunk_lens)
-    fast.append_kv(got.cache, k_misaligned, k32, s.chunk_lens, backend="emulated")
+    ref.append_kv(want.cache, k_misaligned, k32.bfloat16(), s.chunk_lens)
+    fast.append_kv(got.cache, k_misaligned, k32.bfloat16(), s.chunk_lens, backend="emulated")
     assert torch.equal(bits(got.cache.k_cache), bits(want.cache.k_cache))
     assert torch.equal(bits(got.cache.v_cache), bits(want.cache.v_cache))
+    message = "v must be torch.bfloat16, the pool's dtype, got torch.float32"
+    for op, kwargs in ((ref.append_kv, {}), (fast.append_kv, {"backend": "emulated"})):
+        untouched = s.clone()
+        with pytest.raises(ValueError, match=message):
+            op(untouched.cache, k_misaligned, k32, s.chunk_lens, **kwargs)
+        assert torch.equal(bits(untouched.cache.v_cache), bits(s.cache.v_cache))
 
 
 def test_append_default_chunk_lens(emu):

@@ -93,6 +93,7 @@ class AttentionCacheManager:
         self.config = config
         self.pad_lanes = pad_lanes
         self.slots = StreamSlotPool(config.max_batch_size)
+        self._owner = pool.new_owner(type(self).__name__)  # the pool refuses to free our blocks for others
 
         streams, rows, width = config.max_batch_size, config.max_batch_size + pad_lanes, config.max_blocks_per_seq
         active = min(width, config.blocks_per_stream)
@@ -193,7 +194,7 @@ class AttentionCacheManager:
 
     def _admit_blocks(self) -> np.ndarray:
         """Blocks a stream holds at admission: the zeroed window with prefill, else none."""
-        ids = self.pool.allocate_array(self.config.prefill_blocks)
+        ids = self.pool.allocate_array(self.config.prefill_blocks, self._owner)
         if ids.size:
             self.pool.zero_blocks(ids)
         return ids
@@ -218,7 +219,8 @@ class AttentionCacheManager:
             B = len(slots)
             held = self._host_shift[:B]
             held[:, :K] = self._table[slots, :K]  # each row's blocks, oldest first, then null
-            self.pool.free_array(held[:, :K][self._cols < drop[:, None]])  # stream order, then logical order
+            evicted = held[:, :K][self._cols < drop[:, None]]  # stream order, then logical order
+            self.pool.free_array(evicted, owner=self._owner)
             columns = np.minimum(self._cols + drop[:, None], K)  # column K of the shift scratch is null
             self._table[slots, :K] = held[self._row_index[:B], columns]
             self._num_blocks[slots] -= drop
@@ -246,7 +248,7 @@ class AttentionCacheManager:
 
     def free_stream(self, stream_id) -> None:
         slot = self.slots.slot_of(stream_id)
-        self.pool.free_array(self._table[slot, : self._num_blocks[slot]])
+        self.pool.free_array(self._table[slot, : self._num_blocks[slot]], owner=self._owner)
         self.slots.release(stream_id)
         self._write_row(np.array([slot]), np.empty(0, dtype=np.int64), 0)
 
@@ -257,7 +259,7 @@ class AttentionCacheManager:
         need = self.config.prefill_blocks
         if need > self.pool.num_free_blocks + held:
             raise PoolExhaustedError(need, self.pool.num_free_blocks + held)
-        self.pool.free_array(self._table[slot, :held])
+        self.pool.free_array(self._table[slot, :held], owner=self._owner)
         self._write_row(np.array([slot]), self._admit_blocks(), self.config.prefill_frames)
 
     def has_stream(self, stream_id) -> bool:
@@ -312,7 +314,7 @@ class AttentionCacheManager:
                 self._frames(self._raw_frames(num_frames, k))
             raise StreamCapacityError(ids[k], int(held[k] + need[k]), self.config.blocks_per_stream)
 
-        new_ids = self.pool.allocate_array(int(need.sum()))  # raises PoolExhaustedError before any change
+        new_ids = self.pool.allocate_array(int(need.sum()), self._owner)  # raises PoolExhaustedError before any change
         total = new_ids.size
         flat = np.empty(0, dtype=np.int64)
         if total:
@@ -458,7 +460,7 @@ class AttentionCacheManager:
         need = max(0, -(-(seqlen + T) // bs) - held)
         if held + need > cfg.blocks_per_stream:
             raise StreamCapacityError(stream_id, held + need, cfg.blocks_per_stream)
-        new_ids = self.pool.allocate_array(need)
+        new_ids = self.pool.allocate_array(need, self._owner)
         self._table[slot, held : held + need] = new_ids
         self._num_blocks[slot] = held + need
         positions = seqlen + np.arange(T)

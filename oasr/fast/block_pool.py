@@ -8,6 +8,7 @@ Free list::
     _ring    int32 (max_num_blocks,)   circular; the free list is
              _ring[_head], _ring[_head + 1], ..., _count entries (mod max_num_blocks)
     _is_free bool  (max_num_blocks,)
+    _owner   int32 (max_num_blocks,)   the owner tag each held block was allocated under (0: none)
 
 ``allocate`` pops from the head, ``free`` appends at the tail in the order
 given, exactly like the reference's deque, so both twins hand out the same ids.
@@ -15,6 +16,8 @@ given, exactly like the reference's deque, so both twins hand out the same ids.
 numpy in, numpy out, a constant number of numpy operations whatever the count.
 The scratch blocks (ids ``[max_num_blocks, max_num_blocks + scratch_blocks)``)
 are never on the free list and ``free`` refuses them, as in the reference.
+Ownership (``new_owner``, ``owner=``) is the reference's, kept in the
+``_owner`` array: one vectorised comparison in ``free_array``.
 
 Validation is vectorised; when it finds a bad id, the reference's loop is
 replayed on the host to raise exactly the reference's error for the first bad
@@ -34,6 +37,8 @@ from oasr.fast.paged_ops import check_fp8_supported
 from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
 from oasr.fast.staging import Stager
 from oasr.validate import check_count, gather_range
+
+NO_OWNER = 0  # the owner tag of free blocks and of blocks from a plain allocate(n)
 
 
 def _id_array(block_ids) -> tuple[list, np.ndarray]:
@@ -71,6 +76,8 @@ class BlockPool:
         self._count = n
         self._is_free = np.ones(n, dtype=bool)
         self._last_place = np.zeros(n, dtype=np.int64)  # free_array's duplicate check
+        self._owner = np.zeros(n, dtype=np.int32)  # NO_OWNER
+        self._owner_names = {NO_OWNER: "no owner"}
         self._lock = threading.Lock()
         self._stager = Stager([(n + scratch_blocks, torch.int64)], config.device)
 
@@ -105,17 +112,45 @@ class BlockPool:
         with self._lock:
             return self._ring[self._ring_positions(self._head, self._count)].tolist()
 
+    # ---- ownership (see the reference) --------------------------------------
+    def new_owner(self, name: str) -> int:
+        """Register an owner (a manager); returns its tag. Errors name it ``"<name>#<tag>"``."""
+        with self._lock:
+            tag = len(self._owner_names)
+            self._owner_names[tag] = f"{name}#{tag}"
+            return tag
+
+    def owner_of(self, block_id: int) -> str | None:
+        """The name of the owner holding ``block_id``; None for a free or unowned block."""
+        tag = int(self._owner[int(block_id)])
+        return None if tag == NO_OWNER else self._owner_names[tag]
+
+    def _check_owner(self, op: str, owner) -> None:
+        if isinstance(owner, bool) or not isinstance(owner, (int, np.integer)) or int(owner) not in self._owner_names:
+            raise ValueError(f"BlockPool.{op}: owner must be 0 or a tag from new_owner(), got {owner!r}")
+
+    def _wrong_owner(self, block: int, held_by: int, owner: int) -> ValueError:
+        if held_by != NO_OWNER:
+            return ValueError(
+                f"BlockPool.free: block {block} is owned by {self._owner_names[held_by]}; only its owner may "
+                f"free it (free or reset the stream through that manager)"
+            )
+        return ValueError(
+            f"BlockPool.free: block {block} has no owner; {self._owner_names[owner]} may free only its own blocks"
+        )
+
     # ---- allocation -------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """Pop ``n`` block ids from the head of the free list; all or nothing."""
+    def allocate(self, n: int, owner: int = NO_OWNER) -> list[int]:
+        """Pop ``n`` block ids from the head of the free list, held under ``owner``; all or nothing."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"BlockPool.allocate: n must be an int >= 0, got {n!r}")
-        return self.allocate_array(n).tolist()
+        return self.allocate_array(n, owner).tolist()
 
-    def allocate_array(self, n) -> np.ndarray:
+    def allocate_array(self, n, owner: int = NO_OWNER) -> np.ndarray:
         """``allocate`` returning an int64 numpy array (the managers' hot path; numpy ints accepted)."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"BlockPool.allocate: n must be an int >= 0, got {n!r}")
+        self._check_owner("allocate", owner)
         n = int(n)
         with self._lock:
             if n > self._count:
@@ -128,37 +163,41 @@ class BlockPool:
             self._head = (head + n) % self.num_blocks if self.num_blocks else 0
             self._count -= n
             self._is_free[ids] = False
+            self._owner[ids] = owner
             return ids
 
-    def free(self, block_ids) -> None:
-        """Return ``block_ids`` to the tail of the free list, in order; all or nothing."""
+    def free(self, block_ids, owner: int = NO_OWNER) -> None:
+        """Return ``block_ids`` to the tail of the free list, in order; all or nothing. Each must be
+        held under ``owner``."""
         ids, array = _id_array(block_ids)
-        self.free_array(array, ids)
+        self.free_array(array, ids, owner)
 
-    def free_array(self, ids: np.ndarray, as_given: list | None = None) -> None:
+    def free_array(self, ids: np.ndarray, as_given: list | None = None, owner: int = NO_OWNER) -> None:
         """``free`` of an integer numpy array (the managers' hot path).
 
         ``as_given`` is the caller's id list, used only in the error message.
         """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self._check_owner("free", owner)
         with self._lock:
             n, k = self.num_blocks, ids.size
             if k:
                 in_range = (ids >= 0) & (ids < n)
                 safe = np.where(in_range, ids, 0)
-                bad = ~in_range | self._is_free[safe]
+                bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner)
                 if k > 1:  # a repeated id: its earlier places lose the last write of their position
                     position = np.arange(k)
                     self._last_place[safe] = position
                     bad |= self._last_place[safe] != position
                 if bad.any():
-                    self._raise_free_error(ids.tolist() if as_given is None else as_given)
+                    self._raise_free_error(ids.tolist() if as_given is None else as_given, owner)
             positions = self._ring_positions(self._head + self._count, k)
             self._ring[positions] = ids
             self._is_free[ids] = True
+            self._owner[ids] = NO_OWNER
             self._count += k
 
-    def _raise_free_error(self, ids: list) -> None:
+    def _raise_free_error(self, ids: list, owner: int) -> None:
         """The reference's validation loop, run only to raise its error for the first bad id."""
         seen = set()
         for i in ids:
@@ -168,6 +207,8 @@ class BlockPool:
                 raise ValueError(f"BlockPool.free: block id {i} outside [0, {self.num_blocks})")
             if self._is_free[i] or i in seen:
                 raise ValueError(f"BlockPool.free: block {i} is already free (double free)")
+            if self._owner[i] != owner:
+                raise self._wrong_owner(i, int(self._owner[i]), owner)
             seen.add(i)
         raise AssertionError("BlockPool.free: vectorised validation flagged ids the loop accepts")
 

@@ -66,6 +66,7 @@ class AttentionCacheManager:
         self.pad_lanes = pad_lanes
         self.slots = StreamSlotPool(config.max_batch_size)
         self._streams: dict = {}
+        self._owner = pool.new_owner(type(self).__name__)  # the pool refuses to free our blocks for others
 
     # ---- helpers --------------------------------------------------------------
     def _state(self, stream_id) -> _StreamKVState:
@@ -105,7 +106,7 @@ class AttentionCacheManager:
             drop = visible // cfg.block_size_frames
             if drop:
                 evicted, st.blocks = st.blocks[:drop], st.blocks[drop:]
-                self.pool.free(evicted)
+                self.pool.free(evicted, self._owner)
                 st.seqlen -= drop * cfg.block_size_frames
                 visible -= drop * cfg.block_size_frames
             st.seqstart = visible
@@ -113,7 +114,7 @@ class AttentionCacheManager:
 
     def _admit_blocks(self) -> list[int]:
         """Blocks a stream holds at admission: the zeroed window with prefill, else none."""
-        ids = self.pool.allocate(self.config.prefill_blocks)
+        ids = self.pool.allocate(self.config.prefill_blocks, self._owner)
         self.pool.zero_blocks(ids)
         return ids
 
@@ -130,7 +131,7 @@ class AttentionCacheManager:
 
     def free_stream(self, stream_id) -> None:
         st = self._state(stream_id)
-        self.pool.free(st.blocks)
+        self.pool.free(st.blocks, self._owner)
         self.slots.release(stream_id)
         del self._streams[stream_id]
 
@@ -140,7 +141,7 @@ class AttentionCacheManager:
         need = self.config.prefill_blocks
         if need > self.pool.num_free_blocks + len(st.blocks):
             raise PoolExhaustedError(need, self.pool.num_free_blocks + len(st.blocks))
-        self.pool.free(st.blocks)
+        self.pool.free(st.blocks, self._owner)
         self._streams[stream_id] = _StreamKVState(
             slot=st.slot, blocks=self._admit_blocks(), seqlen=self.config.prefill_frames
         )
@@ -185,7 +186,7 @@ class AttentionCacheManager:
             need = self._blocks_needed(st, self._frames(n))
             self._check_capacity(sid, st, need)
             needs.append(need)
-        new_ids = self.pool.allocate(sum(needs))  # raises PoolExhaustedError before any change
+        new_ids = self.pool.allocate(sum(needs), self._owner)  # raises PoolExhaustedError before any change
         cursor = 0
         for st, need in zip(states, needs, strict=True):
             st.blocks.extend(new_ids[cursor : cursor + need])
@@ -309,7 +310,7 @@ class AttentionCacheManager:
         T = check_dense_chunk(cfg, kv_chunk)
         need = self._blocks_needed(st, T)
         self._check_capacity(stream_id, st, need)
-        st.blocks.extend(self.pool.allocate(need))
+        st.blocks.extend(self.pool.allocate(need, self._owner))
         bs = cfg.block_size_frames
         k, v = kv_chunk[..., : cfg.head_dim], kv_chunk[..., cfg.head_dim :]
         pool = self.pool

@@ -16,6 +16,14 @@ are allocatable; the ``scratch_blocks`` ids after them are scratch: never on the
 free list, refused by ``free``, and the target of every table entry that maps
 no stream data (padding-lane rows, unused table columns).
 
+Ownership. A manager registers itself once (``owner = pool.new_owner("AttentionCacheManager")``,
+a small int tag; 0 means "no owner") and allocates and frees with ``owner=``. Each held block
+records the tag it was allocated under, and ``free`` refuses a block held under another tag,
+naming its owner: a stream's blocks cannot be freed from outside its manager (which would leave
+the stream unable to free or reset). Plain ``allocate(n)`` / ``free(ids)`` work on unowned blocks.
+One owner per block for now; reference counts (shared blocks, copy-on-write) are meant to extend
+this: a block will carry a count of holders and ``free`` will drop one holder's reference.
+
 Invariants (checked by the tests after every operation):
   * free ids are unique and disjoint from allocated ids and scratch ids;
   * allocated + free == max_num_blocks;
@@ -38,6 +46,8 @@ from oasr.errors import PoolExhaustedError
 from oasr.reference.fp8 import dequantize
 from oasr.validate import check_count, gather_range
 
+NO_OWNER = 0  # the owner tag of free blocks and of blocks from a plain allocate(n)
+
 
 class BlockPool:
     def __init__(self, config: CacheConfig, scratch_blocks: int = 1):
@@ -59,6 +69,8 @@ class BlockPool:
             self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=config.device)
         self._free = deque(range(config.max_num_blocks))
         self._is_free = [True] * config.max_num_blocks
+        self._owner = [NO_OWNER] * config.max_num_blocks  # tag each held block was allocated under
+        self._owner_names = {NO_OWNER: "no owner"}
         self._lock = threading.Lock()
 
     # ---- counts -----------------------------------------------------------
@@ -90,22 +102,54 @@ class BlockPool:
         with self._lock:
             return list(self._free)
 
+    # ---- ownership --------------------------------------------------------
+    def new_owner(self, name: str) -> int:
+        """Register an owner (a manager) and return its tag for ``allocate`` / ``free``; its name in
+        errors is ``"<name>#<tag>"``. Tags count from 1 in registration order."""
+        with self._lock:
+            tag = len(self._owner_names)
+            self._owner_names[tag] = f"{name}#{tag}"
+            return tag
+
+    def owner_of(self, block_id: int) -> str | None:
+        """The name of the owner holding ``block_id``; None for a free or unowned block."""
+        tag = self._owner[int(block_id)]
+        return None if tag == NO_OWNER else self._owner_names[tag]
+
+    def _check_owner(self, op: str, owner) -> None:
+        if isinstance(owner, bool) or not isinstance(owner, int) or owner not in self._owner_names:
+            raise ValueError(f"BlockPool.{op}: owner must be 0 or a tag from new_owner(), got {owner!r}")
+
+    def _wrong_owner(self, block: int, held_by: int, owner: int) -> ValueError:
+        if held_by != NO_OWNER:
+            return ValueError(
+                f"BlockPool.free: block {block} is owned by {self._owner_names[held_by]}; only its owner may "
+                f"free it (free or reset the stream through that manager)"
+            )
+        return ValueError(
+            f"BlockPool.free: block {block} has no owner; {self._owner_names[owner]} may free only its own blocks"
+        )
+
     # ---- allocation -------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """Pop ``n`` block ids from the head of the free list; all or nothing."""
+    def allocate(self, n: int, owner: int = NO_OWNER) -> list[int]:
+        """Pop ``n`` block ids from the head of the free list, held under ``owner``; all or nothing."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"BlockPool.allocate: n must be an int >= 0, got {n!r}")
+        self._check_owner("allocate", owner)
         with self._lock:
             if n > len(self._free):
                 raise PoolExhaustedError(n, len(self._free))
             ids = [self._free.popleft() for _ in range(n)]
             for i in ids:
                 self._is_free[i] = False
+                self._owner[i] = owner
             return ids
 
-    def free(self, block_ids) -> None:
-        """Return ``block_ids`` to the tail of the free list, in order; all or nothing."""
+    def free(self, block_ids, owner: int = NO_OWNER) -> None:
+        """Return ``block_ids`` to the tail of the free list, in order; all or nothing. Each must be
+        held under ``owner`` (a manager's blocks are freed by that manager only)."""
         ids = [int(i) for i in block_ids]
+        self._check_owner("free", owner)
         with self._lock:
             seen = set()
             for i in ids:
@@ -115,9 +159,12 @@ class BlockPool:
                     raise ValueError(f"BlockPool.free: block id {i} outside [0, {self.num_blocks})")
                 if self._is_free[i] or i in seen:
                     raise ValueError(f"BlockPool.free: block {i} is already free (double free)")
+                if self._owner[i] != owner:
+                    raise self._wrong_owner(i, self._owner[i], owner)
                 seen.add(i)
             for i in ids:
                 self._is_free[i] = True
+                self._owner[i] = NO_OWNER
                 self._free.append(i)
 
     def zero_blocks(self, block_ids) -> None:

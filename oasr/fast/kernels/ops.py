@@ -125,8 +125,10 @@ def append_kv(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | No
     if cache.quantized:
         return _append_kv_fp8(executor, cache, k, v, chunk_lens)
     dtype = cache.k_cache.dtype
-    k = k.to(dtype).contiguous()
-    v = v.to(dtype).contiguous()
+    if k.dtype != dtype or v.dtype != dtype:  # paged_ops refuses these first (oasr.validate)
+        raise ValueError(f"append_kv: k and v must be the pool's {dtype}, got {k.dtype} and {v.dtype}")
+    k = k.contiguous()
+    v = v.contiguous()
     table = _block_table(cache)
     seqlens = _int32_vector(cache.cache_seqlens, "cache_seqlens", B, k.device)
     frame_bytes = cache.n_kv_head * cache.head_dim * k.element_size()
