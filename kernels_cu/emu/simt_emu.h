@@ -225,9 +225,25 @@ inline P arg_cast(A a) {
     }
 }
 
+// The launcher declares each argument from the registry's kind (ptr: const void*, i32: int,
+// f32: float). A kernel parameter must be exactly that type (any pointer for ptr): a GPU launch
+// packs the arguments by kind, so a kernel taking, say, long long or double where the registry
+// says i32 or f32 would read a wrong value and shift every later argument. arg_cast would hide
+// that here, so the build refuses it instead (checked by tests/test_kernel_launch.py).
+template <typename P, typename A>
+struct KindMatches {
+    static constexpr bool value =
+        std::is_pointer_v<A> ? std::is_pointer_v<P> : (!std::is_pointer_v<P> && std::is_same_v<P, A>);
+    static_assert(value,
+                  "oasr_emu::invoke: a kernel parameter's C++ type P differs from the registry's kind of "
+                  "the launcher's argument A (ptr: any pointer, i32: int, f32: float); fix the kernel or "
+                  "oasr/fast/kernels/registry.py");
+};
+
 template <typename... P, typename... A>
 inline void invoke(void (*kernel)(P...), A... args) {
     static_assert(sizeof...(P) == sizeof...(A), "launcher passes the wrong number of kernel arguments");
+    static_assert((KindMatches<P, A>::value && ...), "kernel parameter types differ from the registry's kinds");
     kernel(arg_cast<P>(args)...);
 }
 

@@ -183,6 +183,7 @@ class EmulatedExecutor:
             _library(family)
 
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
+        registry.check_grid(kernel, grid)
         symbol = kernel.emu_symbol(targs)
         fn = self._functions.get(symbol)
         if fn is None:

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -215,6 +216,32 @@ def _convert(kind: str, value):
     raise ValueError(f"unknown parameter kind {kind!r}")
 
 
+def _make_current(index: int) -> None:
+    from cuda.core import Device
+
+    Device(index).set_current()
+
+
+@contextlib.contextmanager
+def device_current(index: int, *, current=None, make_current=None, restore=None):
+    """Make CUDA device ``index`` current (cuda.core's ``set_current``: loading a module needs its
+    context), and on exit, error or not, make the caller's device current again.
+
+    ``current`` / ``make_current`` / ``restore`` default to ``torch.cuda.current_device``, cuda.core's
+    ``Device(i).set_current()`` and ``torch.cuda.set_device``; tests pass stand-ins (no GPU needed).
+    """
+    current = current or torch.cuda.current_device
+    make_current = make_current or _make_current
+    restore = restore or torch.cuda.set_device
+    previous = current()
+    make_current(index)
+    try:
+        yield
+    finally:
+        if previous != index:
+            restore(previous)
+
+
 class CudaExecutor:
     """Launches the NVRTC-compiled kernels on one CUDA device."""
 
@@ -227,13 +254,13 @@ class CudaExecutor:
         self._kernels: dict[str, object] = {}  # name expression -> cuda.core Kernel
 
     def _load_family(self, family: str) -> None:
-        from cuda.core import Device, ObjectCode
+        from cuda.core import ObjectCode
 
         compiled = compile_family(family, self.arch)
-        Device(self.device.index).set_current()
-        obj = ObjectCode.from_cubin(compiled.cubin, name=f"{family}.cubin", symbol_mapping=compiled.symbols)
-        for expr, mangled in compiled.symbols.items():
-            self._kernels[expr] = obj.get_kernel(mangled)
+        with device_current(self.device.index):  # the caller's current device is restored after
+            obj = ObjectCode.from_cubin(compiled.cubin, name=f"{family}.cubin", symbol_mapping=compiled.symbols)
+            for expr, mangled in compiled.symbols.items():
+                self._kernels[expr] = obj.get_kernel(mangled)
 
     def load_all(self) -> None:
         """Compile (or read from the cache) and load every kernel now, e.g. before graph capture."""
@@ -243,6 +270,7 @@ class CudaExecutor:
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
         from cuda.core import LaunchConfig, Stream, launch
 
+        registry.check_grid(kernel, grid)
         if torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):  # the launch needs this device's context current
                 return self.launch(kernel, targs, grid, block, args)

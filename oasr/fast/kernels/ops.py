@@ -189,6 +189,11 @@ def paged_attention(
     _check_pool(cache)
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
+    if B > registry.MAX_GRID[2]:  # the attention grid is (q tiles x splits, n_kv_head, B)
+        raise ValueError(
+            f"fast paged_attention: B={B} rows, but the kernel's grid z is the batch and CUDA allows at most "
+            f"{registry.MAX_GRID[2]}; split the cohort"
+        )
     if cache.quantized:  # fp8 pages, q and out in the model dtype
         check_fp8_geometry(D, q.dtype, executor.kind)
         dtype, page = q.dtype, registry.FP8_ARG

@@ -183,6 +183,19 @@ KERNELS: tuple[Kernel, ...] = (
 
 BY_NAME = {k.name.split("::")[-1]: k for k in KERNELS}
 
+# CUDA's grid limits (every arch the kernels target): x up to 2**31 - 1 blocks, y and z up to 65535.
+MAX_GRID = (2**31 - 1, 65535, 65535)
+
+
+def check_grid(kernel: Kernel, grid) -> None:
+    """``ValueError`` unless every grid dimension lies in ``[1, MAX_GRID[axis]]``. Both executors call it
+    before launching, so the emulator refuses what a GPU would."""
+    for axis, n, limit in zip("xyz", grid, MAX_GRID, strict=True):
+        if not 1 <= int(n) <= limit:
+            raise ValueError(
+                f"{kernel.name}: grid {axis} = {int(n)} is outside CUDA's [1, {limit}] (grid {tuple(grid)})"
+            )
+
 
 def families() -> list[str]:
     return sorted({k.family for k in KERNELS})
