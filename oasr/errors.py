@@ -10,9 +10,15 @@ pool cannot serve an allocation  :class:`PoolExhaustedError` (a RuntimeError)
 no free stream slot              :class:`SlotsExhaustedError` (a RuntimeError)
 duplicate stream id              ``ValueError``
 shape / dtype / id mismatch      ``ValueError``
+chunk longer than prepared       ``ValueError``
+freeing a block another owns     ``ValueError`` (names the owner)
 unknown or freed stream id       ``KeyError``
 paged view before first prepare  ``RuntimeError``
 ===============================  =============================================
+
+Dtypes are refused, never cast: ``append_kv``'s K and V and ``paged_attention``'s
+q must be in the view's served dtype (the pool's; for fp8 pages the model dtype,
+``CacheConfig.dtype``). The checks live in ``oasr.validate``.
 """
 
 from __future__ import annotations

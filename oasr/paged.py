@@ -16,7 +16,7 @@ its queries attend to ``[cache_seqstarts[b], cache_seqlens[b] + chunk_lens[b])``
 
 With fp8 pages (``CacheConfig(kv_cache_dtype="fp8_e4m3")``) ``k_cache``/``v_cache``
 are ``float8_e4m3fn`` and ``k_scale``/``v_scale`` hold one fp32 scale per
-(block, position, kv head); see ``oasr.reference.fp8`` for the rule.
+(block, position, kv head); ``oasr.fp8`` states the rule.
 
 ``max_seqlen`` and ``max_span`` are host-side maxima over the rows (of
 ``cache_seqlens`` and of ``cache_seqlens - cache_seqstarts``), filled from the

@@ -30,7 +30,8 @@ def gather_range(num_blocks: int, block_size: int, start: int, num_frames: int |
 
 
 def check_dense_chunk(config, kv_chunk) -> int:
-    """A dense-mode chunk must be ``(num_layers, n_kv_head, T, 2 * head_dim)``, ``1 <= T <= chunk_size``; returns T."""
+    """A dense-mode chunk must be ``(num_layers, n_kv_head, T, 2 * head_dim)``, ``1 <= T <= chunk_size``, in the
+    model dtype (``config.dtype``; refused, never cast, as ``append_kv``'s K/V); returns T."""
     shape = tuple(kv_chunk.shape)
     if (
         kv_chunk.dim() != 4
@@ -42,6 +43,11 @@ def check_dense_chunk(config, kv_chunk) -> int:
         raise ValueError(
             f"commit: expected kv_chunk of shape ({config.num_layers}, {config.n_kv_head}, T, {config.kv_last_dim}) "
             f"with 1 <= T <= chunk_size={config.chunk_size}, got {shape}"
+        )
+    if kv_chunk.dtype != config.dtype:
+        raise ValueError(
+            f"commit: kv_chunk must be {config.dtype}, the model dtype (CacheConfig.dtype), got {kv_chunk.dtype}; "
+            f"convert it before the call"
         )
     return shape[2]
 

@@ -13,9 +13,10 @@ Semantics (see ``oasr.paged`` for the view)::
                       (causal=True: only up to cache_seqlens[b] + t, inclusive)
 
 fp8 pages (``cache.quantized``): ``append_kv`` quantizes each written vector with
-``oasr.reference.fp8.quantize`` and stores data and scale; attention reads
-dequantized pages (the reference dequantizes the gathered rows; the kernels
-dequantize per tile) and accumulates in fp32.
+``oasr.reference.fp8.quantize`` (the rule of ``oasr.fp8``, saturating at the
+model dtype's bound) and stores data and scale; attention reads dequantized
+pages (the reference dequantizes the gathered rows; the kernels dequantize per
+tile) and accumulates in fp32.
 
 Queries past a row's length, and rows with nothing to attend to, get zeros.
 Softmax runs in fp32; the output has ``q``'s dtype. GQA: query head ``h`` reads
