@@ -248,24 +248,32 @@ NEAR_MAX = {  # values at the top of each model dtype: the plain rule rounded mo
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_append_saturates_near_the_model_dtype_max(backend, dtype):
-    # Issue 14: fp16 65000 was stored as 256 * scale 256 = 65536, inf in fp16 (fp32/bf16 from ~3.3e38).
-    # Amended rule: clamp to L first. Bytes still equal torch's conversion of the clamped values, and
-    # every written vector, the gather and attention over those pages are finite in the model dtype.
+def near_max_scenario(dtype: torch.dtype):
+    """Two rows of 8 frames whose K/V vectors each hold one value from ``NEAR_MAX`` (the rest small),
+    plus one K vector entirely at the top; NaN-poisoned fp8 pages. Returns ``(scenario, k, v)``."""
     s = to_fp8(make_scenario(3, batch=2, n_kv_head=2, group=2, num_frames=8, head_dim=64, block_size=16,
                              max_history=30, dtype=dtype))  # fmt: skip
     s.chunk_lens[:] = 8
     top = torch.tensor(NEAR_MAX[dtype], dtype=torch.float64).to(dtype)
     k, v = s.k.clone(), s.v.clone()
-    for t in range(8):  # frame t: one near-max value in each vector (others stay small), then a full one
+    for t in range(8):  # frame t: one near-max value in each vector (others stay small)
         k[:, t, :, t] = top[t]
         v[:, t, :, -1 - t] = top[-1 - t]
     k[1, 7] = top[0]  # a whole vector at the top: V keeps one near-max value per column, because the
     # kernel sums exp-weighted V rows before dividing (flash attention), and two fp32 values near
     # 3.3e38 overflow that sum with or without fp8; the plain rule made even one of them inf.
     assert torch.isfinite(k).all() and torch.isfinite(v).all()
+    return s, k, v
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_append_saturates_near_the_model_dtype_max(backend, dtype):
+    # Issue 14: fp16 65000 was stored as 256 * scale 256 = 65536, inf in fp16 (fp32/bf16 from ~3.3e38).
+    # Amended rule: clamp to L first. Bytes still equal torch's conversion of the clamped values, and
+    # every written vector, the gather and attention over those pages are finite in the model dtype.
+    s, k, v = near_max_scenario(dtype)
+    top = torch.tensor(NEAR_MAX[dtype], dtype=torch.float64).to(dtype)
     want, got = s.clone(), s.clone()
     ref.append_kv(want.cache, k, v, s.chunk_lens)
     fast.append_kv(got.cache, k, v, s.chunk_lens, backend=backend)

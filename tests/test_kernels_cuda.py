@@ -22,7 +22,7 @@ from oasr.fast.kernels import ops
 from oasr.fast.kernels.nvrtc import executor_for
 from oasr.fast.kernels.testing import bits, low_precision_bound, make_scenario, to_fp8
 from oasr.reference import paged_ops as ref
-from tests.test_fp8_kernels import fp8_pool, rounding_sweep, scale_oracle, spread
+from tests.test_fp8_kernels import fp8_pool, near_max_scenario, rounding_sweep, scale_oracle, spread
 
 pytestmark = [
     pytest.mark.cuda,
@@ -191,6 +191,20 @@ def test_fp8_append_and_attention_match_reference(device, dtype, head_dim, seed)
         assert out.dtype == dtype and not out.isnan().any()
         err = (out.float().cpu() - ref32).abs()
         assert (err <= bound).all(), f"num_splits={num_splits}: max err {err.max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_append_saturates_near_the_model_dtype_max(device, dtype):
+    # Issue 14: the amended rule (clamp at 1.875 * 2**emax) on the GPU: bytes equal the reference's,
+    # and attention over those pages is finite (the plain rule gave inf).
+    s, k, v = near_max_scenario(dtype)
+    want = s.clone()
+    ref.append_kv(want.cache, k, v, s.chunk_lens)
+    g = s.to(device=device)
+    fast.append_kv(g.cache, k.to(device), v.to(device), g.chunk_lens)
+    _same_pools(g.cache, want.cache)
+    out = fast.paged_attention(torch.zeros_like(g.q), g.cache, g.chunk_lens)
+    assert out.dtype == dtype and torch.isfinite(out).all()
 
 
 def test_fp8_conversion_rounds_like_torch(device):
