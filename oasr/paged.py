@@ -52,6 +52,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The argument checks live in oasr.validate (one place for both twins); re-exported for old callers.
+from oasr.validate import check_chunk_lens, check_kv_chunk, check_query  # noqa: F401
+
 
 @dataclass(frozen=True)
 class PagedKVCache:
@@ -92,10 +95,6 @@ class PagedKVCache:
         if self.model_dtype is not None:
             return self.model_dtype
         return None if self.quantized else self.k_cache.dtype
-
-
-# The argument checks live in oasr.validate (one place for both twins); imported here for old callers.
-from oasr.validate import check_chunk_lens, check_kv_chunk, check_query  # noqa: E402, F401
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from oasr.fp8 import MODEL_DTYPES  # the dtypes a model runs in (CacheConfig.dtype)
+
 
 def check_count(owner: str, name: str, value, minimum: int = 0) -> None:
     """``value`` must be an int (not a bool) ``>= minimum``; ``ValueError`` naming ``owner.name`` otherwise."""
@@ -53,9 +55,6 @@ def check_dense_chunk(config, kv_chunk) -> int:
 
 
 # -- paged ops (append_kv, paged_attention): both twins call these first --------------------------------
-
-# The dtypes a model runs in (CacheConfig.dtype); K, V and q come in one of them.
-MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_chunk_lens(chunk_lens, batch: int, num_frames: int, device) -> torch.Tensor:

@@ -87,10 +87,10 @@ def _kernel_lens(cache: PagedKVCache, chunk_lens, num_frames: int, device: torch
             check_lens_values(op, cache, torch.full((batch,), num_frames), num_frames, what)
         return None
     if isinstance(chunk_lens, torch.Tensor) and chunk_lens.device.type == "cuda":
-        check_chunk_lens(chunk_lens, batch, num_frames, chunk_lens.device)  # shape and integer dtype only
         if chunk_lens.device != device:
             raise ValueError(f"{op}: chunk_lens is on {chunk_lens.device}, the pool on {device}")
-        return chunk_lens.to(torch.int32).contiguous()  # device values: not read back, not validated
+        lens = check_chunk_lens(chunk_lens, batch, num_frames, device)  # shape and integer dtype only
+        return lens.contiguous()  # device values: not read back, not validated
     return _host_lens(cache, chunk_lens, num_frames, op, what).to(device)
 
 
