@@ -31,14 +31,13 @@ import threading
 import numpy as np
 import torch
 
+from oasr.block_owners import NO_OWNER, OwnerRegistry
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError
 from oasr.fast.paged_ops import check_fp8_supported
 from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
 from oasr.fast.staging import Stager
 from oasr.validate import check_count, gather_range
-
-NO_OWNER = 0  # the owner tag of free blocks and of blocks from a plain allocate(n)
 
 
 def _id_array(block_ids) -> tuple[list, np.ndarray]:
@@ -77,7 +76,7 @@ class BlockPool:
         self._is_free = np.ones(n, dtype=bool)
         self._last_place = np.zeros(n, dtype=np.int64)  # free_array's duplicate check
         self._owner = np.zeros(n, dtype=np.int32)  # NO_OWNER
-        self._owner_names = {NO_OWNER: "no owner"}
+        self._owners = OwnerRegistry()
         self._lock = threading.Lock()
         self._stager = Stager([(n + scratch_blocks, torch.int64)], config.device)
 
@@ -112,32 +111,15 @@ class BlockPool:
         with self._lock:
             return self._ring[self._ring_positions(self._head, self._count)].tolist()
 
-    # ---- ownership (see the reference) --------------------------------------
+    # ---- ownership (tags and messages: oasr.block_owners) ----------------------
     def new_owner(self, name: str) -> int:
-        """Register an owner (a manager); returns its tag. Errors name it ``"<name>#<tag>"``."""
-        with self._lock:
-            tag = len(self._owner_names)
-            self._owner_names[tag] = f"{name}#{tag}"
-            return tag
+        """Register an owner (a manager) and return its tag for ``allocate`` / ``free``; its name in
+        errors is ``"<name>#<tag>"``. Tags count from 1 in registration order."""
+        return self._owners.register(name)
 
     def owner_of(self, block_id: int) -> str | None:
         """The name of the owner holding ``block_id``; None for a free or unowned block."""
-        tag = int(self._owner[int(block_id)])
-        return None if tag == NO_OWNER else self._owner_names[tag]
-
-    def _check_owner(self, op: str, owner) -> None:
-        if isinstance(owner, bool) or not isinstance(owner, (int, np.integer)) or int(owner) not in self._owner_names:
-            raise ValueError(f"BlockPool.{op}: owner must be 0 or a tag from new_owner(), got {owner!r}")
-
-    def _wrong_owner(self, block: int, held_by: int, owner: int) -> ValueError:
-        if held_by != NO_OWNER:
-            return ValueError(
-                f"BlockPool.free: block {block} is owned by {self._owner_names[held_by]}; only its owner may "
-                f"free it (free or reset the stream through that manager)"
-            )
-        return ValueError(
-            f"BlockPool.free: block {block} has no owner; {self._owner_names[owner]} may free only its own blocks"
-        )
+        return self._owners.name(int(self._owner[int(block_id)]))
 
     # ---- allocation -------------------------------------------------------
     def allocate(self, n: int, owner: int = NO_OWNER) -> list[int]:
@@ -150,7 +132,7 @@ class BlockPool:
         """``allocate`` returning an int64 numpy array (the managers' hot path; numpy ints accepted)."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"BlockPool.allocate: n must be an int >= 0, got {n!r}")
-        self._check_owner("allocate", owner)
+        owner = self._owners.check("allocate", owner)
         n = int(n)
         with self._lock:
             if n > self._count:
@@ -178,7 +160,7 @@ class BlockPool:
         ``as_given`` is the caller's id list, used only in the error message.
         """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        self._check_owner("free", owner)
+        owner = self._owners.check("free", owner)
         with self._lock:
             n, k = self.num_blocks, ids.size
             if k:
@@ -208,7 +190,7 @@ class BlockPool:
             if self._is_free[i] or i in seen:
                 raise ValueError(f"BlockPool.free: block {i} is already free (double free)")
             if self._owner[i] != owner:
-                raise self._wrong_owner(i, int(self._owner[i]), owner)
+                raise self._owners.wrong_owner(i, int(self._owner[i]), owner)
             seen.add(i)
         raise AssertionError("BlockPool.free: vectorised validation flagged ids the loop accepts")
 

@@ -41,12 +41,11 @@ from collections import deque
 
 import torch
 
+from oasr.block_owners import NO_OWNER, OwnerRegistry
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError
 from oasr.reference.fp8 import dequantize
 from oasr.validate import check_count, gather_range
-
-NO_OWNER = 0  # the owner tag of free blocks and of blocks from a plain allocate(n)
 
 
 class BlockPool:
@@ -70,7 +69,7 @@ class BlockPool:
         self._free = deque(range(config.max_num_blocks))
         self._is_free = [True] * config.max_num_blocks
         self._owner = [NO_OWNER] * config.max_num_blocks  # tag each held block was allocated under
-        self._owner_names = {NO_OWNER: "no owner"}
+        self._owners = OwnerRegistry()
         self._lock = threading.Lock()
 
     # ---- counts -----------------------------------------------------------
@@ -102,40 +101,22 @@ class BlockPool:
         with self._lock:
             return list(self._free)
 
-    # ---- ownership --------------------------------------------------------
+    # ---- ownership (tags and messages: oasr.block_owners) ----------------------
     def new_owner(self, name: str) -> int:
         """Register an owner (a manager) and return its tag for ``allocate`` / ``free``; its name in
         errors is ``"<name>#<tag>"``. Tags count from 1 in registration order."""
-        with self._lock:
-            tag = len(self._owner_names)
-            self._owner_names[tag] = f"{name}#{tag}"
-            return tag
+        return self._owners.register(name)
 
     def owner_of(self, block_id: int) -> str | None:
         """The name of the owner holding ``block_id``; None for a free or unowned block."""
-        tag = self._owner[int(block_id)]
-        return None if tag == NO_OWNER else self._owner_names[tag]
-
-    def _check_owner(self, op: str, owner) -> None:
-        if isinstance(owner, bool) or not isinstance(owner, int) or owner not in self._owner_names:
-            raise ValueError(f"BlockPool.{op}: owner must be 0 or a tag from new_owner(), got {owner!r}")
-
-    def _wrong_owner(self, block: int, held_by: int, owner: int) -> ValueError:
-        if held_by != NO_OWNER:
-            return ValueError(
-                f"BlockPool.free: block {block} is owned by {self._owner_names[held_by]}; only its owner may "
-                f"free it (free or reset the stream through that manager)"
-            )
-        return ValueError(
-            f"BlockPool.free: block {block} has no owner; {self._owner_names[owner]} may free only its own blocks"
-        )
+        return self._owners.name(self._owner[int(block_id)])
 
     # ---- allocation -------------------------------------------------------
     def allocate(self, n: int, owner: int = NO_OWNER) -> list[int]:
         """Pop ``n`` block ids from the head of the free list, held under ``owner``; all or nothing."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"BlockPool.allocate: n must be an int >= 0, got {n!r}")
-        self._check_owner("allocate", owner)
+        owner = self._owners.check("allocate", owner)
         with self._lock:
             if n > len(self._free):
                 raise PoolExhaustedError(n, len(self._free))
@@ -149,7 +130,7 @@ class BlockPool:
         """Return ``block_ids`` to the tail of the free list, in order; all or nothing. Each must be
         held under ``owner`` (a manager's blocks are freed by that manager only)."""
         ids = [int(i) for i in block_ids]
-        self._check_owner("free", owner)
+        owner = self._owners.check("free", owner)
         with self._lock:
             seen = set()
             for i in ids:
@@ -160,7 +141,7 @@ class BlockPool:
                 if self._is_free[i] or i in seen:
                     raise ValueError(f"BlockPool.free: block {i} is already free (double free)")
                 if self._owner[i] != owner:
-                    raise self._wrong_owner(i, self._owner[i], owner)
+                    raise self._owners.wrong_owner(i, self._owner[i], owner)
                 seen.add(i)
             for i in ids:
                 self._is_free[i] = True
