@@ -37,10 +37,11 @@ read:
 Tensor arguments of the ops (checked by ``oasr.validate``; the same in both twins)::
 
     argument          shape                          dtype                       device
-    q                 (B, n_head, T, head_dim)       the model dtype             the pool's
-    k, v              (B, T, n_kv_head, head_dim)    the model dtype             the pool's
-    chunk_lens        (B,) or None (all T)           integer, 0 <= len <= T      any (fast: a CUDA tensor is not read)
-    returned out      (B, n_head, T, head_dim)       q's dtype
+    q                 (B, n_head, T, head_dim)       served_dtype (no casts)     the pool's
+    k, v              (B, T, n_kv_head, head_dim)    served_dtype (no casts)     the pool's
+    chunk_lens        (B,) or None (all T)           integer, 0 <= len <= T,     any (fast: a CUDA tensor is not read)
+                                                     len <= prepared_frames[b]
+    returned out      (B, n_head, T, head_dim)       q's dtype                   q's
 
 The view is a plain record: it owns nothing, and ``append_kv`` writes through
 it into the pool but never moves ``cache_seqlens`` (the manager's commit does).
