@@ -526,12 +526,18 @@ def _geometry_config(g: SessionGeometry) -> CacheConfig:
         raise SessionError(f"session header describes no valid geometry: {exc}") from None
 
 
-def read_session(data) -> StreamSession:
-    """Parse and verify ``data`` as a whole (nothing is applied anywhere); :class:`SessionError` if refused."""
+def read_session(data, expect: SessionGeometry | None = None) -> StreamSession:
+    """Parse and verify ``data`` as a whole (nothing is applied anywhere); :class:`SessionError` if refused.
+
+    With ``expect`` (the loading caches' ``SessionGeometry.of(config)``) a header of another
+    geometry is refused as soon as the header is verified, naming every field that differs.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"read_session: expected bytes, got {type(data).__name__}")
     data = bytes(data)
     geometry, flags, num_sections, body_bytes = _parse_header(data)
+    if expect is not None:
+        _check_geometry(geometry, expect)
     sections = _split_sections(data[HEADER_BYTES : HEADER_BYTES + body_bytes], num_sections, flags)
     session = StreamSession(geometry, _decode_attention(sections[SEC_ATTENTION], geometry),
                             _decode_states(sections[SEC_SLOT_STATES]))
@@ -589,6 +595,12 @@ def save_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream | No
     return encode_session(capture_stream(stream_id, att, slot_states, ctc, engine))
 
 
+def _check_geometry(saved: SessionGeometry, here: SessionGeometry) -> None:
+    diffs = saved.differences(here)
+    if diffs:
+        raise SessionError("foreign session, its geometry differs: " + "; ".join(diffs))
+
+
 def check_session(session: StreamSession, att, slot_states, ctc=None, stream_id=None) -> None:
     """Raise :class:`SessionError` unless ``session`` fits these caches exactly (changes nothing).
 
@@ -598,10 +610,7 @@ def check_session(session: StreamSession, att, slot_states, ctc=None, stream_id=
     its block ceiling, free blocks and a free slot (``StreamCapacityError``, ``PoolExhaustedError``,
     ``SlotsExhaustedError``).
     """
-    here = SessionGeometry.of(att.config)
-    diffs = session.geometry.differences(here)
-    if diffs:
-        raise SessionError("foreign session, its geometry differs: " + "; ".join(diffs))
+    _check_geometry(session.geometry, SessionGeometry.of(att.config))
     caches = _slot_caches(slot_states)
     declared = {name: (cache, spec) for cache in caches for name, spec in cache.specs.items()}
     saved = {s.name: s for s in session.states}
@@ -664,7 +673,7 @@ def restore_stream(session: StreamSession, stream_id, att, slot_states, ctc=None
 
 def load_stream(data, stream_id, att, slot_states, ctc=None) -> StreamSession:
     """Verify ``data`` and admit ``stream_id`` with its state, or raise and change nothing; returns the session."""
-    session = read_session(data)
+    session = read_session(data, expect=SessionGeometry.of(att.config))
     restore_stream(session, stream_id, att, slot_states, ctc)
     return session
 

@@ -47,6 +47,7 @@ from oasr.models.twins import twin_module, twin_name
 from oasr.session import (
     EngineStream,
     SessionError,
+    SessionGeometry,
     capture_stream,
     check_session,
     encode_session,
@@ -504,7 +505,7 @@ class StreamingEngine:
         on an error. Admission then restores the caches (``oasr.session.restore_stream``) in
         new slots and blocks; the stream goes on exactly as if it had never left. Returns its id.
         """
-        session = read_session(data)
+        session = read_session(data, expect=SessionGeometry.of(self.config))
         e = session.engine
         if e is None:
             raise SessionError("session has no engine stream section: it was saved from caches, not an engine "
