@@ -212,7 +212,10 @@ class _Reader:
         return out
 
     def unpack(self, fmt: str):
-        s = struct.Struct("<" + fmt)
+        try:
+            s = struct.Struct("<" + fmt)
+        except struct.error:  # a count too large to describe: it cannot fit in the section either
+            raise SessionError(f"{self.where} section: a count in {fmt[:24]!r} runs past the section") from None
         return s.unpack(self.take(s.size))
 
     def one(self, fmt: str):
@@ -508,7 +511,7 @@ def _decode_engine(raw: bytes) -> EngineStream:
             raise SessionError(f"engine stream section: {t} log-prob frames for {offset} encoder frames")
         log_probs = _tensor_from(r.take(t * vocab * 4), torch.float32, (t, vocab))
     r.done()
-    if any(not 0 <= tok < vocab for tok in partial + greedy_tokens):
+    if any(not 0 <= tok < vocab for tok in partial + greedy_tokens + [greedy_last]):
         raise SessionError(f"engine stream section: a token outside the vocabulary of {vocab}")
     return EngineStream(stream_id, digest, input_dim, vocab, DECODERS[decoder], bool(ended), offset, input_frames,
                         max_extent, partial, pending, log_probs, greedy_tokens, greedy_last)

@@ -518,6 +518,10 @@ class StreamingEngine:
         ) if a != b]
         if e.model_digest != self.model_digest:
             wrong.append("model weights: the session ran on another model (digest differs)")
+        beam = session.beam
+        if beam is not None and (beam.batch, beam.vocab_size) != (1, mcfg.vocab_size):
+            wrong.append(f"CTC state: {beam.batch} rows over {beam.vocab_size} tokens, the engine decodes 1 row "
+                         f"over {mcfg.vocab_size}")
         if self.keep_log_probs and e.log_probs is None:
             wrong.append("log-probs: this engine keeps them, the session carries none")
         if wrong:
