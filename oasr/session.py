@@ -193,6 +193,8 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def _tensor_from(raw: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
     flat = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
     return flat.view(dtype).reshape(shape)
 
@@ -578,7 +580,11 @@ def capture_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream |
     blocks, offsets = _window_index(config, info.blocks, info.cache_seqstart, info.cache_seqlen, pool.k_pool.device)
 
     def window(t):  # through the bytes: advanced indexing has no fp8 kernel on every device
-        return None if t is None else t.view(torch.uint8)[:, blocks, offsets].cpu().view(t.dtype)
+        if t is None:
+            return None
+        if not len(blocks):  # an empty window (nothing committed yet, or a zero-width window)
+            return torch.empty((t.shape[0], 0, *t.shape[3:]), dtype=t.dtype)
+        return t.view(torch.uint8)[:, blocks, offsets].cpu().view(t.dtype)
 
     k, v, k_scale, v_scale = (window(t) for t in (pool.k_pool, pool.v_pool, pool.k_scale, pool.v_scale))
     kv = KVWindow(info.cache_seqlen, info.cache_seqstart, info.total_frames, k, v, k_scale, v_scale)

@@ -435,3 +435,70 @@ def make_session_bytes() -> bytes:
     engine = make_engine(make_model(), "reference")
     start(engine)
     return engine.suspend("a")
+
+
+# ---- property: any history, either twin to either twin ----------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from oasr import fast, reference  # noqa: E402
+from oasr.config import CacheConfig  # noqa: E402
+
+TWIN_MODULES = {"reference": reference, "fast": fast}
+
+
+def cache_stack(ops, config: CacheConfig):
+    pool = ops.BlockPool(config, scratch_blocks=1)
+    return ops.AttentionCacheManager(pool, config, pad_lanes=1), ops.CnnCacheManager(config, pad_lanes=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    src=st.sampled_from(list(TWIN_MODULES)),
+    dst=st.sampled_from(list(TWIN_MODULES)),
+    left=st.sampled_from([-1, 0, 1, 2]),
+    prefill=st.booleans(),
+    block=st.sampled_from([2, 3, 4]),
+    chunk=st.sampled_from([2, 4]),
+    fp8=st.booleans(),
+    before=st.integers(0, 7),
+    after=st.integers(1, 4),
+    decoys=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_any_history_moves_between_any_twins(src, dst, left, prefill, block, chunk, fp8, before, after, decoys, seed):
+    """Dense commits of random K/V, a save, a load into a busier stack, more commits: both stacks agree exactly."""
+    prefill = prefill and left >= 1
+    config = CacheConfig(num_layers=2, n_kv_head=2, head_dim=8, hidden_dim=4, kernel_size=3, chunk_size=chunk,
+                         num_left_chunks=left, block_size_frames=block, max_num_blocks=64, max_batch_size=4,
+                         max_blocks_per_seq=16, prefill_kv_window=prefill, kv_cache_dtype="fp8_e4m3" if fp8 else None)
+    g = torch.Generator().manual_seed(seed)
+    kv = lambda: 3 * torch.randn(2, 2, chunk, 16, generator=g)  # noqa: E731
+    att, cnn = cache_stack(TWIN_MODULES[src], config)
+    att.allocate_stream("s")
+    cnn.allocate_stream("s")
+    for _ in range(before):
+        if not att.at_capacity("s"):
+            att.commit("s", kv())
+    cnn.update(["s"], torch.randn(2, 1, 2, 4, generator=g))
+    data = S.save_stream("s", att, [cnn])
+
+    att2, cnn2 = cache_stack(TWIN_MODULES[dst], config)
+    for d in range(decoys):
+        att2.allocate_stream(f"d{d}")
+        att2.prepare_chunk(f"d{d}")
+    S.load_stream(data, "s", att2, [cnn2])
+    for a, c in ((att, cnn), (att2, cnn2)):
+        lengths = lambda info: (info.cache_seqlen, info.cache_seqstart, info.total_frames)  # noqa: E731
+        assert lengths(a.describe("s")) == lengths(att.describe("s"))
+        assert torch.equal(c.get_cache(["s"]), cnn.get_cache(["s"]))
+    assert S.save_stream("s", att2, [cnn2]) == data
+    for _ in range(after):
+        if att.at_capacity("s"):
+            break
+        chunk_kv = kv()
+        att.commit("s", chunk_kv)
+        att2.commit("s", chunk_kv)
+        assert torch.equal(att.get_stacked_cache("s"), att2.get_stacked_cache("s"))
+    assert S.save_stream("s", att2, [cnn2]) == S.save_stream("s", att, [cnn])

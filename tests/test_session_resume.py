@@ -21,6 +21,7 @@ from session_helpers import (
     FORMATS,
     SPLIT,
     features,
+    finish,
     hold_decoy,
     make_engine,
     make_model,
@@ -86,3 +87,21 @@ def test_resume_in_a_fresh_process(child, fmt, src, dst):
     ours, theirs = log_probs(got), log_probs(want)
     assert torch.equal(ours[:before], theirs[:before])  # carried in the session
     assert (ours - theirs).abs().max().item() <= TWIN_ATOL  # then each twin's own arithmetic
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_resume_on_cuda_is_bit_identical(fmt):
+    """The fast twin on a GPU (kernels, device pools): suspended, moved to a second engine, the same bits."""
+    model = make_model(fmt).to("cuda")
+    want = make_engine(model, "fast", fmt, device="cuda")
+    start(want)
+    want = result_record(finish(want))
+    a = make_engine(model, "fast", fmt, device="cuda")
+    start(a)
+    data = a.suspend("a")
+    b = make_engine(model, "fast", fmt, device="cuda")
+    hold_decoy(b)
+    b.resume(data)
+    assert result_record(finish(b)) == want

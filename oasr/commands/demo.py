@@ -59,11 +59,13 @@ def drive(engine: StreamingEngine, workload: list[DemoStream], seed: int, chunk_
           suspend_every: int = 0) -> list[int]:
     """Push every stream in pieces of 0.5 to 1.5 chunks per tick from its start tick; tick until all finish.
 
-    With ``suspend_every=N`` every N-th tick also suspends one active stream (round robin) and
-    resumes it at once (``suspend_session``); returns the session sizes in bytes.
+    With ``suspend_every=N`` every N ticks one active stream (round robin) is also suspended
+    and resumed at once (``suspend_session``; deferred while a stream waits for admission);
+    returns the session sizes in bytes.
     """
     g = torch.Generator().manual_seed(seed + 1)
     sessions: list[int] = []
+    since_suspend = 0
     pos = {s.stream_id: 0 for s in workload}
     ended = set()
     tick = 0
@@ -86,11 +88,12 @@ def drive(engine: StreamingEngine, workload: list[DemoStream], seed: int, chunk_
         tick += 1
         if len(ended) == len(workload) and all(engine.status(s.stream_id) == "finished" for s in workload):
             return sessions
-        if suspend_every and tick % suspend_every == 0:
-            suspend_session(engine, len(sessions), sessions)
+        since_suspend += 1
+        if suspend_every and since_suspend >= suspend_every and suspend_session(engine, len(sessions), sessions):
+            since_suspend = 0
 
 
-def suspend_session(engine: StreamingEngine, turn: int, sizes: list) -> None:
+def suspend_session(engine: StreamingEngine, turn: int, sizes: list) -> bool:
     """Suspend the ``turn``-th active stream (round robin) to session bytes and resume it from them.
 
     Only between ticks with nobody waiting for admission: then the resumed stream is readmitted
@@ -100,11 +103,12 @@ def suspend_session(engine: StreamingEngine, turn: int, sizes: list) -> None:
     """
     active = engine.active_ids
     if not active or engine.num_waiting:
-        return
+        return False
     sid = active[turn % len(active)]
     data = engine.suspend(sid)
     sizes.append(len(data))
     engine.resume(data)
+    return True
 
 
 def build(args) -> tuple[StreamingConformer, object]:
@@ -313,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if args.suspend_every:
         mean = sum(sessions) / len(sessions) if sessions else 0
-        print(f"sessions: {len(sessions)} suspensions and resumes (every {args.suspend_every} ticks when nobody "
-              f"waited), {format_bytes(mean)} per session on average")
+        print(f"sessions: {len(sessions)} suspensions and resumes (every {args.suspend_every} ticks, deferred while a "
+              f"stream waited for admission), {format_bytes(mean)} per session on average")
     ok = True
     if args.check_sample > 0:
         ok, line = check_sample(model, cache_config, engine, workload, args.check_sample)
