@@ -502,3 +502,19 @@ def test_any_history_moves_between_any_twins(src, dst, left, prefill, block, chu
         att2.commit("s", chunk_kv)
         assert torch.equal(att.get_stacked_cache("s"), att2.get_stacked_cache("s"))
     assert S.save_stream("s", att2, [cnn2]) == S.save_stream("s", att, [cnn])
+
+
+@pytest.mark.parametrize("src,dst", [("reference", "fast"), ("fast", "reference")])
+def test_stream_context_save_and_load(src, dst):
+    from oasr.stream_context import StreamContext
+
+    model = make_model()
+    a = make_engine(model, src)
+    start(a)
+    data = a._contexts["a"].save(a.states)
+    b = make_engine(model, dst)
+    ctx = StreamContext.load(data, "moved", b.att, b.cnn, b.ctc, states=b.states)
+    assert ctx.save(b.states) == data and ctx.cached_frames() == a._contexts["a"].cached_frames()
+    with pytest.raises(S.SessionError, match="states"):
+        StreamContext.load(data, "again", b.att, b.cnn, b.ctc)  # without the declared states: foreign
+    assert not b.att.has_stream("again")
