@@ -50,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -253,6 +254,8 @@ def _encode_states(states: list) -> bytes:
     for s in states:
         name = s.name.encode("utf-8")
         t = s.tensor
+        if t.dtype not in DTYPE_CODES:
+            raise ValueError(f"session: state {s.name!r} has dtype {t.dtype}, which a session cannot store")
         parts.append(struct.pack("<H", len(name)) + name)
         parts.append(struct.pack("<BBBB", DTYPE_CODES[t.dtype], int(s.persistent), t.dim(), 0))
         parts.append(struct.pack(f"<{t.dim()}I", *t.shape))
@@ -298,8 +301,14 @@ def _encode_engine(e: EngineStream) -> bytes:
     return b"".join(parts)
 
 
+def _check_host() -> None:
+    if sys.byteorder != "little":  # tensor bytes are written in the host's order; the format is little-endian
+        raise RuntimeError(f"oasr sessions are little-endian; this host is {sys.byteorder}-endian")
+
+
 def encode_session(session: StreamSession) -> bytes:
     """The bytes of ``session`` (header, sections, checksum); the inverse of :func:`read_session`."""
+    _check_host()
     g = session.geometry
     sections = [(SEC_ATTENTION, _encode_attention(session.kv)), (SEC_SLOT_STATES, _encode_states(session.states))]
     if session.beam is not None:
@@ -539,6 +548,7 @@ def read_session(data, expect: SessionGeometry | None = None) -> StreamSession:
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"read_session: expected bytes, got {type(data).__name__}")
+    _check_host()
     data = bytes(data)
     geometry, flags, num_sections, body_bytes = _parse_header(data)
     if expect is not None:

@@ -32,7 +32,7 @@ from session_helpers import (
 from oasr import session as S
 from oasr.ctc_config import BeamEntry, BeamSnapshot, CtcDecoderConfig
 from oasr.engine import StreamingEngine
-from oasr.errors import PoolExhaustedError
+from oasr.errors import PoolExhaustedError, StreamCapacityError
 from oasr.fast.ctc_decoder import StreamingCtcDecoder as FastDecoder
 from oasr.reference.ctc_decoder import StreamingCtcDecoder as RefDecoder
 
@@ -518,3 +518,16 @@ def test_stream_context_save_and_load(src, dst):
     with pytest.raises(S.SessionError, match="states"):
         StreamContext.load(data, "again", b.att, b.cnn, b.ctc)  # without the declared states: foreign
     assert not b.att.has_stream("again")
+
+
+def test_resume_refuses_a_stream_longer_than_this_engine_allows():
+    """Unlimited history: the block ceiling is a capacity, not geometry; a longer stream is refused at resume."""
+    model = make_model(num_left_chunks=-1)
+    roomy = make_engine(model, "fast", max_blocks_per_seq=64)
+    start(roomy)
+    data = roomy.suspend("a")
+    tight = make_engine(model, "fast", max_blocks_per_seq=3)
+    before = engine_snapshot(tight)
+    with pytest.raises(StreamCapacityError):
+        tight.resume(data)
+    assert same_snapshot(before, engine_snapshot(tight))

@@ -43,6 +43,7 @@ import torch
 from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine.decoding import GreedyCtcDecoder
+from oasr.errors import StreamCapacityError
 from oasr.models.twins import twin_module, twin_name
 from oasr.session import (
     EngineStream,
@@ -526,6 +527,10 @@ class StreamingEngine:
             wrong.append("log-probs: this engine keeps them, the session carries none")
         if wrong:
             raise SessionError("foreign session for this engine: " + "; ".join(wrong))
+        need = -(-session.kv.seqlen // self.config.block_size_frames)
+        if need > self.config.blocks_per_stream:  # admission could never restore it
+            raise StreamCapacityError(stream_id if stream_id is not None else e.stream_id, need,
+                                      self.config.blocks_per_stream)
         if stream_id is None:
             stream_id = e.stream_id
         if stream_id is None:
