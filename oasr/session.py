@@ -58,8 +58,7 @@ import torch
 
 from oasr.config import CacheConfig
 from oasr.ctc_config import BeamEntry, BeamSnapshot, CtcDecoderConfig, check_snapshot
-from oasr.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
-from oasr.validate import check_restore_lengths
+from oasr.validate import check_restore_lengths, check_restore_room
 
 MAGIC = b"OASRSESS"
 VERSION = 1
@@ -657,15 +656,8 @@ def check_room(session: StreamSession, stream_id, att, slot_states, ctc=None) ->
     if att.has_stream(stream_id) or any(c.has_stream(stream_id) for c in caches) or (
             ctc is not None and ctc.has_stream(stream_id)):
         raise ValueError(f"stream id {stream_id!r} is already allocated")
-    config = att.config
-    need = -(-session.kv.seqlen // config.block_size_frames)
-    if need > config.blocks_per_stream:
-        raise StreamCapacityError(stream_id, need, config.blocks_per_stream)
-    if need > att.pool.num_free_blocks:
-        raise PoolExhaustedError(need, att.pool.num_free_blocks)
-    for slots in [att.slots] + [c.slots for c in caches]:
-        if slots.num_free == 0:
-            raise SlotsExhaustedError(slots.capacity)
+    need = -(-session.kv.seqlen // att.config.block_size_frames)
+    check_restore_room(att.config, stream_id, need, att.pool.num_free_blocks, [att.slots] + [c.slots for c in caches])
 
 
 def restore_stream(session: StreamSession, stream_id, att, slot_states, ctc=None) -> None:

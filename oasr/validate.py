@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from oasr.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
+
 
 def check_count(owner: str, name: str, value, minimum: int = 0) -> None:
     """``value`` must be an int (not a bool) ``>= minimum``; ``ValueError`` naming ``owner.name`` otherwise."""
@@ -72,3 +74,16 @@ def check_restore_lengths(config, seqlen, seqstart, total_frames) -> int:
             f"for this geometry)"
         )
     return -(-seqlen // config.block_size_frames)
+
+
+def check_restore_room(config, stream_id, need: int, free_blocks: int, slot_pools) -> None:
+    """Raise unless a restored stream of ``need`` blocks can be admitted now: its block ceiling
+    (``StreamCapacityError``), free blocks (``PoolExhaustedError``), a free slot in every pool
+    (``SlotsExhaustedError``)."""
+    if need > config.blocks_per_stream:
+        raise StreamCapacityError(stream_id, need, config.blocks_per_stream)
+    if need > free_blocks:
+        raise PoolExhaustedError(need, free_blocks)
+    for slots in slot_pools:
+        if slots.num_free == 0:
+            raise SlotsExhaustedError(slots.capacity)

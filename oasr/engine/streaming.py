@@ -184,12 +184,7 @@ class StreamingEngine:
 
     def add_stream(self, stream_id=None):
         """Register a stream (it waits for admission); returns its id."""
-        if stream_id is None:
-            stream_id = next(self._ids)
-            while stream_id in self._streams:
-                stream_id = next(self._ids)
-        elif stream_id in self._streams:
-            raise ValueError(f"stream id {stream_id!r} is already in use")
+        stream_id = self._claim_id(stream_id)
         greedy = GreedyCtcDecoder(self.model.config.vocab_size) if self.decoder == "greedy" else None
         self._streams[stream_id] = _Stream(stream_id, greedy)
         self._waiting.append(stream_id)
@@ -435,6 +430,16 @@ class StreamingEngine:
         return any(self._ready(self._streams[sid]) for sid in self._waiting) and self.can_admit()
 
     # ---- sessions (oasr.session) ------------------------------------------------------------
+    def _claim_id(self, stream_id):
+        """``stream_id``, or a fresh int id for None; ``ValueError`` if it is in use."""
+        if stream_id is None:
+            stream_id = next(self._ids)
+            while stream_id in self._streams:
+                stream_id = next(self._ids)
+        elif stream_id in self._streams:
+            raise ValueError(f"stream id {stream_id!r} is already in use")
+        return stream_id
+
     def _allocate_caches(self, sid, s: _Stream) -> StreamContext:
         """Admit ``sid`` in every cache: fresh, or carrying a resumed stream's state."""
         if s.session is not None:
@@ -531,14 +536,7 @@ class StreamingEngine:
         if need > self.config.blocks_per_stream:  # admission could never restore it
             raise StreamCapacityError(stream_id if stream_id is not None else e.stream_id, need,
                                       self.config.blocks_per_stream)
-        if stream_id is None:
-            stream_id = e.stream_id
-        if stream_id is None:
-            stream_id = next(self._ids)
-            while stream_id in self._streams:
-                stream_id = next(self._ids)
-        elif stream_id in self._streams:
-            raise ValueError(f"stream id {stream_id!r} is already in use")
+        stream_id = self._claim_id(e.stream_id if stream_id is None else stream_id)
         greedy = None
         if self.decoder == "greedy":
             greedy = GreedyCtcDecoder(mcfg.vocab_size)

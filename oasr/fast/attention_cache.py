@@ -72,13 +72,19 @@ import numpy as np
 import torch
 
 from oasr.config import CacheConfig
-from oasr.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError, duplicate_stream
+from oasr.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream
 from oasr.fast.block_pool import BlockPool
 from oasr.fast.paged_ops import quantize_fp8
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache, StreamKVInfo
-from oasr.validate import as_id_list, check_count, check_dense_chunk, check_restore_lengths
+from oasr.validate import (
+    as_id_list,
+    check_count,
+    check_dense_chunk,
+    check_restore_lengths,
+    check_restore_room,
+)
 
 _I32, _I64 = torch.int32, torch.int64
 
@@ -255,12 +261,7 @@ class AttentionCacheManager:
         if stream_id in self.slots:
             raise duplicate_stream(stream_id)
         need = check_restore_lengths(self.config, seqlen, seqstart, total_frames)
-        if need > self.config.blocks_per_stream:
-            raise StreamCapacityError(stream_id, need, self.config.blocks_per_stream)
-        if need > self.pool.num_free_blocks:
-            raise PoolExhaustedError(need, self.pool.num_free_blocks)
-        if self.slots.num_free == 0:
-            raise SlotsExhaustedError(self.slots.capacity)
+        check_restore_room(self.config, stream_id, need, self.pool.num_free_blocks, [self.slots])
         slot = self.slots.acquire(stream_id)
         blocks = self.pool.allocate_array(need)
         if blocks.size:
