@@ -174,3 +174,70 @@ def check_cohort(states: list, log_probs_list: list, check_state) -> None:
     for state, log_probs in zip(states, log_probs_list, strict=True):
         check_state(state, "decode_chunk")
         check_log_probs("decode_chunk", log_probs, state.batch, state.vocab_size)
+
+
+class BeamEntry(NamedTuple):
+    """One live prefix of a beam, twin-neutral: what a session stores of a CTC state.
+
+    ``tokens`` and ``frames`` as in :class:`CtcHypothesis`; ``log_pb`` / ``log_pnb`` are
+    the blank- and non-blank-ending float64 log scores (the search rule above).
+    """
+
+    tokens: tuple
+    frames: tuple
+    log_pb: float
+    log_pnb: float
+
+
+class BeamSnapshot(NamedTuple):
+    """A decoder state in neither twin's layout: ``rows[b]`` is row ``b``'s live prefixes, rank order.
+
+    Both twins' ``snapshot_state`` produce it and ``restore_state`` accept it, so a state
+    taken from one twin continues in the other (``oasr.session`` serialises it).
+    """
+
+    batch: int
+    vocab_size: int
+    frames_decoded: int
+    rows: tuple
+
+
+def check_snapshot(where: str, config: CtcDecoderConfig, snapshot) -> None:
+    """Refuse a ``BeamSnapshot`` no search under ``config`` could have produced (``ValueError``).
+
+    Checked: the state shape, at most ``beam_size`` prefixes per row, distinct prefixes,
+    tokens in the vocabulary and not blank, at most ``max_prefix_len`` of them, one strictly
+    increasing emission frame per token before ``frames_decoded``, scores that are not NaN or
+    ``+inf`` with a finite total, and no non-blank-ending score on the empty prefix.
+    Rank order is not re-checked: the twins' ``logaddexp`` may differ in the last ulp.
+    """
+    if not isinstance(snapshot, BeamSnapshot):
+        raise TypeError(f"{where}: expected a BeamSnapshot, got {type(snapshot).__name__}")
+    check_state_shape(where, config, snapshot.batch, snapshot.vocab_size)
+    fd = snapshot.frames_decoded
+    if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+        raise ValueError(f"{where}: frames_decoded must be an int >= 0, got {fd!r}")
+    if len(snapshot.rows) != snapshot.batch:
+        raise ValueError(f"{where}: {len(snapshot.rows)} beam rows for batch {snapshot.batch}")
+    for b, row in enumerate(snapshot.rows):
+        if len(row) > config.beam_size:
+            raise ValueError(f"{where}: row {b} holds {len(row)} prefixes, beam_size is {config.beam_size}")
+        if len({tuple(e.tokens) for e in row}) != len(row):
+            raise ValueError(f"{where}: row {b} holds the same prefix twice")
+        for w, e in enumerate(row):
+            at = f"{where}: row {b} prefix {w}"
+            if len(e.tokens) > config.max_prefix_len or len(e.frames) != len(e.tokens):
+                raise ValueError(f"{at}: {len(e.tokens)} tokens and {len(e.frames)} frames "
+                                 f"(need equal counts, at most max_prefix_len={config.max_prefix_len})")
+            if any(not 0 <= t < snapshot.vocab_size or t == config.blank_id for t in e.tokens):
+                raise ValueError(f"{at}: a token outside [0, {snapshot.vocab_size}) or the blank: {list(e.tokens)}")
+            steps = zip(e.frames, e.frames[1:], strict=False)
+            if any(not 0 <= f < fd for f in e.frames) or any(a >= b for a, b in steps):
+                raise ValueError(f"{at}: emission frames must increase strictly inside [0, {fd}): {list(e.frames)}")
+            pb, pnb = float(e.log_pb), float(e.log_pnb)
+            if math.isnan(pb) or math.isnan(pnb) or pb == math.inf or pnb == math.inf:
+                raise ValueError(f"{at}: scores must not be NaN or +inf, got ({pb}, {pnb})")
+            if pb == -math.inf and pnb == -math.inf:
+                raise ValueError(f"{at}: a dead prefix (both scores -inf) is never kept")
+            if not e.tokens and pnb != -math.inf:
+                raise ValueError(f"{at}: the empty prefix cannot end in a token (log_pnb={pnb})")

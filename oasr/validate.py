@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from oasr.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
 from oasr.fp8 import MODEL_DTYPES  # the dtypes a model runs in (CacheConfig.dtype)
 
 
@@ -158,3 +159,46 @@ def check_query(cache, q: torch.Tensor) -> None:
     _check_dtype("paged_attention", "q", q, cache)
     if q.device != cache.k_cache.device:
         raise ValueError(f"paged_attention: q is on {q.device}, the pool on {cache.k_cache.device}")
+
+
+def expected_kv_lengths(config, total_frames: int) -> tuple[int, int]:
+    """``(seqlen, seqstart)`` a stream holds after committing ``total_frames`` frames since admission.
+
+    Eviction is a function of the frames written alone (``oasr.config``): of the
+    ``prefill_frames + total_frames`` table positions ever written, the whole blocks before the
+    first visible position are gone, so the managers' lengths are determined by ``total_frames``.
+    """
+    written = config.prefill_frames + total_frames
+    if not config.eviction:
+        return written, 0
+    visible = max(0, written - config.history_frames)
+    dropped = visible // config.block_size_frames * config.block_size_frames
+    return written - dropped, visible - dropped
+
+
+def check_restore_lengths(config, seqlen, seqstart, total_frames) -> int:
+    """Lengths a restored stream may carry (``ValueError`` naming them otherwise); returns its block count."""
+    for name, value in (("seqlen", seqlen), ("seqstart", seqstart), ("total_frames", total_frames)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"restore_stream: {name} must be an int >= 0, got {value!r}")
+    expected = expected_kv_lengths(config, total_frames)
+    if (seqlen, seqstart) != expected:
+        raise ValueError(
+            f"restore_stream: seqlen={seqlen}, seqstart={seqstart} are not the lengths of a stream that "
+            f"committed total_frames={total_frames} (expected seqlen={expected[0]}, seqstart={expected[1]} "
+            f"for this geometry)"
+        )
+    return -(-seqlen // config.block_size_frames)
+
+
+def check_restore_room(config, stream_id, need: int, free_blocks: int, slot_pools) -> None:
+    """Raise unless a restored stream of ``need`` blocks can be admitted now: its block ceiling
+    (``StreamCapacityError``), free blocks (``PoolExhaustedError``), a free slot in every pool
+    (``SlotsExhaustedError``)."""
+    if need > config.blocks_per_stream:
+        raise StreamCapacityError(stream_id, need, config.blocks_per_stream)
+    if need > free_blocks:
+        raise PoolExhaustedError(need, free_blocks)
+    for slots in slot_pools:
+        if slots.num_free == 0:
+            raise SlotsExhaustedError(slots.capacity)

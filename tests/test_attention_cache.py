@@ -262,3 +262,31 @@ def test_paged_view_host_maxima(twin):
     assert c.cache_seqlens.tolist() == [8, 0, 0, 0] and c.cache_seqstarts.tolist() == [0, 0, 0, 0]
     assert c.max_seqlen == 8 and c.max_span == 8
     assert c.k_cache.data_ptr() == pool.get_kv_view(1)[0].data_ptr()
+
+
+def test_restore_stream_checks_everything_first(twin):
+    """``restore_stream`` (sessions): same errors in both twins, and nothing changes on any of them."""
+    from oasr.errors import PoolExhaustedError, SlotsExhaustedError
+
+    cfg = small_config(max_batch_size=2)  # chunk 4, window 8, block 4
+    pool = twin.BlockPool(cfg)
+    att = twin.AttentionCacheManager(pool, cfg)
+    att.allocate_stream("a")
+    before = snapshot(pool, att)
+    cases = [
+        (("a", 4, 0, 4), ValueError, "already allocated"),
+        (("b", 8, 0, 4), ValueError, "expected seqlen=4"),  # lengths no stream could have
+        (("b", -1, 0, 0), ValueError, "seqlen"),
+    ]
+    for args, error, words in cases:
+        with pytest.raises(error, match=words):
+            att.restore_stream(*args)
+        assert_same_snapshot(before, snapshot(pool, att))
+    taken = pool.allocate(pool.num_free_blocks)
+    with pytest.raises(PoolExhaustedError):
+        att.restore_stream("b", 11, 3, 19)  # 19 frames committed: 3 blocks, window [3, 11)
+    pool.free(taken)
+    att.restore_stream("b", 11, 3, 19)
+    assert att.describe("b").cache_seqlen == 11 and len(att.describe("b").blocks) == 3
+    with pytest.raises(SlotsExhaustedError):
+        att.restore_stream("c", 0, 0, 0)

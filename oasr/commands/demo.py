@@ -55,9 +55,17 @@ def make_workload(num_streams: int, input_dim: int, seed: int, min_seconds=1.0, 
     return streams
 
 
-def drive(engine: StreamingEngine, workload: list[DemoStream], seed: int, chunk_frames: int, progress=None):
-    """Push every stream in pieces of 0.5 to 1.5 chunks per tick from its start tick; tick until all finish."""
+def drive(engine: StreamingEngine, workload: list[DemoStream], seed: int, chunk_frames: int, progress=None,
+          suspend_every: int = 0) -> list[int]:
+    """Push every stream in pieces of 0.5 to 1.5 chunks per tick from its start tick; tick until all finish.
+
+    With ``suspend_every=N`` every N ticks one active stream (round robin) is also suspended
+    and resumed at once (``suspend_session``; deferred while a stream waits for admission);
+    returns the session sizes in bytes.
+    """
     g = torch.Generator().manual_seed(seed + 1)
+    sessions: list[int] = []
+    since_suspend = 0
     pos = {s.stream_id: 0 for s in workload}
     ended = set()
     tick = 0
@@ -79,7 +87,28 @@ def drive(engine: StreamingEngine, workload: list[DemoStream], seed: int, chunk_
             progress.update(engine.stats[-1].input_frames)
         tick += 1
         if len(ended) == len(workload) and all(engine.status(s.stream_id) == "finished" for s in workload):
-            return
+            return sessions
+        since_suspend += 1
+        if suspend_every and since_suspend >= suspend_every and suspend_session(engine, len(sessions), sessions):
+            since_suspend = 0
+
+
+def suspend_session(engine: StreamingEngine, turn: int, sizes: list) -> bool:
+    """Suspend the ``turn``-th active stream (round robin) to session bytes and resume it from them.
+
+    Only between ticks with nobody waiting for admission: then the resumed stream is readmitted
+    at the next tick in the cohort it left, and the run's output stays exactly that of a run
+    without suspension (the demo's test checks it). Otherwise a newcomer could take its slot,
+    which changes cohorts, and with them the floating-point rounding of a batched forward.
+    """
+    active = engine.active_ids
+    if not active or engine.num_waiting:
+        return False
+    sid = active[turn % len(active)]
+    data = engine.suspend(sid)
+    sizes.append(len(data))
+    engine.resume(data)
+    return True
 
 
 def build(args) -> tuple[StreamingConformer, object]:
@@ -259,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beam", type=int, default=4, help="beam size (default 4)")
     parser.add_argument("--check-sample", type=int, default=4, help="streams rerun on the reference twin (0: none)")
     parser.add_argument("--plot", default="oasr_demo.png", help="PNG of pool occupancy and streams over ticks")
+    parser.add_argument("--suspend-every", type=int, default=0, metavar="N",
+                        help="every N ticks suspend one active stream to session bytes and resume it (default 0: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -278,12 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(s.features.shape[0] for s in workload)
     progress = tqdm(total=total, unit="frame", unit_scale=True, desc="demo", disable=args.quiet, file=sys.stderr)
     start = time.perf_counter()
-    drive(engine, workload, args.seed, model.config.chunk_input_frames, progress)
+    sessions = drive(engine, workload, args.seed, model.config.chunk_input_frames, progress, args.suspend_every)
     wall = time.perf_counter() - start
     progress.close()
 
     for line in summary(engine, workload, wall, args) + transcripts(engine, workload):
         print(line)
+    if args.suspend_every:
+        mean = sum(sessions) / len(sessions) if sessions else 0
+        print(f"sessions: {len(sessions)} suspensions and resumes (every {args.suspend_every} ticks, deferred while a "
+              f"stream waited for admission), {format_bytes(mean)} per session on average")
     ok = True
     if args.check_sample > 0:
         ok, line = check_sample(model, cache_config, engine, workload, args.check_sample)

@@ -43,7 +43,19 @@ import torch
 from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine.decoding import GreedyCtcDecoder
+from oasr.errors import StreamCapacityError
 from oasr.models.twins import twin_module, twin_name
+from oasr.session import (
+    EngineStream,
+    SessionError,
+    SessionGeometry,
+    capture_stream,
+    check_session,
+    encode_session,
+    model_digest,
+    read_session,
+    restore_stream,
+)
 from oasr.stream_context import StreamContext
 
 WAITING, ACTIVE, FINISHED = "waiting", "active", "finished"
@@ -114,6 +126,7 @@ class _Stream:
     finish_reason: str | None = None
     admitted_tick: int | None = None
     max_extent: int = 0  # most K/V frames a chunk of this stream ever attended to
+    session: object = None  # a resumed stream's StreamSession until admission restores it (see resume)
 
 
 class StreamingEngine:
@@ -171,12 +184,7 @@ class StreamingEngine:
 
     def add_stream(self, stream_id=None):
         """Register a stream (it waits for admission); returns its id."""
-        if stream_id is None:
-            stream_id = next(self._ids)
-            while stream_id in self._streams:
-                stream_id = next(self._ids)
-        elif stream_id in self._streams:
-            raise ValueError(f"stream id {stream_id!r} is already in use")
+        stream_id = self._claim_id(stream_id)
         greedy = GreedyCtcDecoder(self.model.config.vocab_size) if self.decoder == "greedy" else None
         self._streams[stream_id] = _Stream(stream_id, greedy)
         self._waiting.append(stream_id)
@@ -264,13 +272,7 @@ class StreamingEngine:
                 continue  # nothing to encode yet: do not hold a slot for it
             if not self.can_admit():
                 break  # arrival order: nobody overtakes a stream that does not fit
-            ctx = StreamContext.allocate(sid, self.att, self.cnn, self.ctc, vocab_size=self.model.config.vocab_size)
-            try:
-                self.states.allocate_stream(sid)
-            except Exception:
-                ctx.free()
-                raise
-            self._contexts[sid] = ctx
+            self._contexts[sid] = self._allocate_caches(sid, s)
             self._waiting.remove(sid)
             self._active.append(sid)
             s.state = ACTIVE
@@ -315,7 +317,7 @@ class StreamingEngine:
         # a waiting stream that ended with too little input for one encoder frame needs no admission
         for sid in list(self._waiting):
             s = self._streams[sid]
-            if s.ended and s.num_pending < self.rate:
+            if s.ended and s.num_pending < self.rate and s.session is None:  # a resumed one finishes from its state
                 self._finish(s, "eos", outputs)
         self._admit()
 
@@ -426,3 +428,125 @@ class StreamingEngine:
             if s.ended or s.num_pending >= self.chunk_input_frames:
                 return True
         return any(self._ready(self._streams[sid]) for sid in self._waiting) and self.can_admit()
+
+    # ---- sessions (oasr.session) ------------------------------------------------------------
+    def _claim_id(self, stream_id):
+        """``stream_id``, or a fresh int id for None; ``ValueError`` if it is in use."""
+        if stream_id is None:
+            stream_id = next(self._ids)
+            while stream_id in self._streams:
+                stream_id = next(self._ids)
+        elif stream_id in self._streams:
+            raise ValueError(f"stream id {stream_id!r} is already in use")
+        return stream_id
+
+    def _allocate_caches(self, sid, s: _Stream) -> StreamContext:
+        """Admit ``sid`` in every cache: fresh, or carrying a resumed stream's state."""
+        if s.session is not None:
+            restore_stream(s.session, sid, self.att, [self.cnn, self.states], self.ctc)
+            s.session = None
+            return StreamContext(sid, self.att, self.cnn, self.ctc)
+        ctx = StreamContext.allocate(sid, self.att, self.cnn, self.ctc, vocab_size=self.model.config.vocab_size)
+        try:
+            self.states.allocate_stream(sid)
+        except Exception:
+            ctx.free()
+            raise
+        return ctx
+
+    @property
+    def model_digest(self) -> bytes:
+        """blake2b-256 of the model's weights, computed once: a session only resumes on the same model."""
+        if getattr(self, "_model_digest", None) is None:
+            self._model_digest = model_digest(self.model)
+        return self._model_digest
+
+    def suspend(self, stream_id) -> bytes:
+        """Take a stream out of the engine as session bytes (``oasr.session``); its blocks and slot are freed.
+
+        The session holds the stream's caches and what the engine keeps of it: unconsumed
+        input, whether it ended, its counters, its partial hypothesis and (with
+        ``keep_log_probs``) its log-probs so far. ``resume`` on any engine of the same
+        model and geometry, either twin, continues it exactly. An active stream, or a resumed
+        one still waiting for admission, can be suspended; a stream never admitted holds no
+        state yet and a finished one has nothing to continue (``ValueError``; nothing changes).
+        """
+        s = self._stream(stream_id)
+        if s.state == FINISHED or (s.state == WAITING and s.session is None):
+            why = "has finished" if s.state == FINISHED else "was never admitted (it holds no cache state yet)"
+            raise ValueError(f"stream {stream_id!r} {why}: only an admitted stream can be suspended")
+        pending = torch.cat(s.pending) if s.pending else torch.zeros(0, self.input_dim, dtype=self.config.dtype)
+        log_probs = None
+        if self.keep_log_probs:
+            log_probs = torch.cat(s.log_probs) if s.log_probs else torch.zeros(0, self.model.config.vocab_size)
+        greedy = s.greedy
+        extra = EngineStream(
+            stream_id, self.model_digest, self.input_dim, self.model.config.vocab_size, self.decoder, s.ended,
+            s.offset, s.input_frames, s.max_extent, list(s.partial), pending, log_probs,
+            list(greedy.tokens) if greedy else [], greedy._last if greedy else 0,
+        )
+        if s.state == ACTIVE:
+            session = capture_stream(stream_id, self.att, [self.cnn, self.states], self.ctc, engine=extra)
+        else:
+            session = s.session
+            session.engine = extra
+        data = encode_session(session)
+        if s.state == ACTIVE:
+            self._contexts.pop(stream_id).free()
+            self.states.free_stream(stream_id)
+            self._active.remove(stream_id)
+        else:
+            self._waiting.remove(stream_id)
+        del self._streams[stream_id]
+        return data
+
+    def resume(self, data, stream_id=None):
+        """Add a suspended stream back; it waits for admission like a new one and carries its state.
+
+        ``data`` is verified whole first (``oasr.session.read_session``: truncated, corrupt or
+        foreign bytes raise ``SessionError`` naming what differs), then against this engine:
+        geometry, K/V format, declared states, decoder and its configuration, the model's
+        weights. ``stream_id`` None takes the id the session was saved under (or a fresh one if
+        that was neither an int nor a str); an id in use raises ``ValueError``. Nothing changes
+        on an error. Admission then restores the caches (``oasr.session.restore_stream``) in
+        new slots and blocks; the stream goes on exactly as if it had never left. Returns its id.
+        """
+        session = read_session(data, expect=SessionGeometry.of(self.config))
+        e = session.engine
+        if e is None:
+            raise SessionError("session has no engine stream section: it was saved from caches, not an engine "
+                               "(use oasr.session.load_stream)")
+        check_session(session, self.att, [self.cnn, self.states], self.ctc)
+        mcfg = self.model.config
+        wrong = [f"{name}: session {a!r}, here {b!r}" for name, a, b in (
+            ("decoder", e.decoder, self.decoder), ("input_dim", e.input_dim, self.input_dim),
+            ("vocab_size", e.vocab_size, mcfg.vocab_size), ("pending dtype", e.pending.dtype, self.config.dtype),
+        ) if a != b]
+        if e.model_digest != self.model_digest:
+            wrong.append("model weights: the session ran on another model (digest differs)")
+        beam = session.beam
+        if beam is not None and (beam.batch, beam.vocab_size) != (1, mcfg.vocab_size):
+            wrong.append(f"CTC state: {beam.batch} rows over {beam.vocab_size} tokens, the engine decodes 1 row "
+                         f"over {mcfg.vocab_size}")
+        if self.keep_log_probs and e.log_probs is None:
+            wrong.append("log-probs: this engine keeps them, the session carries none")
+        if wrong:
+            raise SessionError("foreign session for this engine: " + "; ".join(wrong))
+        need = -(-session.kv.seqlen // self.config.block_size_frames)
+        if need > self.config.blocks_per_stream:  # admission could never restore it
+            raise StreamCapacityError(stream_id if stream_id is not None else e.stream_id, need,
+                                      self.config.blocks_per_stream)
+        stream_id = self._claim_id(e.stream_id if stream_id is None else stream_id)
+        greedy = None
+        if self.decoder == "greedy":
+            greedy = GreedyCtcDecoder(mcfg.vocab_size)
+            greedy.tokens, greedy._last = list(e.greedy_tokens), e.greedy_last
+        s = _Stream(stream_id, greedy, partial=list(e.partial), ended=e.ended, offset=e.offset,
+                    input_frames=e.input_frames, max_extent=e.max_extent, session=session)
+        if e.pending.shape[0]:
+            s.pending, s.num_pending = [e.pending], e.pending.shape[0]
+        if self.keep_log_probs and e.log_probs.shape[0]:
+            s.log_probs = [e.log_probs]
+        self._streams[stream_id] = s
+        self._waiting.append(stream_id)
+        return stream_id

@@ -78,7 +78,13 @@ from oasr.fast.paged_ops import quantize_fp8
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache, StreamKVInfo
-from oasr.validate import as_id_list, check_count, check_dense_chunk
+from oasr.validate import (
+    as_id_list,
+    check_count,
+    check_dense_chunk,
+    check_restore_lengths,
+    check_restore_room,
+)
 
 _I32, _I64 = torch.int32, torch.int64
 
@@ -176,18 +182,19 @@ class AttentionCacheManager:
         bs = self.config.block_size_frames
         return np.maximum(0, -(-seqlen // bs) - num_blocks)
 
-    def _write_row(self, slots: np.ndarray, blocks: np.ndarray, seqlen: int) -> None:
-        """(Re)initialise one slot's row with ``blocks``, host and device (admission, reset, free)."""
+    def _write_row(self, slots: np.ndarray, blocks: np.ndarray, seqlen: int, seqstart: int = 0,
+                   total: int = 0) -> None:
+        """(Re)initialise one slot's row with ``blocks``, host and device (admission, reset, free, restore)."""
         slot = int(slots[0])
         row = self._table[slot]
         row[:] = self.pool.null_block
         row[: blocks.size] = blocks
         self._num_blocks[slot] = blocks.size
         self._seqlen[slot] = seqlen
-        self._seqstart[slot] = 0
-        self._total[slot] = 0
+        self._seqstart[slot] = seqstart
+        self._total[slot] = total
         self._prepared[slot] = False
-        meta = np.array([seqlen, 0])
+        meta = np.array([seqlen, seqstart])
         slot_d, row_d, meta_d = self._row_stager.stage(slots, row, meta)
         self.block_table.index_copy_(0, slot_d, row_d.view(1, -1))
         self._seq_meta.index_copy_(1, slot_d, meta_d.view(2, 1))
@@ -245,6 +252,24 @@ class AttentionCacheManager:
             raise PoolExhaustedError(need, self.pool.num_free_blocks)
         slot = self.slots.acquire(stream_id)  # may raise SlotsExhaustedError; nothing changed yet
         self._write_row(np.array([slot]), self._admit_blocks(), self.config.prefill_frames)
+
+    def restore_stream(self, stream_id, seqlen: int, seqstart: int, total_frames: int) -> list[int]:
+        """Admit ``stream_id`` holding the lengths of a stream that committed ``total_frames`` frames.
+
+        Same contract as the reference: a slot and ``ceil(seqlen / block_size_frames)`` zeroed
+        blocks, their ids returned oldest first for the caller to write the visible frames into;
+        everything checked before anything changes.
+        """
+        if stream_id in self.slots:
+            raise duplicate_stream(stream_id)
+        need = check_restore_lengths(self.config, seqlen, seqstart, total_frames)
+        check_restore_room(self.config, stream_id, need, self.pool.num_free_blocks, [self.slots])
+        slot = self.slots.acquire(stream_id)
+        blocks = self.pool.allocate_array(need)
+        if blocks.size:
+            self.pool.zero_blocks(blocks)
+        self._write_row(np.array([slot]), blocks, seqlen, seqstart, total_frames)
+        return blocks.tolist()
 
     def free_stream(self, stream_id) -> None:
         slot = self.slots.slot_of(stream_id)

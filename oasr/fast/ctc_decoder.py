@@ -68,10 +68,13 @@ from typing import NamedTuple
 import torch
 
 from oasr.ctc_config import (
+    BeamEntry,
+    BeamSnapshot,
     CtcDecoderConfig,
     CtcHypothesis,
     check_cohort,
     check_log_probs,
+    check_snapshot,
     check_state_shape,
 )
 
@@ -154,6 +157,15 @@ def _extend_keys(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     c = tokens + 1
     h1 = (h1 * _HASH_MUL[0] + c) % _HASH_MOD
     h2 = (h2 * _HASH_MUL[1] + c) % _HASH_MOD
+    return (h1 << 31) | h2
+
+
+def _key_of(tokens) -> int:
+    """The packed rolling hash of a whole prefix: ``_extend_keys`` folded over it from the empty key 0."""
+    h1 = h2 = 0
+    for token in tokens:
+        h1 = (h1 * _HASH_MUL[0] + token + 1) % _HASH_MOD
+        h2 = (h2 * _HASH_MUL[1] + token + 1) % _HASH_MOD
     return (h1 << 31) | h2
 
 
@@ -364,6 +376,53 @@ class StreamingCtcDecoder:
             state.buffers = _allocate(batch, self.config, state.device)
         state.batch, state.vocab_size, state.frames_decoded = batch, vocab_size, 0
         _fill_initial(state.rows())
+
+    def snapshot_state(self, state: CtcBeamState) -> BeamSnapshot:
+        """The state as a twin-neutral ``BeamSnapshot``: each row's live slots, in slot (rank) order."""
+        self._check_state(state, "snapshot_state")
+        r = state.rows()
+        score = torch.logaddexp(r.log_pb, r.log_pnb).cpu().tolist()
+        pb, pnb = r.log_pb.cpu().tolist(), r.log_pnb.cpu().tolist()
+        lengths, tokens, frames = r.lengths.cpu().tolist(), r.tokens.cpu().tolist(), r.frames.cpu().tolist()
+        rows = tuple(
+            tuple(
+                BeamEntry(tuple(tokens[b][w][:n]), tuple(frames[b][w][:n]), pb[b][w], pnb[b][w])
+                for w, n in enumerate(lengths[b])
+                if score[b][w] > NEG_INF
+            )
+            for b in range(state.batch)
+        )
+        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, rows)
+
+    def restore_state(self, state: CtcBeamState, snapshot: BeamSnapshot) -> None:
+        """Overwrite ``state`` in place so it decodes exactly as the state ``snapshot`` was taken from.
+
+        The tensors are rebuilt in the layout of the module docstring: live slots first with
+        their rolling-hash keys recomputed from the tokens, dead slots the empty record. A
+        snapshot from either twin is accepted; it is validated first and on an error ``state``
+        is unchanged.
+        """
+        self._check_state(state, "restore_state")
+        check_snapshot("restore_state", self.config, snapshot)
+        R = snapshot.batch
+        host = _allocate(R, self.config, "cpu")
+        _fill_initial(host)
+        host.log_pb[:, 0] = NEG_INF
+        for b, row in enumerate(snapshot.rows):
+            for w, e in enumerate(row):
+                n = len(e.tokens)
+                host.tokens[b, w, :n] = torch.tensor(e.tokens, dtype=torch.int32)
+                host.frames[b, w, :n] = torch.tensor(e.frames, dtype=torch.int32)
+                host.lengths[b, w] = n
+                host.keys[b, w] = _key_of(e.tokens)
+                host.parent_keys[b, w] = _key_of(e.tokens[:-1]) if n else -1
+                host.last[b, w] = e.tokens[-1] if n else -1
+                host.log_pb[b, w], host.log_pnb[b, w] = float(e.log_pb), float(e.log_pnb)
+        if R > state.capacity:
+            state.buffers = _allocate(R, self.config, state.device)
+        state.batch, state.vocab_size, state.frames_decoded = R, snapshot.vocab_size, snapshot.frames_decoded
+        for buf, new in zip(state.rows(), host, strict=True):
+            buf.copy_(new)
 
     # ---- decoding -----------------------------------------------------------
     def decode_chunk(self, state: CtcBeamState, log_probs: torch.Tensor) -> None:

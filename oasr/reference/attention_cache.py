@@ -40,7 +40,13 @@ from oasr.paged import PagedKVCache, StreamKVInfo
 from oasr.reference.block_pool import BlockPool
 from oasr.reference.fp8 import quantize
 from oasr.reference.slot_pool import StreamSlotPool
-from oasr.validate import as_id_list, check_count, check_dense_chunk
+from oasr.validate import (
+    as_id_list,
+    check_count,
+    check_dense_chunk,
+    check_restore_lengths,
+    check_restore_room,
+)
 
 
 @dataclass
@@ -128,6 +134,25 @@ class AttentionCacheManager:
         slot = self.slots.acquire(stream_id)  # may raise SlotsExhaustedError; nothing changed yet
         st = _StreamKVState(slot=slot, blocks=self._admit_blocks(), seqlen=self.config.prefill_frames)
         self._streams[stream_id] = st
+
+    def restore_stream(self, stream_id, seqlen: int, seqstart: int, total_frames: int) -> list[int]:
+        """Admit ``stream_id`` holding the lengths of a stream that committed ``total_frames`` frames.
+
+        Takes a slot and ``ceil(seqlen / block_size_frames)`` zeroed blocks for table positions
+        ``[0, seqlen)`` and returns their ids, oldest first: the caller writes the visible frames
+        ``[seqstart, seqlen)`` into them (``oasr.session``). The stream then behaves as the one the
+        lengths came from. Everything is checked first (``check_restore_lengths``, the block
+        ceiling, the pool, a free slot); on an error nothing changed.
+        """
+        if stream_id in self._streams:
+            raise duplicate_stream(stream_id)
+        need = check_restore_lengths(self.config, seqlen, seqstart, total_frames)
+        check_restore_room(self.config, stream_id, need, self.pool.num_free_blocks, [self.slots])
+        slot = self.slots.acquire(stream_id)
+        blocks = self.pool.allocate(need)
+        self.pool.zero_blocks(blocks)
+        self._streams[stream_id] = _StreamKVState(slot, blocks, seqlen, seqstart, total_frames)
+        return list(blocks)
 
     def free_stream(self, stream_id) -> None:
         st = self._state(stream_id)

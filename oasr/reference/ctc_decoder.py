@@ -35,10 +35,13 @@ from dataclasses import dataclass, field
 import torch
 
 from oasr.ctc_config import (
+    BeamEntry,
+    BeamSnapshot,
     CtcDecoderConfig,
     CtcHypothesis,
     check_cohort,
     check_log_probs,
+    check_snapshot,
     check_state_shape,
 )
 
@@ -177,6 +180,29 @@ class StreamingCtcDecoder:
         state.beams.clear()
         state.beams.extend(empty_beam() for _ in range(batch))
         state.batch, state.vocab_size, state.frames_decoded = batch, vocab_size, 0
+
+    def snapshot_state(self, state: CtcBeamState) -> BeamSnapshot:
+        """The state as a twin-neutral ``BeamSnapshot`` (reads it, changes nothing)."""
+        self._check_state(state, "snapshot_state")
+        rows = tuple(tuple(BeamEntry(p.tokens, p.frames, p.pb, p.pnb) for p in beam) for beam in state.beams)
+        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, rows)
+
+    def restore_state(self, state: CtcBeamState, snapshot: BeamSnapshot) -> None:
+        """Overwrite ``state`` so it decodes exactly as the state ``snapshot`` was taken from.
+
+        ``snapshot`` may come from either twin; it is validated first (``check_snapshot``),
+        and on an error ``state`` is unchanged.
+        """
+        self._check_state(state, "restore_state")
+        check_snapshot("restore_state", self.config, snapshot)
+        beams = [
+            [Prefix(tuple(int(t) for t in e.tokens), tuple(int(f) for f in e.frames), float(e.log_pb),
+                    float(e.log_pnb)) for e in row]
+            for row in snapshot.rows
+        ]
+        state.beams[:] = beams
+        state.batch, state.vocab_size = snapshot.batch, snapshot.vocab_size
+        state.frames_decoded = snapshot.frames_decoded
 
     # ---- decoding -----------------------------------------------------------
     def decode_chunk(self, state: CtcBeamState, log_probs: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-from oasr.ctc_config import CtcDecoderConfig, check_state_shape
+from oasr.ctc_config import CtcDecoderConfig, check_snapshot, check_state_shape
 from oasr.errors import duplicate_stream, unknown_stream
 
 
@@ -128,6 +128,30 @@ class CtcStateCacheManager:
         self._active[stream_id] = (state, self._next_lease)
         self._next_lease += 1
         return self.get_decoder(stream_id)
+
+    def restore_stream(self, stream_id: Hashable, snapshot) -> StreamHandle:
+        """Bind a state that decodes exactly as ``snapshot`` (a ``BeamSnapshot``, either twin's) to ``stream_id``.
+
+        The snapshot is validated before a state is taken from the pool, so an error changes nothing.
+        """
+        if stream_id in self._active:
+            raise duplicate_stream(stream_id)
+        check_snapshot("restore_stream", self.decoder.config, snapshot)
+        if self._pool:
+            state = self._pool.pop()
+        else:
+            state = self.decoder.create_state(snapshot.batch, snapshot.vocab_size)
+            self.num_created += 1
+        self.decoder.restore_state(state, snapshot)
+        self._active[stream_id] = (state, self._next_lease)
+        self._next_lease += 1
+        return self.get_decoder(stream_id)
+
+    def snapshot_stream(self, stream_id: Hashable):
+        """The stream's decoder state as a twin-neutral ``BeamSnapshot`` (changes nothing)."""
+        if stream_id not in self._active:
+            raise unknown_stream(stream_id)
+        return self.decoder.snapshot_state(self._active[stream_id][0])
 
     def free_stream(self, stream_id: Hashable) -> None:
         """Return the stream's state to the pool; its buffers stay allocated for the next stream."""

@@ -1,0 +1,714 @@
+"""Sessions: one stream's whole state as a versioned, checksummed byte string, and back.
+
+A session is what a live stream needs to go on elsewhere (another engine, another
+process, after a restart): its visible K/V window exactly as the pool stores it,
+its slot states (conv left contexts, subsampling tails, persistent specs), its CTC
+beam state, its lengths and counters and, from an engine, its unconsumed input.
+It is never a memory dump: no pickle, only the fields below, each with a type.
+Both twins write the same bytes for the same state and read each other's files.
+
+Layout (little-endian; ``docs/sessions.md`` has every field with its offset)::
+
+    +--------------------------------------------------------------+  offset 0
+    | header, 64 bytes: magic "OASRSESS", version 1, header size,  |
+    | flags, geometry (layers, kv heads, head_dim, hidden, kernel, |
+    | chunk, block size, window in chunks, model dtype, K/V format,|
+    | prefill), section count, body size                           |
+    +--------------------------------------------------------------+  64
+    | section: kind u32 | length u64 | payload (length bytes)      |  kinds ascending,
+    | section: ...                                                 |  each at most once
+    +--------------------------------------------------------------+  64 + body
+    | blake2b-256 of bytes [0, 64 + body)                          |  32 bytes
+    +--------------------------------------------------------------+
+
+Sections: 1 attention (lengths, then K, V and, for fp8, their scales, of the visible
+window only), 2 slot states (named tensors), 3 CTC beam (flag bit 0), 4 engine
+stream (flag bit 1), 5 decoder rows (flag bit 2: reserved for the autoregressive
+decoder's K/V rows; this build refuses a file that carries them).
+
+Reading verifies everything before anything is applied: magic, version (only 1),
+size, checksum, flags, section structure, every length, every value a manager
+would refuse, then the file's geometry and contents against the caches that are
+to take it. A refused file raises :class:`SessionError` (a ``ValueError``) that
+says what differs, and changes nothing.
+
+API, from bytes to caches::
+
+    save_stream(stream_id, att, slot_states, ctc=None, engine=None) -> bytes
+    read_session(data) -> StreamSession               parse + verify the file itself
+    check_session(session, att, slot_states, ctc)     verify it fits these caches
+    restore_stream(session, stream_id, att, slot_states, ctc)   apply (after the checks)
+    load_stream(data, stream_id, att, slot_states, ctc=None) -> StreamSession   all three
+
+``slot_states`` is a list of slot-indexed caches: ``SlotStateCache`` objects and/or
+``CnnCacheManager`` objects (their ``.state``), e.g. ``[cnn, states]``. The engine's
+``StreamingEngine.suspend`` / ``resume`` add the stream's input and counters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from oasr.config import CacheConfig
+from oasr.ctc_config import BeamEntry, BeamSnapshot, CtcDecoderConfig, check_snapshot
+from oasr.validate import check_restore_lengths, check_restore_room
+
+MAGIC = b"OASRSESS"
+VERSION = 1
+HEADER = struct.Struct("<8sHHI7IiBBBBIQ")
+HEADER_BYTES = HEADER.size  # 64
+SECTION = struct.Struct("<IQ")
+CHECKSUM_BYTES = 32
+
+FLAG_CTC_BEAM = 1 << 0
+FLAG_ENGINE = 1 << 1
+FLAG_DECODER_ROWS = 1 << 2  # reserved: the autoregressive decoder's K/V rows (not implemented)
+KNOWN_FLAGS = FLAG_CTC_BEAM | FLAG_ENGINE | FLAG_DECODER_ROWS
+
+SEC_ATTENTION, SEC_SLOT_STATES, SEC_CTC_BEAM, SEC_ENGINE, SEC_DECODER_ROWS = 1, 2, 3, 4, 5
+SECTION_NAMES = {1: "attention", 2: "slot states", 3: "CTC beam", 4: "engine stream", 5: "decoder rows"}
+_FLAG_OF_SECTION = {SEC_CTC_BEAM: FLAG_CTC_BEAM, SEC_ENGINE: FLAG_ENGINE, SEC_DECODER_ROWS: FLAG_DECODER_ROWS}
+
+DTYPE_CODES = {
+    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
+    torch.int32: 5, torch.int64: 6, torch.uint8: 7, torch.int8: 8, torch.int16: 9, torch.bool: 10,
+}
+DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+MODEL_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+KV_FORMATS = {0: None, 1: "fp8_e4m3"}  # K/V format code -> CacheConfig.kv_cache_dtype
+KV_FORMAT_CODES = {v: k for k, v in KV_FORMATS.items()}
+DECODERS = {1: "beam", 2: "greedy"}
+
+
+class SessionError(ValueError):
+    """A session that cannot be loaded here: truncated, corrupt, foreign or inconsistent (nothing changed)."""
+
+
+# ---- the parsed form ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionGeometry:
+    """What the header says the session was made for; must equal the loading caches' own."""
+
+    num_layers: int
+    n_kv_head: int
+    head_dim: int
+    hidden_dim: int
+    kernel_size: int
+    chunk_size: int
+    block_size_frames: int
+    num_left_chunks: int
+    dtype: torch.dtype
+    kv_cache_dtype: str | None
+    prefill_kv_window: bool
+
+    @classmethod
+    def of(cls, config: CacheConfig) -> SessionGeometry:
+        return cls(config.num_layers, config.n_kv_head, config.head_dim, config.hidden_dim, config.kernel_size,
+                   config.chunk_size, config.block_size_frames, config.num_left_chunks, config.dtype,
+                   config.kv_cache_dtype, config.prefill_kv_window)
+
+    def differences(self, other: SessionGeometry) -> list[str]:
+        return [
+            f"{name}: session {getattr(self, name)!r}, here {getattr(other, name)!r}"
+            for name in self.__dataclass_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+
+@dataclass
+class KVWindow:
+    """The stream's lengths and its visible frames ``[seqstart, seqlen)``, as stored in the pool.
+
+    ``k``/``v`` are ``(num_layers, seqlen - seqstart, n_kv_head, head_dim)`` in the storage dtype
+    (fp8 bytes for fp8 pages); ``k_scale``/``v_scale`` ``(num_layers, frames, n_kv_head)`` fp32 or None.
+    """
+
+    seqlen: int
+    seqstart: int
+    total_frames: int
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass
+class NamedState:
+    """One stream's row of a declared slot state (the slot axis removed)."""
+
+    name: str
+    persistent: bool
+    tensor: torch.Tensor
+
+
+@dataclass
+class EngineStream:
+    """What a ``StreamingEngine`` keeps of a stream besides its caches (see ``StreamingEngine.suspend``)."""
+
+    stream_id: object  # an int or str, or None when the id was of another type
+    model_digest: bytes
+    input_dim: int
+    vocab_size: int
+    decoder: str  # "beam" or "greedy"
+    ended: bool
+    offset: int
+    input_frames: int
+    max_extent: int
+    partial: list
+    pending: torch.Tensor  # (T, input_dim), unconsumed input
+    log_probs: torch.Tensor | None  # (T, vocab) fp32, when the engine keeps them
+    greedy_tokens: list = field(default_factory=list)
+    greedy_last: int = 0
+
+
+@dataclass
+class StreamSession:
+    geometry: SessionGeometry
+    kv: KVWindow
+    states: list
+    ctc_config: CtcDecoderConfig | None = None
+    beam: BeamSnapshot | None = None
+    engine: EngineStream | None = None
+
+    @property
+    def flags(self) -> int:
+        return (FLAG_CTC_BEAM if self.beam is not None else 0) | (FLAG_ENGINE if self.engine is not None else 0)
+
+
+# ---- byte helpers -------------------------------------------------------------------------------------
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _tensor_from(raw: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+    return flat.view(dtype).reshape(shape)
+
+
+class _Reader:
+    """Bounds-checked little-endian reads from one section's payload; any overrun is a SessionError."""
+
+    def __init__(self, data: bytes, where: str):
+        self.data, self.pos, self.where = data, 0, where
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.data):
+            raise SessionError(f"{self.where} section: needs {n} more bytes at offset {self.pos}, "
+                               f"only {len(self.data) - self.pos} left")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, fmt: str):
+        try:
+            s = struct.Struct("<" + fmt)
+        except struct.error:  # a count too large to describe: it cannot fit in the section either
+            raise SessionError(f"{self.where} section: a count in {fmt[:24]!r} runs past the section") from None
+        return s.unpack(self.take(s.size))
+
+    def one(self, fmt: str):
+        return self.unpack(fmt)[0]
+
+    def done(self) -> None:
+        if self.pos != len(self.data):
+            raise SessionError(f"{self.where} section: {len(self.data) - self.pos} trailing bytes")
+
+
+def _dtype(code: int, where: str) -> torch.dtype:
+    if code not in DTYPES:
+        raise SessionError(f"{where}: unknown dtype code {code}")
+    return DTYPES[code]
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- encoding -----------------------------------------------------------------------------------------
+
+
+def _encode_attention(kv: KVWindow) -> bytes:
+    parts = [struct.pack("<qqq", kv.seqlen, kv.seqstart, kv.total_frames), _tensor_bytes(kv.k), _tensor_bytes(kv.v)]
+    if kv.k_scale is not None:
+        parts += [_tensor_bytes(kv.k_scale), _tensor_bytes(kv.v_scale)]
+    return b"".join(parts)
+
+
+def _encode_states(states: list) -> bytes:
+    parts = [struct.pack("<I", len(states))]
+    for s in states:
+        name = s.name.encode("utf-8")
+        t = s.tensor
+        if t.dtype not in DTYPE_CODES:
+            raise ValueError(f"session: state {s.name!r} has dtype {t.dtype}, which a session cannot store")
+        parts.append(struct.pack("<H", len(name)) + name)
+        parts.append(struct.pack("<BBBB", DTYPE_CODES[t.dtype], int(s.persistent), t.dim(), 0))
+        parts.append(struct.pack(f"<{t.dim()}I", *t.shape))
+        raw = _tensor_bytes(t)
+        parts.append(struct.pack("<Q", len(raw)) + raw)
+    return b"".join(parts)
+
+
+def _encode_beam(config: CtcDecoderConfig, beam: BeamSnapshot) -> bytes:
+    parts = [struct.pack("<IIIIdI", config.beam_size, config.blank_id, config.nbest, config.token_topk or 0,
+                         config.blank_skip_threshold or 0.0, config.max_prefix_len),
+             struct.pack("<IIq", beam.batch, beam.vocab_size, beam.frames_decoded)]
+    for row in beam.rows:
+        parts.append(struct.pack("<I", len(row)))
+        for e in row:
+            n = len(e.tokens)
+            parts.append(struct.pack(f"<Idd{n}i{n}i", n, e.log_pb, e.log_pnb, *e.tokens, *e.frames))
+    return b"".join(parts)
+
+
+def _encode_id(stream_id) -> bytes:
+    if isinstance(stream_id, int) and not isinstance(stream_id, bool) and -(2**63) <= stream_id < 2**63:
+        return struct.pack("<Bq", 1, stream_id)
+    if isinstance(stream_id, str):
+        raw = stream_id.encode("utf-8")
+        return struct.pack("<BI", 2, len(raw)) + raw
+    return struct.pack("<B", 0)
+
+
+def _encode_engine(e: EngineStream) -> bytes:
+    decoder = {v: k for k, v in DECODERS.items()}[e.decoder]
+    parts = [
+        _encode_id(e.stream_id),
+        e.model_digest,
+        struct.pack("<IIBBBB", e.input_dim, e.vocab_size, decoder, int(e.ended), int(e.log_probs is not None), 0),
+        struct.pack("<qqq", e.offset, e.input_frames, e.max_extent),
+        struct.pack(f"<I{len(e.partial)}i", len(e.partial), *e.partial),
+        struct.pack(f"<I{len(e.greedy_tokens)}ii", len(e.greedy_tokens), *e.greedy_tokens, e.greedy_last),
+        struct.pack("<Bq", DTYPE_CODES[e.pending.dtype], e.pending.shape[0]), _tensor_bytes(e.pending),
+    ]
+    if e.log_probs is not None:
+        parts += [struct.pack("<q", e.log_probs.shape[0]), _tensor_bytes(e.log_probs.float())]
+    return b"".join(parts)
+
+
+def _check_host() -> None:
+    if sys.byteorder != "little":  # tensor bytes are written in the host's order; the format is little-endian
+        raise RuntimeError(f"oasr sessions are little-endian; this host is {sys.byteorder}-endian")
+
+
+def encode_session(session: StreamSession) -> bytes:
+    """The bytes of ``session`` (header, sections, checksum); the inverse of :func:`read_session`."""
+    _check_host()
+    g = session.geometry
+    sections = [(SEC_ATTENTION, _encode_attention(session.kv)), (SEC_SLOT_STATES, _encode_states(session.states))]
+    if session.beam is not None:
+        sections.append((SEC_CTC_BEAM, _encode_beam(session.ctc_config, session.beam)))
+    if session.engine is not None:
+        sections.append((SEC_ENGINE, _encode_engine(session.engine)))
+    body = b"".join(SECTION.pack(kind, len(payload)) + payload for kind, payload in sections)
+    header = HEADER.pack(
+        MAGIC, VERSION, HEADER_BYTES, session.flags, g.num_layers, g.n_kv_head, g.head_dim, g.hidden_dim,
+        g.kernel_size, g.chunk_size, g.block_size_frames, g.num_left_chunks, MODEL_DTYPE_CODES[g.dtype],
+        KV_FORMAT_CODES[g.kv_cache_dtype], int(g.prefill_kv_window), 0, len(sections), len(body),
+    )
+    return header + body + hashlib.blake2b(header + body, digest_size=CHECKSUM_BYTES).digest()
+
+
+# ---- decoding -----------------------------------------------------------------------------------------
+
+
+def _parse_header(data: bytes) -> tuple[SessionGeometry, int, int, int]:
+    if len(data) < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
+        raise SessionError(f"not an oasr session: the first bytes are {bytes(data[:8])!r}, expected {MAGIC!r}")
+    if len(data) < 10:
+        raise SessionError(f"truncated session: {len(data)} bytes, the header alone is {HEADER_BYTES}")
+    (version,) = struct.unpack_from("<H", data, 8)
+    if version != VERSION:
+        raise SessionError(f"session format version {version} is not supported: this build reads version {VERSION}")
+    if len(data) < HEADER_BYTES + CHECKSUM_BYTES:
+        raise SessionError(f"truncated session: {len(data)} bytes, a header and checksum alone are "
+                           f"{HEADER_BYTES + CHECKSUM_BYTES}")
+    (_, _, header_bytes, flags, layers, heads, head_dim, hidden, kernel, chunk, block, left, dtype_code, kv_code,
+     prefill, reserved, num_sections, body_bytes) = HEADER.unpack_from(data, 0)
+    if header_bytes != HEADER_BYTES:
+        raise SessionError(f"session header size {header_bytes}, version 1 has {HEADER_BYTES}")
+    expected = HEADER_BYTES + body_bytes + CHECKSUM_BYTES
+    if len(data) != expected:
+        what = "truncated" if len(data) < expected else "overlong"
+        raise SessionError(f"{what} session: {len(data)} bytes, the header announces {expected}")
+    digest = hashlib.blake2b(data[: HEADER_BYTES + body_bytes], digest_size=CHECKSUM_BYTES).digest()
+    if digest != bytes(data[HEADER_BYTES + body_bytes :]):
+        raise SessionError("corrupt session: the blake2b checksum over header and body does not match")
+    if flags & ~KNOWN_FLAGS:
+        raise SessionError(f"session flags 0x{flags:08x} carry unknown bits 0x{flags & ~KNOWN_FLAGS:08x}; "
+                           f"this build knows 0x{KNOWN_FLAGS:08x}")
+    if flags & FLAG_DECODER_ROWS:
+        raise SessionError("session carries decoder rows (flag bit 2): reserved for the autoregressive decoder's "
+                           "K/V, which this build cannot load")
+    if dtype_code not in {v: k for k, v in MODEL_DTYPE_CODES.items()}:
+        raise SessionError(f"session header: unknown model dtype code {dtype_code}")
+    if kv_code not in KV_FORMATS:
+        raise SessionError(f"session header: unknown K/V format code {kv_code}")
+    if prefill not in (0, 1) or reserved != 0:
+        raise SessionError(f"session header: prefill byte {prefill} (0 or 1) and reserved byte {reserved} (0)")
+    for name, value in (("num_layers", layers), ("n_kv_head", heads), ("head_dim", head_dim), ("hidden_dim", hidden),
+                        ("kernel_size", kernel), ("chunk_size", chunk), ("block_size_frames", block)):
+        if value < 1:
+            raise SessionError(f"session header: {name}={value}, must be >= 1")
+    if left < -1:
+        raise SessionError(f"session header: num_left_chunks={left}, must be -1 or >= 0")
+    dtype = {v: k for k, v in MODEL_DTYPE_CODES.items()}[dtype_code]
+    geometry = SessionGeometry(layers, heads, head_dim, hidden, kernel, chunk, block, left, dtype,
+                               KV_FORMATS[kv_code], bool(prefill))
+    return geometry, flags, num_sections, body_bytes
+
+
+def _split_sections(body: bytes, num_sections: int, flags: int) -> dict:
+    sections, pos, last = {}, 0, 0
+    for i in range(num_sections):
+        if pos + SECTION.size > len(body):
+            raise SessionError(f"section {i}: its header runs past the body ({len(body)} bytes)")
+        kind, length = SECTION.unpack_from(body, pos)
+        pos += SECTION.size
+        if kind not in SECTION_NAMES:
+            raise SessionError(f"section {i}: unknown kind {kind}")
+        if kind <= last:
+            raise SessionError(f"section {i}: kind {kind} out of order or repeated (kinds ascend, each at most once)")
+        if length > len(body) - pos:
+            raise SessionError(f"section {i} ({SECTION_NAMES[kind]}): {length} bytes announced, {len(body) - pos} left")
+        sections[kind] = body[pos : pos + length]
+        pos += length
+        last = kind
+    if pos != len(body):
+        raise SessionError(f"{len(body) - pos} bytes after the last of {num_sections} sections")
+    for kind in (SEC_ATTENTION, SEC_SLOT_STATES):
+        if kind not in sections:
+            raise SessionError(f"session has no {SECTION_NAMES[kind]} section")
+    for kind, flag in _FLAG_OF_SECTION.items():
+        if bool(flags & flag) != (kind in sections):
+            raise SessionError(f"flag bit {flag.bit_length() - 1} says {SECTION_NAMES[kind]} "
+                               f"{'present' if flags & flag else 'absent'}, the body disagrees")
+    return sections
+
+
+def _decode_attention(raw: bytes, g: SessionGeometry) -> KVWindow:
+    r = _Reader(raw, "attention")
+    seqlen, seqstart, total = r.unpack("qqq")
+    config = _geometry_config(g)
+    try:
+        check_restore_lengths(config, seqlen, seqstart, total)
+    except ValueError as exc:
+        raise SessionError(f"attention section: {exc}") from None
+    frames = seqlen - seqstart
+    storage = config.kv_storage_dtype
+    shape = (g.num_layers, frames, g.n_kv_head, g.head_dim)
+    size = math.prod(shape) * _element_size(storage)
+    k, v = _tensor_from(r.take(size), storage, shape), _tensor_from(r.take(size), storage, shape)
+    k_scale = v_scale = None
+    if config.kv_quantized:
+        sshape = shape[:-1]
+        ssize = math.prod(sshape) * 4
+        k_scale, v_scale = (_tensor_from(r.take(ssize), torch.float32, sshape) for _ in range(2))
+        for name, s in (("K", k_scale), ("V", v_scale)):  # 0 where a prefilled window was zeroed
+            if s.numel() and not bool(((s >= 0) & torch.isfinite(s)).all()):
+                raise SessionError(f"attention section: a {name} scale is negative, NaN or infinite")
+    r.done()
+    return KVWindow(seqlen, seqstart, total, k, v, k_scale, v_scale)
+
+
+def _decode_states(raw: bytes) -> list:
+    r = _Reader(raw, "slot states")
+    states, names = [], set()
+    for _ in range(r.one("I")):
+        try:
+            name = r.take(r.one("H")).decode("utf-8")
+        except UnicodeDecodeError:
+            raise SessionError("slot states section: a state name is not UTF-8") from None
+        code, persistent, ndim, reserved = r.unpack("BBBB")
+        dtype = _dtype(code, f"slot state {name!r}")
+        if persistent > 1 or reserved:
+            raise SessionError(f"slot state {name!r}: persistent byte {persistent}, reserved byte {reserved}")
+        shape = r.unpack(f"{ndim}I")
+        nbytes = r.one("Q")
+        if nbytes != math.prod(shape) * _element_size(dtype):
+            raise SessionError(f"slot state {name!r}: {nbytes} bytes for shape {shape} of {dtype}")
+        if name in names:
+            raise SessionError(f"slot states section: {name!r} appears twice")
+        names.add(name)
+        states.append(NamedState(name, bool(persistent), _tensor_from(r.take(nbytes), dtype, shape)))
+    r.done()
+    return states
+
+
+def _decode_beam(raw: bytes) -> tuple[CtcDecoderConfig, BeamSnapshot]:
+    r = _Reader(raw, "CTC beam")
+    beam_size, blank, nbest, topk, skip, max_len = r.unpack("IIIIdI")
+    try:
+        config = CtcDecoderConfig(beam_size, blank, nbest, topk or None, skip or None, max_len)
+    except ValueError as exc:
+        raise SessionError(f"CTC beam section: {exc}") from None
+    batch, vocab, frames_decoded = r.unpack("IIq")
+    if batch > len(raw):  # each row costs at least 4 bytes: refuse a huge count before looping on it
+        raise SessionError(f"CTC beam section: batch {batch} cannot fit in {len(raw)} bytes")
+    rows = []
+    for _ in range(batch):
+        count = r.one("I")
+        if count > config.beam_size:
+            raise SessionError(f"CTC beam section: a row of {count} prefixes, beam_size is {config.beam_size}")
+        row = []
+        for _ in range(count):
+            n = r.one("I")
+            if n > config.max_prefix_len:
+                raise SessionError(f"CTC beam section: a prefix of {n} tokens, max_prefix_len is {max_len}")
+            pb, pnb = r.unpack("dd")
+            values = r.unpack(f"{2 * n}i")
+            row.append(BeamEntry(tuple(values[:n]), tuple(values[n:]), pb, pnb))
+        rows.append(tuple(row))
+    r.done()
+    beam = BeamSnapshot(batch, vocab, frames_decoded, tuple(rows))
+    try:
+        check_snapshot("CTC beam section", config, beam)
+    except ValueError as exc:
+        raise SessionError(str(exc)) from None
+    return config, beam
+
+
+def _decode_engine(raw: bytes) -> EngineStream:
+    r = _Reader(raw, "engine stream")
+    kind = r.one("B")
+    if kind == 1:
+        stream_id = r.one("q")
+    elif kind == 2:
+        try:
+            stream_id = r.take(r.one("I")).decode("utf-8")
+        except UnicodeDecodeError:
+            raise SessionError("engine stream section: the stream id is not UTF-8") from None
+    elif kind == 0:
+        stream_id = None
+    else:
+        raise SessionError(f"engine stream section: unknown stream id kind {kind}")
+    digest = r.take(32)
+    input_dim, vocab, decoder, ended, has_lp, reserved = r.unpack("IIBBBB")
+    if decoder not in DECODERS or ended > 1 or has_lp > 1 or reserved or input_dim < 1 or vocab < 2:
+        raise SessionError(f"engine stream section: bad fields (decoder {decoder}, ended {ended}, log-probs {has_lp}, "
+                           f"reserved {reserved}, input_dim {input_dim}, vocab {vocab})")
+    offset, input_frames, max_extent = r.unpack("qqq")
+    if min(offset, input_frames, max_extent) < 0:
+        raise SessionError(f"engine stream section: negative counter ({offset}, {input_frames}, {max_extent})")
+    partial = list(r.unpack(f"{r.one('I')}i"))
+    greedy_tokens = list(r.unpack(f"{r.one('I')}i"))
+    greedy_last = r.one("i")
+    code, frames = r.unpack("Bq")
+    dtype = _dtype(code, "engine stream pending input")
+    if frames < 0:
+        raise SessionError(f"engine stream section: {frames} pending frames")
+    pending = _tensor_from(r.take(frames * input_dim * _element_size(dtype)), dtype, (frames, input_dim))
+    if not pending.is_floating_point() or not bool(torch.isfinite(pending).all()):
+        raise SessionError("engine stream section: pending input must be finite floating-point features")
+    log_probs = None
+    if has_lp:
+        t = r.one("q")
+        if t != offset:
+            raise SessionError(f"engine stream section: {t} log-prob frames for {offset} encoder frames")
+        log_probs = _tensor_from(r.take(t * vocab * 4), torch.float32, (t, vocab))
+    r.done()
+    if any(not 0 <= tok < vocab for tok in partial + greedy_tokens + [greedy_last]):
+        raise SessionError(f"engine stream section: a token outside the vocabulary of {vocab}")
+    return EngineStream(stream_id, digest, input_dim, vocab, DECODERS[decoder], bool(ended), offset, input_frames,
+                        max_extent, partial, pending, log_probs, greedy_tokens, greedy_last)
+
+
+def _geometry_config(g: SessionGeometry) -> CacheConfig:
+    """A minimal CPU ``CacheConfig`` of the session's geometry, for the shared length arithmetic."""
+    try:
+        return CacheConfig(num_layers=g.num_layers, n_kv_head=g.n_kv_head, head_dim=g.head_dim, hidden_dim=g.hidden_dim,
+                           kernel_size=g.kernel_size, chunk_size=g.chunk_size, num_left_chunks=g.num_left_chunks,
+                           block_size_frames=g.block_size_frames, max_num_blocks=1 << 30, max_batch_size=1,
+                           max_blocks_per_seq=1 << 30, prefill_kv_window=g.prefill_kv_window, dtype=g.dtype,
+                           kv_cache_dtype=g.kv_cache_dtype)
+    except ValueError as exc:
+        raise SessionError(f"session header describes no valid geometry: {exc}") from None
+
+
+def read_session(data, expect: SessionGeometry | None = None) -> StreamSession:
+    """Parse and verify ``data`` as a whole (nothing is applied anywhere); :class:`SessionError` if refused.
+
+    With ``expect`` (the loading caches' ``SessionGeometry.of(config)``) a header of another
+    geometry is refused as soon as the header is verified, naming every field that differs.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"read_session: expected bytes, got {type(data).__name__}")
+    _check_host()
+    data = bytes(data)
+    geometry, flags, num_sections, body_bytes = _parse_header(data)
+    if expect is not None:
+        _check_geometry(geometry, expect)
+    sections = _split_sections(data[HEADER_BYTES : HEADER_BYTES + body_bytes], num_sections, flags)
+    session = StreamSession(geometry, _decode_attention(sections[SEC_ATTENTION], geometry),
+                            _decode_states(sections[SEC_SLOT_STATES]))
+    if SEC_CTC_BEAM in sections:
+        session.ctc_config, session.beam = _decode_beam(sections[SEC_CTC_BEAM])
+    if SEC_ENGINE in sections:
+        session.engine = _decode_engine(sections[SEC_ENGINE])
+    return session
+
+
+# ---- caches <-> sessions ------------------------------------------------------------------------------
+
+
+def _slot_caches(slot_states) -> list:
+    caches = [getattr(c, "state", c) for c in slot_states]
+    names = [name for c in caches for name in c.specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"session: state names must be unique across the slot caches, got {names}")
+    return caches
+
+
+def _window_index(config: CacheConfig, blocks, seqstart: int, seqlen: int, device):
+    """Pool ``(block, offset)`` index tensors of table positions ``[seqstart, seqlen)``."""
+    bs = config.block_size_frames
+    positions = torch.arange(seqstart, seqlen)
+    block_ids = torch.tensor(list(blocks), dtype=torch.int64)[positions // bs] if len(blocks) else positions
+    return block_ids.to(device), (positions % bs).to(device)
+
+
+def capture_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream | None = None) -> StreamSession:
+    """Read one stream's state out of the caches (changes nothing)."""
+    config = att.config
+    info = att.describe(stream_id)
+    pool = att.pool
+    blocks, offsets = _window_index(config, info.blocks, info.cache_seqstart, info.cache_seqlen, pool.k_pool.device)
+
+    def window(t):  # through the bytes: advanced indexing has no fp8 kernel on every device
+        if t is None:
+            return None
+        if not len(blocks):  # an empty window (nothing committed yet, or a zero-width window)
+            return torch.empty((t.shape[0], 0, *t.shape[3:]), dtype=t.dtype)
+        return t.view(torch.uint8)[:, blocks, offsets].cpu().view(t.dtype)
+
+    k, v, k_scale, v_scale = (window(t) for t in (pool.k_pool, pool.v_pool, pool.k_scale, pool.v_scale))
+    kv = KVWindow(info.cache_seqlen, info.cache_seqstart, info.total_frames, k, v, k_scale, v_scale)
+    states = []
+    for cache in _slot_caches(slot_states):
+        for name, spec in cache.specs.items():
+            row = cache.view(name, [stream_id]).gather().select(spec.slot_axis, 0)
+            states.append(NamedState(name, spec.persistent, row.cpu().contiguous()))
+    session = StreamSession(SessionGeometry.of(config), kv, states, engine=engine)
+    if ctc is not None:
+        session.ctc_config, session.beam = ctc.decoder.config, ctc.snapshot_stream(stream_id)
+    return session
+
+
+def save_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream | None = None) -> bytes:
+    """The session bytes of ``stream_id`` (changes nothing); see the module docstring for the arguments."""
+    return encode_session(capture_stream(stream_id, att, slot_states, ctc, engine))
+
+
+def _check_geometry(saved: SessionGeometry, here: SessionGeometry) -> None:
+    diffs = saved.differences(here)
+    if diffs:
+        raise SessionError("foreign session, its geometry differs: " + "; ".join(diffs))
+
+
+def check_session(session: StreamSession, att, slot_states, ctc=None, stream_id=None) -> None:
+    """Raise :class:`SessionError` unless ``session`` fits these caches exactly (changes nothing).
+
+    Foreign: another geometry, dtype or K/V format; other declared states (names, shapes, dtypes,
+    persistence); a CTC beam where this stack has no decoder or the reverse, or another decoder
+    configuration. With ``stream_id`` also the room to admit it: a duplicate id (``ValueError``),
+    its block ceiling, free blocks and a free slot (``StreamCapacityError``, ``PoolExhaustedError``,
+    ``SlotsExhaustedError``).
+    """
+    _check_geometry(session.geometry, SessionGeometry.of(att.config))
+    caches = _slot_caches(slot_states)
+    declared = {name: (cache, spec) for cache in caches for name, spec in cache.specs.items()}
+    saved = {s.name: s for s in session.states}
+    if set(declared) != set(saved):
+        raise SessionError(f"foreign session: it holds states {sorted(saved)}, these caches declare {sorted(declared)}")
+    for name, (cache, spec) in declared.items():
+        s = saved[name]
+        dtype = cache.buffers[name].dtype
+        if tuple(s.tensor.shape) != spec.shape or s.tensor.dtype != dtype or s.persistent != spec.persistent:
+            raise SessionError(
+                f"foreign session: state {name!r} is {tuple(s.tensor.shape)} {s.tensor.dtype} "
+                f"persistent={s.persistent}, declared here {spec.shape} {dtype} persistent={spec.persistent}")
+    if (session.beam is None) != (ctc is None):
+        raise SessionError(f"foreign session: it {'has no' if session.beam is None else 'carries a'} CTC beam "
+                           f"state, these caches {'have a' if ctc is not None else 'have no'} CTC decoder")
+    if ctc is not None and session.ctc_config != ctc.decoder.config:
+        raise SessionError(f"foreign session: CTC decoder {session.ctc_config}, here {ctc.decoder.config}")
+    if stream_id is not None:
+        check_room(session, stream_id, att, caches, ctc)
+
+
+def check_room(session: StreamSession, stream_id, att, slot_states, ctc=None) -> None:
+    """Raise if ``stream_id`` cannot be admitted with ``session``'s state now (changes nothing)."""
+    caches = _slot_caches(slot_states)
+    if att.has_stream(stream_id) or any(c.has_stream(stream_id) for c in caches) or (
+            ctc is not None and ctc.has_stream(stream_id)):
+        raise ValueError(f"stream id {stream_id!r} is already allocated")
+    need = -(-session.kv.seqlen // att.config.block_size_frames)
+    check_restore_room(att.config, stream_id, need, att.pool.num_free_blocks, [att.slots] + [c.slots for c in caches])
+
+
+def restore_stream(session: StreamSession, stream_id, att, slot_states, ctc=None) -> None:
+    """Admit ``stream_id`` carrying ``session``'s state; checks everything first (``check_session``)."""
+    check_session(session, att, slot_states, ctc, stream_id=stream_id)
+    caches = _slot_caches(slot_states)
+    kv = session.kv
+    blocks = att.restore_stream(stream_id, kv.seqlen, kv.seqstart, kv.total_frames)
+    pool = att.pool
+    b, o = _window_index(att.config, blocks, kv.seqstart, kv.seqlen, pool.k_pool.device)
+    for target, saved in ((pool.k_pool, kv.k), (pool.v_pool, kv.v), (pool.k_scale, kv.k_scale),
+                          (pool.v_scale, kv.v_scale)):
+        if saved is not None and saved.numel():
+            target.view(torch.uint8)[:, b, o] = saved.view(torch.uint8).to(target.device)
+    saved = {s.name: s for s in session.states}
+    for cache in caches:
+        cache.allocate_stream(stream_id)
+        for name, spec in cache.specs.items():
+            row = saved[name].tensor.unsqueeze(spec.slot_axis).to(cache.buffers[name].device)
+            cache.view(name, [stream_id]).scatter(row)
+    if ctc is not None:
+        ctc.restore_stream(stream_id, session.beam)
+
+
+def load_stream(data, stream_id, att, slot_states, ctc=None) -> StreamSession:
+    """Verify ``data`` and admit ``stream_id`` with its state, or raise and change nothing; returns the session."""
+    session = read_session(data, expect=SessionGeometry.of(att.config))
+    restore_stream(session, stream_id, att, slot_states, ctc)
+    return session
+
+
+def model_digest(model: torch.nn.Module) -> bytes:
+    """blake2b-256 over a model's state dict (names, dtypes, shapes, bytes): which weights a session ran on."""
+    h = hashlib.blake2b(digest_size=32)
+    for name, t in model.state_dict().items():
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(_tensor_bytes(t))
+    return h.digest()
+
+
+__all__ = [
+    "EngineStream",
+    "SessionError",
+    "SessionGeometry",
+    "StreamSession",
+    "capture_stream",
+    "check_session",
+    "encode_session",
+    "load_stream",
+    "model_digest",
+    "read_session",
+    "restore_stream",
+    "save_stream",
+]
