@@ -265,7 +265,7 @@ class AttentionCacheManager:
         need = check_restore_lengths(self.config, seqlen, seqstart, total_frames)
         check_restore_room(self.config, stream_id, need, self.pool.num_free_blocks, [self.slots])
         slot = self.slots.acquire(stream_id)
-        blocks = self.pool.allocate_array(need)
+        blocks = self.pool.allocate_array(need, self._owner)
         if blocks.size:
             self.pool.zero_blocks(blocks)
         self._write_row(np.array([slot]), blocks, seqlen, seqstart, total_frames)

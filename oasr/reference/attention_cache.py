@@ -149,7 +149,7 @@ class AttentionCacheManager:
         need = check_restore_lengths(self.config, seqlen, seqstart, total_frames)
         check_restore_room(self.config, stream_id, need, self.pool.num_free_blocks, [self.slots])
         slot = self.slots.acquire(stream_id)
-        blocks = self.pool.allocate(need)
+        blocks = self.pool.allocate(need, self._owner)
         self.pool.zero_blocks(blocks)
         self._streams[stream_id] = _StreamKVState(slot, blocks, seqlen, seqstart, total_frames)
         return list(blocks)
