@@ -1,36 +1,28 @@
-"""Writes notebooks/01_paging.ipynb (outputs stripped). Edit here, then run: python tools/make_notebook_01.py"""
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-import nbformat as nbf
+# %% [markdown]
+# # 01 · Paging: one shared pool, one block table per stream
+#
+# A streaming encoder keeps every stream's attention K/V. Giving each stream a
+# contiguous buffer sized for its longest possible life wastes most of it; oasr
+# instead cuts K/V into **blocks** of `block_size_frames` frames, keeps all
+# blocks of all streams in **one pool**, and gives each stream a **block table**
+# mapping its logical blocks to physical ones.
+#
+# This notebook walks through the pool with three streams that come and go, and
+# checks at every step that
+#
+# * gathering a stream's pages gives exactly the K/V a dense cache would hold, and
+# * paged attention equals plain attention (torch SDPA) on that dense copy, and
+# * the fast twin (`oasr.fast`) makes the same decisions as the reference.
 
-cells = []
-
-
-def md(text):
-    cells.append(nbf.v4.new_markdown_cell(text.strip()))
-
-
-def code(text):
-    cells.append(nbf.v4.new_code_cell(text.strip()))
-
-
-md("""
-# 01 · Paging: one shared pool, one block table per stream
-
-A streaming encoder keeps every stream's attention K/V. Giving each stream a
-contiguous buffer sized for its longest possible life wastes most of it; oasr
-instead cuts K/V into **blocks** of `block_size_frames` frames, keeps all
-blocks of all streams in **one pool**, and gives each stream a **block table**
-mapping its logical blocks to physical ones.
-
-This notebook walks through the pool with three streams that come and go, and
-checks at every step that
-
-* gathering a stream's pages gives exactly the K/V a dense cache would hold, and
-* paged attention equals plain attention (torch SDPA) on that dense copy, and
-* the fast twin (`oasr.fast`) makes the same decisions as the reference.
-""")
-
-code("""
+# %%
 import matplotlib
 import matplotlib.pyplot as plt
 import torch
@@ -49,20 +41,18 @@ att = ref.AttentionCacheManager(pool, cfg)
 print("pool K shape:", tuple(pool.k_pool.shape), " null/scratch block:", pool.null_block)
 print("each stream may hold", cfg.blocks_per_stream, "blocks =", cfg.max_stream_frames, "frames")
 print(memory.footprint(cfg).format())
-""")
 
-md("""
-## Streams come and go
+# %% [markdown]
+# ## Streams come and go
+#
+# Stream `a` starts first, `b` joins at tick 2, `c` at tick 4, and `a` leaves at
+# tick 6. Each tick, every live stream prepares a chunk (a block is taken from
+# the pool only when the chunk crosses into a logical block the stream does not
+# hold yet), writes its chunk's K/V through its table with `append_kv`, and
+# commits. Beside the pool we keep a plain dense concatenation of each stream's
+# K/V, the thing paging must reproduce.
 
-Stream `a` starts first, `b` joins at tick 2, `c` at tick 4, and `a` leaves at
-tick 6. Each tick, every live stream prepares a chunk (a block is taken from
-the pool only when the chunk crosses into a logical block the stream does not
-hold yet), writes its chunk's K/V through its table with `append_kv`, and
-commits. Beside the pool we keep a plain dense concatenation of each stream's
-K/V, the thing paging must reproduce.
-""")
-
-code("""
+# %%
 schedule = {0: ["a"], 2: ["b"], 4: ["c"]}
 leaves = {6: ["a"]}
 dense = {}                       # stream -> list of (layer, T, H, D) K chunks
@@ -88,15 +78,13 @@ for tick in range(9):
 for sid in att.stream_ids:
     print(sid, att.describe(sid))
 print("free list head:", pool.free_block_ids()[:8])
-""")
 
-md("""
-A block table as a picture: one row per slot, one column per logical block,
-the colour is the physical block id (white: unused). Stream `a`'s freed
-blocks went to the *tail* of the free list, so they are reused last.
-""")
+# %% [markdown]
+# A block table as a picture: one row per slot, one column per logical block,
+# the colour is the physical block id (white: unused). Stream `a`'s freed
+# blocks went to the *tail* of the free list, so they are reused last.
 
-code("""
+# %%
 import numpy as np
 grid = np.full((cfg.max_batch_size, cfg.max_blocks_per_seq), np.nan)
 for sid in att.stream_ids:
@@ -111,11 +99,11 @@ axes[0].set(title="block tables (slot x logical block)", xlabel="logical block",
 axes[1].plot(used, marker="o")
 axes[1].set(title="pool occupancy", xlabel="tick", ylabel="blocks in use", ylim=(0, cfg.max_num_blocks))
 plt.tight_layout()
-""")
 
-md("## The pages hold exactly the dense cache")
+# %% [markdown]
+# ## The pages hold exactly the dense cache
 
-code("""
+# %%
 for sid in att.stream_ids:
     paged = att.get_stacked_cache(sid)                          # (L, H, T, 2D), gathered from pages
     k_dense = torch.cat(dense[sid], dim=1).transpose(1, 2)      # (L, H, T, D)
@@ -124,18 +112,16 @@ for sid in att.stream_ids:
 blocks_owned = [b for sid in att.stream_ids for b in att.describe(sid).blocks]
 assert sorted(blocks_owned + pool.free_block_ids()) == list(range(cfg.max_num_blocks))
 print("paged gather == dense concatenation for", att.stream_ids)
-""")
 
-md("""
-## Paged attention equals SDPA on the dense copy
+# %% [markdown]
+# ## Paged attention equals SDPA on the dense copy
+#
+# `paged_attention` lets each chunk query attend to its own stream's pages,
+# `[cache_seqstarts, cache_seqlens + chunk)`, with no mask inside the chunk. We
+# write one more chunk and compare with `torch.nn.functional.scaled_dot_product_attention`
+# on the dense K/V (with grouped-query attention: 4 query heads over 2 KV heads).
 
-`paged_attention` lets each chunk query attend to its own stream's pages,
-`[cache_seqstarts, cache_seqlens + chunk)`, with no mask inside the chunk. We
-write one more chunk and compare with `torch.nn.functional.scaled_dot_product_attention`
-on the dense K/V (with grouped-query attention: 4 query heads over 2 KV heads).
-""")
-
-code("""
+# %%
 live = att.stream_ids
 att.prepare_chunks_batched(live)
 cache = att.get_paged_caches(live)[0]
@@ -149,19 +135,17 @@ for row, sid in enumerate(live):
     expect = F.scaled_dot_product_attention(q[row], keys, -keys)
     torch.testing.assert_close(out[row], expect, atol=1e-5, rtol=1e-5)
 print("paged attention == SDPA for", live)
-""")
 
-md("""
-## The fast twin makes the same decisions
+# %% [markdown]
+# ## The fast twin makes the same decisions
+#
+# `oasr.fast` keeps the same bookkeeping in slot-indexed persistent tensors and
+# flat host arrays, and runs `append_kv` / `paged_attention` through its own
+# backend (vectorised torch on the CPU here, CUDA kernels on a GPU). Replaying
+# the same schedule with the same random K/V must give the same block ids, the
+# same free list, the same pages and the same attention.
 
-`oasr.fast` keeps the same bookkeeping in slot-indexed persistent tensors and
-flat host arrays, and runs `append_kv` / `paged_attention` through its own
-backend (vectorised torch on the CPU here, CUDA kernels on a GPU). Replaying
-the same schedule with the same random K/V must give the same block ids, the
-same free list, the same pages and the same attention.
-""")
-
-code("""
+# %%
 from oasr import fast
 from oasr.fast.backend import backend_choices
 
@@ -199,10 +183,3 @@ assert torch.equal(ref_pool.k_pool, fast_pool.k_pool)
 for a, b in zip(ref_outs, fast_outs):
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 print("fast twin == reference: tables, free list, pages, attention;  fast backend on CPU:", backend_choices())
-""")
-
-nb = nbf.v4.new_notebook()
-nb["cells"] = cells
-nb["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nbf.write(nb, "notebooks/01_paging.ipynb")
-print("wrote notebooks/01_paging.ipynb")

@@ -1,35 +1,27 @@
-"""Writes notebooks/06_fp8_kv.ipynb (outputs stripped). Edit here, then run: python tools/make_notebook_06.py"""
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-import nbformat as nbf
+# %% [markdown]
+# # 06 · fp8 K/V pages
+#
+# The K/V pool is most of a streaming engine's memory. Storing it as fp8 e4m3
+# (1 byte a value, 3 mantissa bits) plus one fp32 scale per `head_dim` vector
+# cuts it by almost half against fp16, by two thirds against fp32. This notebook
+# shows the bytes saved, the rule that makes the stored bytes reproducible, the
+# error it costs, and that both twins store the very same bytes.
+#
+# The rule, per vector `x` of `head_dim` values (one frame, one KV head):
+# `scale` is the least power of two with `max|x| / scale <= 448`, the stored
+# value is `fp8(x / scale)`, the restored one `fp8 * scale`. A power-of-two
+# scale makes `x / scale` exact, so the bytes equal torch's own conversion; and
+# each vector's bytes depend on that vector alone (no calibration, batch-invariant).
 
-cells = []
-
-
-def md(text):
-    cells.append(nbf.v4.new_markdown_cell(text.strip()))
-
-
-def code(text):
-    cells.append(nbf.v4.new_code_cell(text.strip()))
-
-
-md("""
-# 06 · fp8 K/V pages
-
-The K/V pool is most of a streaming engine's memory. Storing it as fp8 e4m3
-(1 byte a value, 3 mantissa bits) plus one fp32 scale per `head_dim` vector
-cuts it by almost half against fp16, by two thirds against fp32. This notebook
-shows the bytes saved, the rule that makes the stored bytes reproducible, the
-error it costs, and that both twins store the very same bytes.
-
-The rule, per vector `x` of `head_dim` values (one frame, one KV head):
-`scale` is the least power of two with `max|x| / scale <= 448`, the stored
-value is `fp8(x / scale)`, the restored one `fp8 * scale`. A power-of-two
-scale makes `x / scale` exact, so the bytes equal torch's own conversion; and
-each vector's bytes depend on that vector alone (no calibration, batch-invariant).
-""")
-
-code("""
+# %%
 import math
 
 import matplotlib.pyplot as plt
@@ -54,17 +46,15 @@ print(f"{'model dtype':12s} {'head_dim':>8s} {'bytes/block':>12s} {'fp8':>8s} {'
 for name, d, a, b, r, (n_plain, n_fp8) in rows:
     print(f"{name:12s} {d:8d} {a:12d} {b:8d} {r:6.2f}   {n_plain} -> {n_fp8}")
 assert abs(rows[4][4] - 128 / 68) < 1e-9   # fp16 at head_dim 64: 1.88x the blocks
-""")
 
-md("""
-## One vector, byte for byte
+# %% [markdown]
+# ## One vector, byte for byte
+#
+# The scale is found from the vector's absolute maximum alone. The stored bytes
+# are compared with torch's `float8_e4m3fn` conversion of `x / scale`, the
+# independent oracle.
 
-The scale is found from the vector's absolute maximum alone. The stored bytes
-are compared with torch's `float8_e4m3fn` conversion of `x / scale`, the
-independent oracle.
-""")
-
-code("""
+# %%
 x = torch.tensor([[0.011, -3.2, 700.0, 0.5]])
 stored, scale = quantize(x)
 expected_scale = 2.0 ** math.ceil(math.log2(700.0 / FP8_MAX))
@@ -76,19 +66,17 @@ print("scale   ", scale.item(), " stored bytes", stored.view(torch.uint8).tolist
 print("restored", restored.tolist())
 zero_stored, zero_scale = quantize(torch.zeros(1, 4))
 assert zero_scale.item() == 1.0 and zero_stored.float().eq(0).all()   # a zero vector: scale 1, zeros
-""")
 
-md("""
-## What it costs: the error distribution
+# %% [markdown]
+# ## What it costs: the error distribution
+#
+# e4m3 keeps 3 mantissa bits, so a value in the normal range is off by at most
+# half a unit in the last place, 2^-4 of itself; values far below the vector's
+# maximum fall into the subnormal range and lose relative precision. Below:
+# the relative error of every element of many Gaussian K vectors, and the
+# absolute error of the chunk attention that reads them, against fp32 pages.
 
-e4m3 keeps 3 mantissa bits, so a value in the normal range is off by at most
-half a unit in the last place, 2^-4 of itself; values far below the vector's
-maximum fall into the subnormal range and lose relative precision. Below:
-the relative error of every element of many Gaussian K vectors, and the
-absolute error of the chunk attention that reads them, against fp32 pages.
-""")
-
-code("""
+# %%
 g = torch.Generator().manual_seed(0)
 k = torch.randn(4096, 64, generator=g) * torch.exp(torch.randn(4096, 1, generator=g))  # varied magnitudes
 stored, scale = quantize(k)
@@ -132,17 +120,15 @@ axes[0].legend()
 axes[1].hist(err.flatten().numpy(), bins=60, log=True)
 axes[1].set(title="chunk attention: |fp8 pages - fp32 pages|", xlabel="absolute error")
 plt.tight_layout()
-""")
 
-md("""
-## Both twins store the same bytes
+# %% [markdown]
+# ## Both twins store the same bytes
+#
+# The same cohort through each twin's pool and manager: the fp8 pages and their
+# scales must be bit-identical, and so must the dequantized dense gather;
+# attention agrees to fp32 rounding.
 
-The same cohort through each twin's pool and manager: the fp8 pages and their
-scales must be bit-identical, and so must the dequantized dense gather;
-attention agrees to fp32 rounding.
-""")
-
-code("""
+# %%
 cfg = oasr.CacheConfig(num_layers=2, n_kv_head=2, head_dim=64, hidden_dim=64, kernel_size=3, chunk_size=8,
                        num_left_chunks=2, block_size_frames=4, max_num_blocks=32, max_batch_size=4,
                        max_blocks_per_seq=8, kv_cache_dtype="fp8_e4m3")
@@ -172,10 +158,3 @@ for sid in ra.stream_ids:
 for a, b in zip(ro, fo):   # fp32 summation order only: 2e-6 of the output's magnitude (|out| ~ 40 here)
     torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6 * a.abs().max().item())
 print("reference and fast twins: identical fp8 pages, scales and gathers; attention equal to fp32 rounding")
-""")
-
-nb = nbf.v4.new_notebook()
-nb["cells"] = cells
-nb["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nbf.write(nb, "notebooks/06_fp8_kv.ipynb")
-print("wrote notebooks/06_fp8_kv.ipynb")

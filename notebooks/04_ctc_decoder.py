@@ -1,44 +1,44 @@
-"""Writes notebooks/04_ctc_decoder.ipynb with outputs stripped."""
-import nbformat as nbf
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-cells = []
-md = lambda s: cells.append(nbf.v4.new_markdown_cell(s.strip()))
-code = lambda s: cells.append(nbf.v4.new_code_cell(s.strip()))
+# %% [markdown]
+# # 04 · Streaming CTC prefix beam search and its pooled states
+#
+# A CTC model emits, for every frame, a distribution over the vocabulary plus a *blank*.
+# A transcript is read off an alignment (one symbol per frame) by collapsing repeats and
+# dropping blanks, so many alignments give the same label sequence:
+# `a a _ b`, `_ a b b` and `a _ _ b` all read `ab`. The probability of a transcript is the
+# **sum** over all of its alignments, and the decoder's job is to find the transcript with
+# the largest sum without enumerating `V^T` alignments.
+#
+# Prefix beam search walks the frames once and keeps, for each candidate prefix `l`,
+# two numbers:
+#
+# * `pb(l)`  — total probability of the alignments so far that read `l` and **end in blank**;
+# * `pnb(l)` — the same for alignments that **end in `l`'s last token**.
+#
+# The split matters for repeats. If the next frame says `a` and `l` ends in `a`, an
+# alignment ending in `a` just continues the same `a` (the prefix stays `l`), while one
+# ending in blank starts a *second* `a` (the prefix becomes `l + a`). One frame, for every
+# prefix in the beam:
+#
+# | move | new prefix | adds to | amount |
+# |---|---|---|---|
+# | blank | `l` | `pb` | `(pb + pnb) · p(blank)` |
+# | repeat last token `e` | `l` | `pnb` | `pnb · p(e)` |
+# | new token `c ≠ e` | `l + c` | `pnb` | `(pb + pnb) · p(c)` |
+# | `c = e` after a blank | `l + e` | `pnb` | `pb · p(e)` |
+#
+# Equal prefixes reached in different ways are merged by adding, and the `beam_size`
+# best by `pb + pnb` survive. Both twins do this in log space (float64). The exact rule,
+# the tie-break order and the emission-frame rule are in `oasr/ctc_config.py`.
 
-md(r"""
-# 04 · Streaming CTC prefix beam search and its pooled states
-
-A CTC model emits, for every frame, a distribution over the vocabulary plus a *blank*.
-A transcript is read off an alignment (one symbol per frame) by collapsing repeats and
-dropping blanks, so many alignments give the same label sequence:
-`a a _ b`, `_ a b b` and `a _ _ b` all read `ab`. The probability of a transcript is the
-**sum** over all of its alignments, and the decoder's job is to find the transcript with
-the largest sum without enumerating `V^T` alignments.
-
-Prefix beam search walks the frames once and keeps, for each candidate prefix `l`,
-two numbers:
-
-* `pb(l)`  — total probability of the alignments so far that read `l` and **end in blank**;
-* `pnb(l)` — the same for alignments that **end in `l`'s last token**.
-
-The split matters for repeats. If the next frame says `a` and `l` ends in `a`, an
-alignment ending in `a` just continues the same `a` (the prefix stays `l`), while one
-ending in blank starts a *second* `a` (the prefix becomes `l + a`). One frame, for every
-prefix in the beam:
-
-| move | new prefix | adds to | amount |
-|---|---|---|---|
-| blank | `l` | `pb` | `(pb + pnb) · p(blank)` |
-| repeat last token `e` | `l` | `pnb` | `pnb · p(e)` |
-| new token `c ≠ e` | `l + c` | `pnb` | `(pb + pnb) · p(c)` |
-| `c = e` after a blank | `l + e` | `pnb` | `pb · p(e)` |
-
-Equal prefixes reached in different ways are merged by adding, and the `beam_size`
-best by `pb + pnb` survive. Both twins do this in log space (float64). The exact rule,
-the tie-break order and the emission-frame rule are in `oasr/ctc_config.py`.
-""")
-
-code(r"""
+# %%
 import itertools
 import math
 import random
@@ -53,16 +53,14 @@ from oasr.reference.ctc_decoder import StreamingCtcDecoder as RefDecoder
 from oasr.reference.ctc_state import CtcStateCacheManager as RefManager
 
 torch.manual_seed(0)
-""")
 
-md(r"""
-## A worked example
+# %% [markdown]
+# ## A worked example
+#
+# Three frames over `{_, a, b}` (blank is id 0). We step the reference decoder one frame at a
+# time and print every prefix it keeps with its two scores, as probabilities.
 
-Three frames over `{_, a, b}` (blank is id 0). We step the reference decoder one frame at a
-time and print every prefix it keeps with its two scores, as probabilities.
-""")
-
-code(r"""
+# %%
 NAMES = "_ab"
 probs = torch.tensor([[[0.5, 0.4, 0.1],
                        [0.3, 0.6, 0.1],
@@ -81,15 +79,14 @@ for t in range(3):
     ref.step(state, lp[:, t])
     print(f"after frame {t}:")
     show(state)
-""")
 
-md(r"""
-Check it against brute force: enumerate all `3^3 = 27` alignments, collapse each, and add up
-probabilities per label sequence. With a beam wide enough to keep every prefix, prefix beam
-search is exact.
-""")
 
-code(r"""
+# %% [markdown]
+# Check it against brute force: enumerate all `3^3 = 27` alignments, collapse each, and add up
+# probabilities per label sequence. With a beam wide enough to keep every prefix, prefix beam
+# search is exact.
+
+# %%
 def exhaustive(lp, blank=0):
     T, V = lp.shape
     total = {}
@@ -110,20 +107,19 @@ for h, (labels, p) in zip(nbest, truth):
     print(f"{''.join(NAMES[t] for t in h.tokens) or '(empty)':6s} decoder {math.exp(h.log_score):.6f}   brute force {p:.6f}")
     assert tuple(h.tokens) == labels and abs(h.log_score - math.log(p)) < 1e-12
 assert math.isclose(sum(p for _, p in truth), 1.0)
-""")
 
-md(r"""
-Note the emission frames: each token remembers the frame whose extension appended it.
-When a prefix is reached both by *staying* and by *extending* its parent, it keeps the
-frames of whichever contribution is larger (ties keep the older frames).
 
-## A picture: posteriors and where the tokens come out
+# %% [markdown]
+# Note the emission frames: each token remembers the frame whose extension appended it.
+# When a prefix is reached both by *staying* and by *extending* its parent, it keeps the
+# frames of whichever contribution is larger (ties keep the older frames).
+#
+# ## A picture: posteriors and where the tokens come out
+#
+# A synthetic, CTC-shaped posteriorgram: mostly blank, with short peaks on tokens. The
+# markers are the decoded tokens at their emission frames.
 
-A synthetic, CTC-shaped posteriorgram: mostly blank, with short peaks on tokens. The
-markers are the decoded tokens at their emission frames.
-""")
-
-code(r"""
+# %%
 def ctc_like(T, V, seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, T, V, generator=g)
@@ -151,17 +147,16 @@ fast_state = fast.create_state(1, 8)
 fast.decode_chunk(fast_state, post)
 assert fast.peek(fast_state)[0][:1] + fast.peek(fast_state)[0][2:] == best[:1] + best[2:]
 assert abs(fast.peek(fast_state)[0].log_score - best.log_score) < 1e-9
-""")
 
-md(r"""
-## Oracles
 
-**Beam 1 is greedy CTC.** Greedy takes the best *path* (argmax per frame, collapse, drop
-blanks); beam-1 prefix search keeps the best *prefix*. They agree when each frame's winner
-dominates, as in a trained model's posteriors, and the emission frames agree too.
-""")
+# %% [markdown]
+# ## Oracles
+#
+# **Beam 1 is greedy CTC.** Greedy takes the best *path* (argmax per frame, collapse, drop
+# blanks); beam-1 prefix search keeps the best *prefix*. They agree when each frame's winner
+# dominates, as in a trained model's posteriors, and the emission frames agree too.
 
-code(r"""
+# %%
 def greedy(lp, blank=0):
     tokens, frames, prev = [], [], None
     for t, v in enumerate(lp.argmax(-1).tolist()):
@@ -182,15 +177,13 @@ for seed in range(20):
         h = d.peek(s)[0]
         assert (h.tokens, h.frames) == greedy(lp_peaked[0])
 print("beam 1 == greedy on 20 peaked sequences, both twins")
-""")
 
-md(r"""
-**Exhaustive search on tiny problems**, both twins: with a beam as large as the label space
-and no pruning, the whole n-best list is every label sequence, in order, with its exact
-probability.
-""")
+# %% [markdown]
+# **Exhaustive search on tiny problems**, both twins: with a beam as large as the label space
+# and no pruning, the whole n-best list is every label sequence, in order, with its exact
+# probability.
 
-code(r"""
+# %%
 for seed in range(6):
     rng = random.Random(seed)
     T, V = rng.randint(2, 6), rng.randint(2, 4)
@@ -205,25 +198,23 @@ for seed in range(6):
         assert [tuple(h.tokens) for h in got] == [labels for labels, _ in truth]
         assert max(abs(h.log_score - math.log(p)) for h, (_, p) in zip(got, truth)) < 1e-12
 print("exhaustive oracle holds for both twins")
-""")
 
-md(r"""
-## The fast twin
+# %% [markdown]
+# ## The fast twin
+#
+# `oasr.fast.ctc_decoder` keeps every stream's beam in preallocated tensors
+# (`tokens (R, W, L)`, `frames`, `lengths`, rolling-hash `keys` and `parent_keys`, `last`,
+# `log_pb`, `log_pnb`) and advances all rows × beams × candidates of a frame with a fixed
+# set of tensor operations: no Python loop over streams or beams. Merging uses the hash as a
+# hint (a prefix `j` whose parent's key and length match) and verifies it against the stored
+# tokens. Candidates are laid out in the same *generation order* as the reference's dict
+# (beam rank, stay before extensions, extensions by token id), and a stable sort breaks score
+# ties by that order, so the twins agree even on exact ties.
+#
+# Fast against reference on random posteriors, with several configurations and random
+# chunkings of the fast twin's input:
 
-`oasr.fast.ctc_decoder` keeps every stream's beam in preallocated tensors
-(`tokens (R, W, L)`, `frames`, `lengths`, rolling-hash `keys` and `parent_keys`, `last`,
-`log_pb`, `log_pnb`) and advances all rows × beams × candidates of a frame with a fixed
-set of tensor operations: no Python loop over streams or beams. Merging uses the hash as a
-hint (a prefix `j` whose parent's key and length match) and verifies it against the stored
-tokens. Candidates are laid out in the same *generation order* as the reference's dict
-(beam rank, stay before extensions, extensions by token id), and a stable sort breaks score
-ties by that order, so the twins agree even on exact ties.
-
-Fast against reference on random posteriors, with several configurations and random
-chunkings of the fast twin's input:
-""")
-
-code(r"""
+# %%
 configs = [
     CtcDecoderConfig(beam_size=1),
     CtcDecoderConfig(beam_size=4, nbest=4),
@@ -249,15 +240,13 @@ for i, cfg in enumerate(configs):
             worst = max([worst] + [abs(a.log_score - b.log_score) for a, b in zip(row_r, row_f)])
 print(f"identical n-best tokens and frames; largest score difference {worst:.2e}")
 assert worst < 1e-9
-""")
 
-md(r"""
-**Chunking is invisible**: decoding a chunk at a time gives bit-identical results to
-decoding the whole sequence, in each twin, because the per-frame arithmetic is the same
-and the absolute frame counter lives in the state.
-""")
+# %% [markdown]
+# **Chunking is invisible**: decoding a chunk at a time gives bit-identical results to
+# decoding the whole sequence, in each twin, because the per-frame arithmetic is the same
+# and the absolute frame counter lives in the state.
 
-code(r"""
+# %%
 x = (torch.randn(2, 24, 7) * 2).log_softmax(-1)
 cfg = CtcDecoderConfig(beam_size=4, nbest=4, token_topk=4)
 for Decoder in (RefDecoder, FastDecoder):
@@ -271,23 +260,21 @@ for Decoder in (RefDecoder, FastDecoder):
         results.append(d.finalize_stream(s))
     assert all(r == results[0] for r in results)
 print("chunked == whole, exactly, in both twins")
-""")
 
-md(r"""
-## Pooled states
+# %% [markdown]
+# ## Pooled states
+#
+# `CtcStateCacheManager(decoder)` holds one shared decoder and a pool of states. A new
+# stream pops a pooled state and `reset_state`s it (or creates one if the pool is empty);
+# a finished stream returns its state to the pool **without releasing its buffers**.
+# `get_decoder(sid)` returns a `StreamHandle` with the decoder's API minus the state
+# argument. The manager is bookkeeping only, so the fast twin reuses the same class over
+# the fast decoder.
+#
+# Below, a stream of arrivals and departures: the number of states ever created stops at the
+# peak number of concurrent streams.
 
-`CtcStateCacheManager(decoder)` holds one shared decoder and a pool of states. A new
-stream pops a pooled state and `reset_state`s it (or creates one if the pool is empty);
-a finished stream returns its state to the pool **without releasing its buffers**.
-`get_decoder(sid)` returns a `StreamHandle` with the decoder's API minus the state
-argument. The manager is bookkeeping only, so the fast twin reuses the same class over
-the fast decoder.
-
-Below, a stream of arrivals and departures: the number of states ever created stops at the
-peak number of concurrent streams.
-""")
-
-code(r"""
+# %%
 mgr = FastManager(FastDecoder(CtcDecoderConfig(beam_size=4, token_topk=4)))
 rng = random.Random(0)
 active, next_id, trace = [], 0, []
@@ -307,14 +294,12 @@ ax.plot(act, label="active streams"); ax.plot(pool, label="pooled states"); ax.p
 ax.set_xlabel("event"); ax.legend(); plt.show()
 assert max(made) == max(act)
 print(f"{next_id} streams served by {mgr.num_created} states")
-""")
 
-md(r"""
-A reused state must decode exactly as a fresh one, whatever the previous stream (or a bug)
-left in it. Poison every buffer of a pooled fast state, then hand it to a new stream:
-""")
+# %% [markdown]
+# A reused state must decode exactly as a fresh one, whatever the previous stream (or a bug)
+# left in it. Poison every buffer of a pooled fast state, then hand it to a new stream:
 
-code(r"""
+# %%
 dec = FastDecoder(CtcDecoderConfig(beam_size=4, nbest=3))
 mgr = FastManager(dec)
 mgr.allocate_stream("old", 1, 9).decode_chunk(torch.randn(1, 10, 9).log_softmax(-1))
@@ -332,9 +317,3 @@ fresh = dec.create_state(1, 9)
 dec.decode_chunk(fresh, x)
 assert handle.finalize_stream() == dec.finalize_stream(fresh)
 print("pooled, poisoned, reset state == fresh state:", handle.finalize_stream()[0][0])
-""")
-nb = nbf.v4.new_notebook()
-nb["cells"] = cells
-nb["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nbf.write(nb, "notebooks/04_ctc_decoder.ipynb")
-print("wrote")
