@@ -278,3 +278,19 @@ def test_decoder_states_are_pooled_and_reused(twin):
     assert engine.ctc.num_pooled == 2 and engine.ctc.num_active == 0
     check_against_offline(model, engine, feats)
     assert all(engine.result(sid).nbest for sid in feats if feats[sid].shape[0] >= 4)
+
+
+def test_input_ended_is_public_and_refuses_an_unknown_id(twin):
+    model = make_model()
+    engine = make_engine(model, twin)
+    engine.add_stream("a")
+    engine.push("a", features(64, 0))
+    assert engine.input_ended("a") is False
+    engine.step()
+    assert engine.input_ended("a") is False and engine.status("a") == "active"
+    engine.end_stream("a")
+    assert engine.input_ended("a") is True and engine.status("a") != "finished"  # frames still buffered
+    engine.run()
+    assert engine.status("a") == "finished" and engine.input_ended("a") is True
+    with pytest.raises(KeyError, match="unknown stream id 'ghost'"):
+        engine.input_ended("ghost")

@@ -234,6 +234,14 @@ class StreamingEngine:
         """``"waiting"``, ``"active"`` or ``"finished"``."""
         return self._stream(stream_id).state
 
+    def input_ended(self, stream_id) -> bool:
+        """Whether ``end_stream`` was called for the stream: it takes no more input.
+
+        True from ``end_stream`` on, also while its buffered frames are still being
+        encoded (``status`` tells when it has finished); ``KeyError`` for an unknown id.
+        """
+        return self._stream(stream_id).ended
+
     def result(self, stream_id) -> StreamResult:
         s = self._stream(stream_id)
         if s.state != FINISHED:
