@@ -1,8 +1,12 @@
 """The command line: the demo (the main job) and the bench harness run and say what they claim."""
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from oasr.__main__ import main as oasr_main
 
@@ -32,3 +36,121 @@ def test_bench_quick_section_json(tmp_path, capsys):
 def test_usage():
     assert oasr_main(["--help"]) == 0
     assert oasr_main(["nonsense"]) == 2
+
+
+# ---- bad options: usage errors before any work ------------------------------------------------------------
+
+def _refuses(capsys, argv: list[str]) -> str:
+    """``argv`` ends in a usage error: exit status 2, one line on stderr, nothing on stdout; returns the line."""
+    with pytest.raises(SystemExit) as exit_info:
+        oasr_main(argv)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2, captured
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"python -m oasr {argv[0]}: error: ")
+    assert captured.out == ""
+    return lines[0]
+
+
+@pytest.fixture
+def no_demo_work(monkeypatch):
+    """The demo must not build a model or an engine for a bad option."""
+    from oasr.commands import demo
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the demo did work before checking its options")
+
+    monkeypatch.setattr(demo, "build", forbidden)
+    monkeypatch.setattr(demo, "StreamingConformer", forbidden)
+    monkeypatch.setattr(demo, "StreamingEngine", forbidden)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--streams", "0"], "--streams must be >= 1, got 0"),
+    (["--streams", "-3"], "--streams must be >= 1, got -3"),
+    (["--layers", "0"], "--layers must be >= 1"),
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+    (["--beam", "0"], "--beam must be >= 1"),
+    (["--check-sample", "-1"], "--check-sample must be >= 0"),
+    (["--suspend-every", "-1"], "--suspend-every must be >= 0"),
+    (["--num-left-chunks", "-5"], "--num-left-chunks must be -1 (unlimited history) or >= 0, got -5"),
+    (["--prefill", "--num-left-chunks", "-1"], "--prefill needs a bounded window"),
+    (["--eviction", "--num-left-chunks", "-1"], "--eviction needs a bounded window"),
+    (["--prefill", "--num-left-chunks", "0"], "prefills an empty window"),
+    (["--device", "tpu"], "--device must be cpu or cuda[:N], got 'tpu'"),
+    (["--device", "meta"], "--device must be cpu or cuda[:N], got 'meta'"),
+    (["--plot", "/no/such/directory/demo.png"], "directory /no/such/directory does not exist"),
+    (["--max-batch-size", "1000000"], "more than half of this cpu's"),
+    (["--streams", "many"], "invalid int value: 'many'"),
+])
+def test_demo_bad_option_is_a_usage_error_before_any_work(capsys, no_demo_work, argv, expect):
+    assert expect in _refuses(capsys, ["demo", *argv])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a CUDA device here")
+def test_demo_cuda_without_cuda_is_a_usage_error(capsys, no_demo_work):
+    line = _refuses(capsys, ["demo", "--device", "cuda"])
+    assert "CPU build" in line or "no CUDA device" in line
+
+
+def test_demo_plot_into_a_directory_is_refused(capsys, no_demo_work, tmp_path):
+    assert "is a directory" in _refuses(capsys, ["demo", "--plot", str(tmp_path)])
+
+
+def test_demo_usage_error_exit_status_without_traceback():
+    done = subprocess.run([sys.executable, "-m", "oasr", "demo", "--streams", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    expect = "python -m oasr demo: error: --streams must be >= 1, got 0 (see --help)"
+    assert done.stderr.strip().splitlines() == [expect]
+
+
+@pytest.fixture
+def no_bench_work(monkeypatch):
+    from oasr.commands import bench
+
+    class NoImports:
+        @staticmethod
+        def import_module(name):
+            raise AssertionError(f"the bench ran section {name} before checking its options")
+
+    monkeypatch.setattr(bench, "importlib", NoImports)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--sections", "bookkeeping,nope"], "unknown or no section(s) ['nope']"),
+    (["--sections", ","], "unknown or no section(s)"),
+    (["--device", "tpu"], "--device must be cpu or cuda[:N]"),
+    (["--json", "/no/such/directory/rows.json"], "directory /no/such/directory does not exist"),
+])
+def test_bench_bad_option_is_a_usage_error_before_any_work(capsys, no_bench_work, argv, expect):
+    assert expect in _refuses(capsys, ["bench", *argv])
+
+
+@pytest.mark.parametrize("arch", ["foo", "sm_00", "sm_80,sm_9", ","])
+def test_kernels_bad_arch_is_one_usage_error_before_any_compile(capsys, monkeypatch, arch):
+    pytest.importorskip("cuda.bindings")
+    from oasr.fast.kernels import nvrtc
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("compiled before checking --arch")
+
+    monkeypatch.setattr(nvrtc, "compile_family", forbidden)
+    line = _refuses(capsys, ["kernels", "--arch", arch])
+    assert "--arch" in line
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "kernels"])
+def test_help_shows_every_option_with_help_and_default(capsys, command):
+    with pytest.raises(SystemExit) as exit_info:
+        oasr_main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    usage, options = out.split("options:")
+    names = re.findall(r"\[(--[a-z-]+)", usage)
+    assert len(names) >= 4
+    for name in names:
+        assert re.search(rf"^\s+{name}\b", options, re.MULTILINE), f"{name} has no help line"
+    assert options.count("(default") == len(names), options

@@ -75,10 +75,15 @@ def test_fp8_variants_are_registered():
     assert {t for (t,) in registry.BY_NAME["gather_kv_blocks_fp8_kernel"].instances} == set(registry.DTYPE_ARG.values())
 
 
-def test_kernels_command_fails_on_compile_error(kernel_cache, capsys):
+def test_kernels_command_fails_on_compile_error(kernel_cache, capsys, monkeypatch):
     from oasr.commands.kernels import main
 
-    assert main(["--arch", "sm_00"]) == 1  # not an arch: every family fails to compile
+    def broken(family, arch, use_cache=True):
+        raise RuntimeError(f"NVRTC failed to compile {family}.cu for {arch}")
+
+    monkeypatch.setattr(nvrtc, "compile_family", broken)
+    assert main(["--arch", "sm_80"]) == 1  # every family fails: reported, then exit 1
+    assert "compile errors" in capsys.readouterr().out
 
 
 def test_ptxas_log_parser_reads_spills():

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from oasr.bench import format_table, with_ratio
+from oasr.commands import CommandParser, check_at_least, check_device, check_output_path
 
 # name -> (module, function, takes a device argument)
 SECTIONS = {
@@ -22,21 +23,33 @@ SECTIONS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oasr bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a reduced grid that finishes in seconds")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ",".join(SECTIONS))
-    parser.add_argument("--device", default="cpu", help="device for the sections that take one (cpu, cuda)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: small ops on a shared 2-core machine are noisy with more)")
-    parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write all rows as JSON")
-    args = parser.parse_args(argv)
-
-    torch.set_num_threads(args.threads)
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Every option, before any work (one line on stderr, exit status 2); returns the sections to run."""
+    check_at_least(parser, args, {"threads": 1})
     names = [n.strip() for n in args.sections.split(",") if n.strip()]
     unknown = [n for n in names if n not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    if unknown or not names:
+        parser.error(f"--sections: unknown or no section(s) {unknown or args.sections!r}; choose from {list(SECTIONS)}")
+    check_device(parser, args.device)
+    if args.json not in (None, "-"):
+        check_output_path(parser, args.json, "--json")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = CommandParser(prog="python -m oasr bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a reduced grid that finishes in seconds")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated sections to run")
+    parser.add_argument("--device", default="cpu", help="device for the sections that take one: cpu or cuda[:N]")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: small ops on a shared 2-core machine are noisy with more)")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="also write all rows as JSON to PATH, or to stdout if PATH is left out "
+                             "(default: not written)")
+    args = parser.parse_args(argv)
+    names = _check_args(parser, args)
+
+    torch.set_num_threads(args.threads)
     all_rows = []
     for name in tqdm(names, desc="bench", unit="section", file=sys.stderr):
         module_name, function, takes_device = SECTIONS[name]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from oasr.commands import CommandParser, check_at_least, check_device, check_fits, check_output_path
+from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine import StreamingEngine, decode_utterance, memory_utilisation
 from oasr.memory import bytes_per_kv_block, footprint, format_bytes
@@ -111,20 +113,30 @@ def suspend_session(engine: StreamingEngine, turn: int, sizes: list) -> bool:
     return True
 
 
-def build(args) -> tuple[StreamingConformer, object]:
+def configs(args) -> tuple[ConformerConfig, CacheConfig]:
+    """The model's and the caches' configs for the options (cheap: builds no model; raises ``ValueError``)."""
     num_left_chunks = args.num_left_chunks
-    if (args.eviction or args.prefill) and num_left_chunks < 0:
-        num_left_chunks = 4
+    if num_left_chunks is None:
+        num_left_chunks = 4 if args.eviction or args.prefill else -1
     mcfg = ConformerConfig(input_dim=40, hidden_dim=64, num_layers=args.layers, n_head=4, n_kv_head=2, head_dim=16,
                            ffn_dim=128, kernel_size=15, vocab_size=64, chunk_size=16,
                            num_left_chunks=num_left_chunks, subsample_channels=64, seed=args.seed)
-    model = StreamingConformer(mcfg).to(args.device)
     max_frames = int(12.0 / FRAME_SECONDS) // mcfg.subsampling_rate
     cache = mcfg.cache_config(
         block_size_frames=16, max_batch_size=args.max_batch_size, max_blocks_per_seq=-(-max_frames // 16) + 1,
         prefill_kv_window=args.prefill, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
     )
-    return model, cache
+    return mcfg, cache
+
+
+def decoder_config(args) -> CtcDecoderConfig | None:
+    """The CTC prefix beam search's config, or None for greedy decoding (raises ``ValueError``)."""
+    return CtcDecoderConfig(beam_size=args.beam, token_topk=args.beam) if args.decoder == "beam" else None
+
+
+def build(args) -> tuple[StreamingConformer, CacheConfig]:
+    mcfg, cache = configs(args)
+    return StreamingConformer(mcfg).to(args.device), cache
 
 
 def fp8_round_trip(t: torch.Tensor) -> torch.Tensor:
@@ -270,40 +282,65 @@ def transcripts(engine, workload, limit: int = 12) -> list[str]:
     return lines
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every option, before any work: a bad one is a usage error (one line on stderr, exit status 2)."""
+    check_at_least(parser, args, {"streams": 1, "layers": 1, "max_batch_size": 1, "beam": 1, "check_sample": 0,
+                                  "suspend_every": 0})
+    if args.num_left_chunks is not None and args.num_left_chunks < -1:
+        parser.error(f"--num-left-chunks must be -1 (unlimited history) or >= 0, got {args.num_left_chunks}")
+    if args.num_left_chunks == -1 and (args.eviction or args.prefill):
+        flag = "--prefill" if args.prefill else "--eviction"
+        parser.error(f"{flag} needs a bounded window, but --num-left-chunks -1 asks for unlimited history; "
+                     f"give --num-left-chunks >= 1 or leave it out (4)")
+    check_device(parser, args.device)
+    if args.plot:
+        check_output_path(parser, args.plot, "--plot")
+    try:
+        _, cache_config = configs(args)  # every rule the configs enforce, without building the model
+        decoder_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    copies = 2 if args.check_sample else 1  # the sample check builds a second engine of the same size
+    check_fits(parser, copies * footprint(cache_config, scratch_blocks=1, pad_lanes=1).total, args.device,
+               f"--max-batch-size {args.max_batch_size}: the caches" + (" (twice, with --check-sample)" * (copies > 1)))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oasr demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--streams", type=int, default=48, help="number of synthetic streams (default 48)")
-    parser.add_argument("--layers", type=int, default=2, help="Conformer blocks (default 2)")
-    parser.add_argument("--twin", choices=("fast", "reference"), default="fast", help="engine twin (default fast)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--num-left-chunks", type=int, default=-1,
-                        help="attention window in chunks; -1 = unlimited history (default)")
-    parser.add_argument("--eviction", action="store_true", help="bounded window with eviction (num_left_chunks 4)")
-    parser.add_argument("--prefill", action="store_true", help="prefill a zeroed K/V window (implies --eviction)")
+    parser = CommandParser(prog="python -m oasr demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=48, help="number of synthetic streams")
+    parser.add_argument("--layers", type=int, default=2, help="Conformer blocks")
+    parser.add_argument("--twin", choices=("fast", "reference"), default="fast", help="engine twin")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--num-left-chunks", type=int, default=None,
+                        help="attention window in chunks, >= 0; -1 = unlimited history "
+                             "(default: -1, or 4 with --eviction or --prefill)")
+    parser.add_argument("--eviction", action="store_true",
+                        help="bounded window with eviction (num_left_chunks 4 unless given)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="prefill a zeroed K/V window (implies --eviction; needs num_left_chunks >= 1)")
     parser.add_argument("--kv-cache-dtype", choices=("fp8_e4m3",), default=None,
                         help="store K/V pages as fp8 e4m3 with one fp32 scale per vector (default: model dtype)")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="concurrent streams (default 16)")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="concurrent streams")
     parser.add_argument("--decoder", choices=("beam", "greedy"), default="beam",
-                        help="CTC prefix beam search with pooled states (default) or greedy")
-    parser.add_argument("--beam", type=int, default=4, help="beam size (default 4)")
+                        help="CTC prefix beam search with pooled states, or greedy")
+    parser.add_argument("--beam", type=int, default=4, help="beam size (with --decoder beam)")
     parser.add_argument("--check-sample", type=int, default=4, help="streams rerun on the reference twin (0: none)")
-    parser.add_argument("--plot", default="oasr_demo.png", help="PNG of pool occupancy and streams over ticks")
+    parser.add_argument("--plot", default="oasr_demo.png",
+                        help="PNG of pool occupancy and streams over ticks ('': no plot)")
     parser.add_argument("--suspend-every", type=int, default=0, metavar="N",
                         help="every N ticks suspend one active stream to session bytes and resume it (default 0: off)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the model's weights")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    _check_args(parser, args)
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("demo: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
-        return 2
     if not twin_ready(args.twin):
         print(f"demo: oasr.{args.twin} does not provide the cache managers yet; run with --twin reference",
               file=sys.stderr)
         return 2
     model, cache_config = build(args)
     workload = make_workload(args.streams, model.config.input_dim, args.seed)
-    ctc_config = CtcDecoderConfig(beam_size=args.beam, token_topk=args.beam) if args.decoder == "beam" else None
+    ctc_config = decoder_config(args)
     engine = StreamingEngine(model, cache_config, twin=args.twin, decoder=args.decoder, ctc_config=ctc_config,
                              keep_log_probs=args.check_sample > 0)
     total = sum(s.features.shape[0] for s in workload)

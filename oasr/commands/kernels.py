@@ -18,22 +18,56 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import asdict
 
+from oasr.commands import CommandParser, check_output_path
+
+_ARCH = re.compile(r"^(?:sm|compute)_(\d+)[af]?$")
+
+
+def supported_archs() -> list[int]:
+    """The compute capabilities this NVRTC compiles for, e.g. [75, 80, ..., 120] (``nvrtcGetSupportedArchs``)."""
+    from cuda.bindings import nvrtc
+
+    result, archs = nvrtc.nvrtcGetSupportedArchs()
+    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"nvrtcGetSupportedArchs failed: {result}")
+    return list(archs)
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Every option, before any compile (one line on stderr, exit status 2); returns the archs."""
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    if not archs:
+        parser.error(f"--arch: no arch in {args.arch!r}; give e.g. sm_80,sm_90")
+    try:
+        supported = supported_archs()
+    except ImportError as exc:
+        parser.exit(1, f"{parser.prog}: error: NVRTC is not installed ({exc}); pip install -e '.[cuda]'\n")
+    names = ", ".join(f"sm_{n}" for n in supported)
+    for arch in archs:
+        match = _ARCH.match(arch)
+        if match is None or int(match.group(1)) not in supported:
+            parser.error(f"--arch {arch}: not an arch this NVRTC compiles for ({names})")
+    if args.json:
+        check_output_path(parser, args.json, "--json")
+    return archs
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oasr kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", default="sm_80,sm_90", help="comma-separated archs, e.g. sm_80,sm_90")
+    parser = CommandParser(prog="python -m oasr kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="sm_80,sm_90", help="comma-separated archs")
     parser.add_argument("--no-cache", action="store_true", help="recompile instead of using the kernel cache")
-    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH (default: not written)")
     parser.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
     parser.add_argument("--sass", action="store_true", help="main-loop instruction mix and the attention speed model")
     args = parser.parse_args(argv)
+    archs = _check_args(parser, args)
 
     from oasr.fast.kernels import nvrtc, registry
 
-    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     rows, failed = [], []
     for arch in archs:
         for family in registry.families():
