@@ -48,15 +48,14 @@ def run_engine(model, cache_config, twin, streams, piece=24):
     engine = StreamingEngine(model, cache_config, twin=twin, keep_log_probs=True)
     for sid in streams:
         engine.add_stream(sid)
-    pos, ended = dict.fromkeys(streams, 0), set()
+    pos = dict.fromkeys(streams, 0)
     while any(engine.status(s) != "finished" for s in streams):
         for sid, f in streams.items():
-            if sid not in ended:
+            if not engine.input_ended(sid):
                 engine.push(sid, f[pos[sid]:pos[sid] + piece])
                 pos[sid] += piece
                 if pos[sid] >= f.shape[0]:
                     engine.end_stream(sid)
-                    ended.add(sid)
         engine.step()
     return engine
 
@@ -90,8 +89,10 @@ for ax, (name, c) in zip(axes, [("no prefill", plain_cfg), ("prefilled window", 
         ax.plot(range(10), [float("nan") if v is None else v for v in values], marker="o", label=sid)
     ax.set_title(name)
     ax.set_xlabel("tick")
-axes[0].set_ylabel("cached frames before the chunk")
+    ax.set_ylabel("cached frames before the chunk")
 axes[1].legend()
+fig.suptitle("cached length each stream reports, tick by tick")
+plt.tight_layout()
 plt.show()
 
 for twin in TWINS:

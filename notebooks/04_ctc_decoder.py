@@ -291,7 +291,10 @@ for tick in range(80):
 act, pool, made = zip(*trace)
 fig, ax = plt.subplots(figsize=(8, 2.6))
 ax.plot(act, label="active streams"); ax.plot(pool, label="pooled states"); ax.plot(made, "--", label="states ever created")
-ax.set_xlabel("event"); ax.legend(); plt.show()
+ax.set(title="decoder states: pooled and reused, never more than the peak of active streams",
+       xlabel="event (a stream starts or finishes)", ylabel="streams / states")
+ax.legend()
+plt.show()
 assert max(made) == max(act)
 print(f"{next_id} streams served by {mgr.num_created} states")
 

@@ -41,24 +41,6 @@ def features(num_frames, seed, dim=20):
     return torch.randn(num_frames, dim, generator=torch.Generator().manual_seed(seed))
 
 
-def run_engine(model, cache_config, twin, streams, piece=24):
-    """Push every stream in pieces of ``piece`` frames, one engine tick per piece; return the engine."""
-    engine = StreamingEngine(model, cache_config, twin=twin, keep_log_probs=True)
-    for sid in streams:
-        engine.add_stream(sid)
-    pos, ended = dict.fromkeys(streams, 0), set()
-    while any(engine.status(s) != "finished" for s in streams):
-        for sid, f in streams.items():
-            if sid not in ended:
-                engine.push(sid, f[pos[sid]:pos[sid] + piece])
-                pos[sid] += piece
-                if pos[sid] >= f.shape[0]:
-                    engine.end_stream(sid)
-                    ended.add(sid)
-        engine.step()
-    return engine
-
-
 # %%
 model = StreamingConformer(ConformerConfig(num_left_chunks=2, chunk_size=4, seed=0))
 cfg = model.config.cache_config(block_size_frames=4, max_batch_size=4)
@@ -150,19 +132,18 @@ def run(twin, streams, cache_config):
     engine = StreamingEngine(model, cache_config, twin=twin, keep_log_probs=True)
     g = torch.Generator().manual_seed(7)
     pos = dict.fromkeys(streams, 0)
-    done = set()
+    last_start = max(start for start, _ in streams.values())
     t = 0
-    while len(done) < len(streams) or any(engine.status(s) != "finished" for s in streams):
+    while t <= last_start or any(engine.status(s) != "finished" for s in streams):
         for sid, (start, f) in streams.items():
             if t == start:
                 engine.add_stream(sid)
-            if t >= start and sid not in done:
+            if t >= start and not engine.input_ended(sid):
                 n = int(torch.randint(4, 30, (1,), generator=g))
                 engine.push(sid, f[pos[sid]:pos[sid] + n])
                 pos[sid] += n
                 if pos[sid] >= f.shape[0]:
                     engine.end_stream(sid)
-                    done.add(sid)
         engine.step()
         t += 1
     return engine
@@ -181,13 +162,19 @@ assert worst <= 1e-5
 print(f"{len(streams)} streams on the {TWINS[-1]} twin: streaming == offline, max |diff| {worst:.1e}")
 
 ticks = [s.tick for s in engine.stats]
-fig, ax = plt.subplots(figsize=(8, 2.8))
-ax.plot(ticks, [s.active for s in engine.stats], label="active")
-ax.plot(ticks, [s.waiting for s in engine.stats], label="ready, waiting")
-ax.step(ticks, [s.width for s in engine.stats], where="mid", label="cohort width")
-ax.plot(ticks, [s.used_blocks for s in engine.stats], label="blocks in use")
-ax.set_xlabel("tick")
-ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
+fig, (streams_ax, blocks_ax) = plt.subplots(2, 1, figsize=(8, 4.5), sharex=True)
+streams_ax.plot(ticks, [s.active for s in engine.stats], marker=".", label="active")
+streams_ax.plot(ticks, [s.waiting for s in engine.stats], marker=".", label="ready, waiting")
+streams_ax.step(ticks, [s.width for s in engine.stats], where="mid", label="cohort width (padded)")
+streams_ax.axhline(cfg.max_batch_size, color="grey", ls=":", lw=1, label="max_batch_size")
+streams_ax.set(title="streams per tick", ylabel="streams")
+streams_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+blocks_ax.plot(ticks, [s.used_blocks for s in engine.stats], marker=".", color="tab:purple", label="blocks in use")
+blocks_ax.axhline(cfg.max_num_blocks, color="grey", ls=":", lw=1, label="pool size")
+blocks_ax.set(title="pool blocks per tick", xlabel="tick", ylabel="blocks", ylim=(0, cfg.max_num_blocks * 1.1))
+blocks_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+fig.suptitle(f"{len(streams)} streams through the engine ({TWINS[-1]} twin)")
+fig.tight_layout()
 plt.show()
 assert {s.width for s in engine.stats} <= {0, 1, 2, 4}
 
@@ -220,9 +207,9 @@ print("twins compared:", TWINS)
 # %%
 import time
 
-from oasr.bench.stream_cost import _model, _PagedStream
+from oasr.bench.stream_cost import PagedStream, demo_sized_model
 
-dense_model, paged = _model(-1), _PagedStream(_model(4), TWINS[-1])
+dense_model, paged = demo_sized_model(-1), PagedStream(demo_sized_model(4), TWINS[-1])
 c = dense_model.config
 xs = torch.randn(1, c.chunk_input_frames, c.input_dim)
 cnn0 = torch.zeros(c.num_layers, 1, c.kernel_size - 1, c.hidden_dim)
@@ -256,6 +243,7 @@ plt.plot(minutes, dense_ms, marker="o", label="dense concatenation (unlimited hi
 plt.plot(minutes, paged_ms, marker="o", label=f"paged, eviction on ({TWINS[-1]} twin)")
 plt.xlabel("stream position (minutes)")
 plt.ylabel("ms per chunk")
+plt.title("per-chunk cost of one stream as it grows (1 thread)")
 plt.legend()
 plt.show()
 assert paged_hist == [4 * c.chunk_size] * len(positions)

@@ -70,22 +70,65 @@ assert zero_scale.item() == 1.0 and zero_stored.float().eq(0).all()   # a zero v
 # %% [markdown]
 # ## What it costs: the error distribution
 #
-# e4m3 keeps 3 mantissa bits, so a value in the normal range is off by at most
-# half a unit in the last place, 2^-4 of itself; values far below the vector's
-# maximum fall into the subnormal range and lose relative precision. Below:
-# the relative error of every element of many Gaussian K vectors, and the
-# absolute error of the chunk attention that reads them, against fp32 pages.
+# e4m3 keeps 3 mantissa bits, so a value in the normal range (`|x / scale| >= 2^-6`)
+# is off by at most half a unit in the last place, 2^-4 of itself. Below that lies
+# the subnormal range, where the spacing is a fixed `2^-9` (times the scale): the
+# absolute error stays at most `2^-10 * scale`, but the relative error grows, and a
+# value under `2^-10 * scale` is stored as zero.
+#
+# First, many Gaussian K vectors. With 64 Gaussian values a vector's maximum is
+# only a few times its typical element, so almost every element is normal.
 
 # %%
+SMALLEST_NORMAL, SUBNORMAL_STEP = 2.0 ** -6, 2.0 ** -9   # e4m3, in units of the scale
+
+
+def round_trip(x):
+    """Per element: x, its fp8 round trip, and |x / scale| (the position in e4m3's range)."""
+    stored, scale = quantize(x)
+    return x, dequantize(stored, scale), (x / scale[:, None]).abs()
+
+
 g = torch.Generator().manual_seed(0)
-k = torch.randn(4096, 64, generator=g) * torch.exp(torch.randn(4096, 1, generator=g))  # varied magnitudes
-stored, scale = quantize(k)
-back = dequantize(stored, scale)
-scaled = (k / scale[:, None]).abs()
-normal = scaled >= 2.0 ** -6                              # e4m3's smallest normal
+k, back, scaled = round_trip(torch.randn(4096, 64, generator=g) * torch.exp(torch.randn(4096, 1, generator=g)))
+normal = scaled >= SMALLEST_NORMAL
 rel = ((back - k).abs() / k.abs().clamp(min=1e-30))[normal]
 assert rel.max() <= 2.0 ** -4
-print(f"normal elements: {normal.float().mean():.1%}, max relative error {rel.max():.4f} <= 2^-4 = {2**-4}")
+print(f"Gaussian vectors: {int(normal.sum())} of {normal.numel()} elements normal ({normal.float().mean():.3%}), "
+      f"max relative error {rel.max():.4f} <= 2^-4 = {2**-4}")
+
+# %% [markdown]
+# ## A real subnormal case
+#
+# A vector with one large element and many tiny ones (an outlier channel, common
+# in real keys): the large element sets the scale, so the tiny ones land in the
+# subnormal range. Their absolute error is still bounded by `2^-10 * scale`, but
+# their relative error is no longer 2^-4, and the tiniest become zero.
+
+# %%
+spiky = 0.004 * torch.randn(256, 64, generator=g)
+spiky[:, 0] = 300.0                                         # the outlier: scale 1 for every vector
+x, x_back, x_scaled = round_trip(spiky)
+_, spiky_scale = quantize(spiky)
+tiny = torch.ones_like(x, dtype=torch.bool)
+tiny[:, 0] = False
+subnormal = tiny & (x_scaled < SMALLEST_NORMAL)
+zeroed = subnormal & (x_back == 0) & (x != 0)
+abs_err = (x_back - x).abs()
+rel_sub = abs_err[subnormal] / x[subnormal].abs().clamp(min=1e-30)
+assert torch.all(spiky_scale == 1.0)
+assert subnormal.sum() >= 0.9 * tiny.sum()                 # nearly every tiny element is subnormal
+assert torch.all(abs_err[subnormal] <= spiky_scale[:, None].expand_as(x)[subnormal] * SUBNORMAL_STEP / 2)
+assert rel_sub.max() > 2.0 ** -4 and zeroed.any()          # the relative bound no longer holds
+print(f"spiky vectors: {int(subnormal.sum())} of {x.numel()} elements subnormal "
+      f"({subnormal.float().mean():.1%}), {int(zeroed.sum())} stored as zero; "
+      f"subnormal max |error| {abs_err[subnormal].max():.2e} <= 2^-10 * scale = {2.0 ** -10:.2e}, "
+      f"median relative error {rel_sub.median():.3f}, max {rel_sub.max():.3f}")
+
+# %% [markdown]
+# And the chunk attention that reads Gaussian K/V from fp8 pages, against fp32 pages:
+
+# %%
 
 # chunk attention over the same history, fp32 pages against fp8 pages (reference twin)
 B, H, D, T, hist, bs = 4, 4, 64, 16, 240, 16
@@ -112,13 +155,23 @@ err = (outs["fp8"] - outs["fp32"]).abs()
 print(f"attention |fp8 - fp32|: median {err.median():.2e}, max {err.max():.2e} (outputs ~{outs['fp32'].abs().mean():.2f})")
 assert err.max() < 0.1 * outs["fp32"].abs().max()
 
-fig, axes = plt.subplots(1, 2, figsize=(10, 3))
-axes[0].hist(rel.numpy(), bins=60, log=True)
-axes[0].axvline(2 ** -4, color="r", ls="--", label="2^-4 bound")
-axes[0].set(title="relative error per element (normal range)", xlabel="|x' - x| / |x|")
-axes[0].legend()
+FLOOR = 1e-5   # exact round trips (relative error 0) are drawn at this floor of the log axis
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+for name, (xs, backs, pos), colour in (("Gaussian vectors", (k, back, scaled), "tab:blue"),
+                                       ("spiky vectors, tiny elements", (x[tiny], x_back[tiny], x_scaled[tiny]),
+                                        "tab:orange")):
+    every = max(1, xs.numel() // 20000)                    # thin the Gaussian cloud for drawing
+    r = ((backs - xs).abs() / xs.abs().clamp(min=1e-30)).flatten()[::every].clamp(min=FLOOR)
+    axes[0].scatter(pos.flatten()[::every], r, s=2, alpha=0.4, color=colour, label=name)
+axes[0].axvline(SMALLEST_NORMAL, color="k", ls=":", label="smallest normal, 2^-6")
+axes[0].axhline(2 ** -4, color="r", ls="--", label="normal-range bound, 2^-4")
+axes[0].set(xscale="log", yscale="log", title="fp8 round trip: relative error per element",
+            xlabel="|x / scale|  (position in e4m3's range)", ylabel="|x' - x| / |x|")
+axes[0].legend(fontsize=7, loc="lower left")
 axes[1].hist(err.flatten().numpy(), bins=60, log=True)
-axes[1].set(title="chunk attention: |fp8 pages - fp32 pages|", xlabel="absolute error")
+axes[1].set(title="chunk attention: |fp8 pages - fp32 pages|", xlabel="absolute error",
+            ylabel="output elements")
+fig.suptitle("what fp8 e4m3 pages cost")
 plt.tight_layout()
 
 # %% [markdown]

@@ -28,7 +28,8 @@ FRAME_SECONDS = 0.04  # one encoder frame
 LEFT_CHUNKS = 4
 
 
-def _model(num_left_chunks: int) -> StreamingConformer:
+def demo_sized_model(num_left_chunks: int) -> StreamingConformer:
+    """The demo's model (2 layers, hidden 64, chunk 16, seed 0) with the given attention window."""
     return StreamingConformer(ConformerConfig(input_dim=40, hidden_dim=64, num_layers=2, n_head=4, n_kv_head=2,
                                               head_dim=16, ffn_dim=128, kernel_size=15, vocab_size=64,
                                               chunk_size=16, num_left_chunks=num_left_chunks, subsample_channels=64))
@@ -39,8 +40,13 @@ def _label(frames: int) -> str:
     return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.0f} min"
 
 
-class _PagedStream:
-    """One stream on a twin's managers, advanced by bookkeeping alone to any position."""
+class PagedStream:
+    """One stream of ``model`` on a twin's managers, advanced by bookkeeping alone to any position.
+
+    ``advance_to(frames)`` commits unwritten chunks until the stream is at ``frames`` (its window's
+    pages hold whatever they held); ``chunk()`` then runs one real chunk: prepare, the paged forward,
+    commit. ``att`` is the stream's ``AttentionCacheManager`` (stream id 0).
+    """
 
     def __init__(self, model, twin):
         self.model, self.ops = model, twin_module(twin)
@@ -88,13 +94,13 @@ def _rows(quick: bool) -> list[dict]:
         [250, int(minutes), int(5 * minutes), int(10 * minutes), int(30 * minutes)]
     repeats = 5 if quick else 9
     twin = "fast" if twin_ready("fast") else "reference"
-    dense_model, paged_model = _model(-1), _model(LEFT_CHUNKS)
+    dense_model, paged_model = demo_sized_model(-1), demo_sized_model(LEFT_CHUNKS)
     cfg = dense_model.config
     g = torch.Generator().manual_seed(1)
     xs = torch.randn(1, cfg.chunk_input_frames, cfg.input_dim, generator=g)
     cnn = torch.zeros(cfg.num_layers, 1, cfg.kernel_size - 1, cfg.hidden_dim)
     states = dense_model.new_states(1)
-    paged = _PagedStream(paged_model, twin)
+    paged = PagedStream(paged_model, twin)
     for _ in range(3):  # first calls build kernels and allocator pools; keep them out of every row
         dense_model.forward_chunk(xs, 0, -1, torch.zeros(cfg.num_layers, cfg.n_kv_head, 0, 2 * cfg.head_dim), cnn,
                                   states)
