@@ -14,7 +14,11 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        print(f"python -m oasr: error: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)} "
+              "(see --help)", file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m oasr {" + ",".join(COMMANDS) + "} [options]\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:8s} {text}")

@@ -33,9 +33,14 @@ def test_bench_quick_section_json(tmp_path, capsys):
     assert "ratio = reference_ms / fast_ms" in capsys.readouterr().out
 
 
-def test_usage():
+def test_usage(capsys):
     assert oasr_main(["--help"]) == 0
+    assert "demo" in capsys.readouterr().out
     assert oasr_main(["nonsense"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "python -m oasr: error: unknown command 'nonsense'; choose from demo, bench, kernels (see --help)"
+    ]
 
 
 # ---- bad options: usage errors before any work ------------------------------------------------------------
