@@ -23,7 +23,6 @@
 # * the fast twin (`oasr.fast`) makes the same decisions as the reference.
 
 # %%
-import matplotlib
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
@@ -86,6 +85,7 @@ print("free list head:", pool.free_block_ids()[:8])
 
 # %%
 import numpy as np
+
 grid = np.full((cfg.max_batch_size, cfg.max_blocks_per_seq), np.nan)
 for sid in att.stream_ids:
     blocks = att.describe(sid).blocks
@@ -180,6 +180,6 @@ for sid in ref_att.stream_ids:
     assert torch.equal(ref_att.get_paged_state_views(sid)[0], fast_att.get_paged_state_views(sid)[0])
     assert torch.equal(ref_att.get_stacked_cache(sid), fast_att.get_stacked_cache(sid))
 assert torch.equal(ref_pool.k_pool, fast_pool.k_pool)
-for a, b in zip(ref_outs, fast_outs):
+for a, b in zip(ref_outs, fast_outs, strict=True):
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 print("fast twin == reference: tables, free list, pages, attention;  fast backend on CPU:", backend_choices())

@@ -32,8 +32,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import oasr
-
-from oasr.engine import StreamingEngine, decode_utterance
+from oasr.engine import StreamingEngine
 from oasr.models import ConformerConfig, StreamingConformer, available_twins, twin_module
 
 TWINS = available_twins()   # "reference", and "fast" once the fast twin provides the managers

@@ -31,7 +31,6 @@ import matplotlib.pyplot as plt
 import torch
 
 import oasr
-
 from oasr.engine import StreamingEngine, decode_utterance
 from oasr.models import ConformerConfig, StreamingConformer, available_twins, twin_module
 
@@ -84,7 +83,7 @@ def cached_lengths(cache_config, twin):
 
 plain_cfg = model.config.cache_config(block_size_frames=3, max_batch_size=4)
 fig, axes = plt.subplots(1, 2, figsize=(9, 2.8), sharey=True)
-for ax, (name, c) in zip(axes, [("no prefill", plain_cfg), ("prefilled window", cfg)]):
+for ax, (name, c) in zip(axes, [("no prefill", plain_cfg), ("prefilled window", cfg)], strict=True):
     for sid, values in cached_lengths(c, TWINS[-1]).items():
         ax.plot(range(10), [float("nan") if v is None else v for v in values], marker="o", label=sid)
     ax.set_title(name)

@@ -50,7 +50,6 @@ from oasr.ctc_config import CtcDecoderConfig
 from oasr.fast.ctc_decoder import StreamingCtcDecoder as FastDecoder
 from oasr.fast.ctc_state import CtcStateCacheManager as FastManager
 from oasr.reference.ctc_decoder import StreamingCtcDecoder as RefDecoder
-from oasr.reference.ctc_state import CtcStateCacheManager as RefManager
 
 torch.manual_seed(0)
 
@@ -103,8 +102,9 @@ def exhaustive(lp, blank=0):
 truth = exhaustive(lp[0])
 nbest = ref.finalize_stream(state)[0]
 assert len(nbest) == len(truth)
-for h, (labels, p) in zip(nbest, truth):
-    print(f"{''.join(NAMES[t] for t in h.tokens) or '(empty)':6s} decoder {math.exp(h.log_score):.6f}   brute force {p:.6f}")
+for h, (labels, p) in zip(nbest, truth, strict=True):
+    name = "".join(NAMES[t] for t in h.tokens) or "(empty)"
+    print(f"{name:6s} decoder {math.exp(h.log_score):.6f}   brute force {p:.6f}")
     assert tuple(h.tokens) == labels and abs(h.log_score - math.log(p)) < 1e-12
 assert math.isclose(sum(p for _, p in truth), 1.0)
 
@@ -137,7 +137,9 @@ best = dec.peek(hyp)[0]
 fig, ax = plt.subplots(figsize=(9, 2.8))
 ax.imshow(post[0].exp().T, aspect="auto", origin="lower", cmap="Greys")
 ax.scatter(best.frames, best.tokens, s=60, facecolors="none", edgecolors="tab:red", label="emitted token")
-ax.set_xlabel("frame"); ax.set_ylabel("token (0 = blank)"); ax.legend(loc="upper right")
+ax.set_xlabel("frame")
+ax.set_ylabel("token (0 = blank)")
+ax.legend(loc="upper right")
 ax.set_title(f"best: {best.tokens}  log p = {best.log_score:.2f}")
 plt.show()
 # frames rise with the tokens, and the fast twin reads the same tokens at the same frames
@@ -161,7 +163,8 @@ def greedy(lp, blank=0):
     tokens, frames, prev = [], [], None
     for t, v in enumerate(lp.argmax(-1).tolist()):
         if v != prev and v != blank:
-            tokens.append(v); frames.append(t)
+            tokens.append(v)
+            frames.append(t)
         prev = v
     return tokens, frames
 
@@ -196,7 +199,7 @@ for seed in range(6):
         d.decode_chunk(s, lp_tiny)
         got = d.finalize_stream(s)[0]
         assert [tuple(h.tokens) for h in got] == [labels for labels, _ in truth]
-        assert max(abs(h.log_score - math.log(p)) for h, (_, p) in zip(got, truth)) < 1e-12
+        assert max(abs(h.log_score - math.log(p)) for h, (_, p) in zip(got, truth, strict=True)) < 1e-12
 print("exhaustive oracle holds for both twins")
 
 # %% [markdown]
@@ -222,7 +225,7 @@ configs = [
     CtcDecoderConfig(beam_size=5, nbest=5, blank_skip_threshold=0.6, blank_id=2),
 ]
 worst = 0.0
-for i, cfg in enumerate(configs):
+for cfg in configs:
     for seed in range(3):
         rng = random.Random(seed)
         B, T, V = rng.randint(1, 4), rng.randint(5, 30), rng.randint(3, 12)
@@ -235,9 +238,9 @@ for i, cfg in enumerate(configs):
             n = rng.randint(1, T - start)
             f.decode_chunk(sf, x[:, start:start + n])
             start += n
-        for row_r, row_f in zip(r.finalize_stream(sr), f.finalize_stream(sf)):
+        for row_r, row_f in zip(r.finalize_stream(sr), f.finalize_stream(sf), strict=True):
             assert [(h.tokens, h.frames) for h in row_r] == [(h.tokens, h.frames) for h in row_f]
-            worst = max([worst] + [abs(a.log_score - b.log_score) for a, b in zip(row_r, row_f)])
+            worst = max([worst] + [abs(a.log_score - b.log_score) for a, b in zip(row_r, row_f, strict=True)])
 print(f"identical n-best tokens and frames; largest score difference {worst:.2e}")
 assert worst < 1e-9
 
@@ -256,7 +259,8 @@ for Decoder in (RefDecoder, FastDecoder):
         s = d.create_state(2, 7)
         start = 0
         for n in chunks:
-            d.decode_chunk(s, x[:, start:start + n]); start += n
+            d.decode_chunk(s, x[:, start:start + n])
+            start += n
         results.append(d.finalize_stream(s))
     assert all(r == results[0] for r in results)
 print("chunked == whole, exactly, in both twins")
@@ -278,19 +282,22 @@ print("chunked == whole, exactly, in both twins")
 mgr = FastManager(FastDecoder(CtcDecoderConfig(beam_size=4, token_topk=4)))
 rng = random.Random(0)
 active, next_id, trace = [], 0, []
-for tick in range(80):
+for _ in range(80):
     if active and (rng.random() < 0.45 or len(active) >= 12):
         sid = active.pop(rng.randrange(len(active)))
         mgr.free_stream(sid)
     else:
         mgr.allocate_stream(next_id, 1, 30).decode_chunk(torch.randn(1, 4, 30).log_softmax(-1))
-        active.append(next_id); next_id += 1
+        active.append(next_id)
+        next_id += 1
     trace.append((mgr.num_active, mgr.num_pooled, mgr.num_created))
     assert mgr.num_created == mgr.num_active + mgr.num_pooled
 
-act, pool, made = zip(*trace)
+act, pool, made = zip(*trace, strict=True)
 fig, ax = plt.subplots(figsize=(8, 2.6))
-ax.plot(act, label="active streams"); ax.plot(pool, label="pooled states"); ax.plot(made, "--", label="states ever created")
+ax.plot(act, label="active streams")
+ax.plot(pool, label="pooled states")
+ax.plot(made, "--", label="states ever created")
 ax.set(title="decoder states: pooled and reused, never more than the peak of active streams",
        xlabel="event (a stream starts or finishes)", ylabel="streams / states")
 ax.legend()

@@ -28,8 +28,6 @@
 import matplotlib.pyplot as plt
 import torch
 
-import oasr
-
 from oasr.engine import StreamingEngine, decode_utterance
 from oasr.models import ConformerConfig, StreamingConformer, available_twins, twin_module
 
@@ -232,7 +230,7 @@ threads = torch.get_num_threads()
 torch.set_num_threads(1)
 for frames in positions:
     cache = 0.1 * torch.randn(c.num_layers, c.n_kv_head, frames, 2 * c.head_dim)
-    dense_ms.append(best_ms(lambda: dense_model.forward_chunk(xs, frames, -1, cache, cnn0, dense_states)))
+    dense_ms.append(best_ms(lambda f=frames, a=cache: dense_model.forward_chunk(xs, f, -1, a, cnn0, dense_states)))
     paged.advance_to(frames)
     paged_ms.append(best_ms(paged.chunk, repeats=5))
     paged_hist.append(paged.att.cached_frames(0))

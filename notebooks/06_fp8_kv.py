@@ -152,7 +152,8 @@ for name, dtype in (("fp32", torch.float32), ("fp8", torch.float8_e4m3fn)):
     ref.append_kv(cache, k_hist[:, hist:], v_hist[:, hist:])
     outs[name] = ref.paged_attention(q, cache)
 err = (outs["fp8"] - outs["fp32"]).abs()
-print(f"attention |fp8 - fp32|: median {err.median():.2e}, max {err.max():.2e} (outputs ~{outs['fp32'].abs().mean():.2f})")
+print(f"attention |fp8 - fp32|: median {err.median():.2e}, max {err.max():.2e} "
+      f"(outputs ~{outs['fp32'].abs().mean():.2f})")
 assert err.max() < 0.1 * outs["fp32"].abs().max()
 
 FLOOR = 1e-5   # exact round trips (relative error 0) are drawn at this floor of the log axis
@@ -208,6 +209,6 @@ assert torch.equal(rp.v_pool.view(torch.uint8), fp.v_pool.view(torch.uint8))
 assert torch.equal(rp.k_scale, fp.k_scale) and torch.equal(rp.v_scale, fp.v_scale)
 for sid in ra.stream_ids:
     assert torch.equal(ra.get_stacked_cache(sid), fa.get_stacked_cache(sid))
-for a, b in zip(ro, fo):   # fp32 summation order only: 2e-6 of the output's magnitude (|out| ~ 40 here)
+for a, b in zip(ro, fo, strict=True):   # fp32 summation order only: 2e-6 of the output's magnitude (|out| ~ 40 here)
     torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6 * a.abs().max().item())
 print("reference and fast twins: identical fp8 pages, scales and gathers; attention equal to fp32 rounding")
