@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -58,17 +59,21 @@ def _refuses(capsys, argv: list[str]) -> str:
     return lines[0]
 
 
+def forbid(monkeypatch, module, *names: str) -> None:
+    """Replace each ``module.<name>`` with a function that fails the test if anything calls it."""
+    for name in names:
+        def forbidden(*args, _name=name, **kwargs):
+            raise AssertionError(f"{module.__name__}.{_name} was called before the options were checked")
+
+        monkeypatch.setattr(module, name, forbidden)
+
+
 @pytest.fixture
 def no_demo_work(monkeypatch):
     """The demo must not build a model or an engine for a bad option."""
     from oasr.commands import demo
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the demo did work before checking its options")
-
-    monkeypatch.setattr(demo, "build", forbidden)
-    monkeypatch.setattr(demo, "StreamingConformer", forbidden)
-    monkeypatch.setattr(demo, "StreamingEngine", forbidden)
+    forbid(monkeypatch, demo, "build", "StreamingConformer", "StreamingEngine")
 
 
 @pytest.mark.parametrize("argv, expect", [
@@ -113,14 +118,11 @@ def test_demo_usage_error_exit_status_without_traceback():
 
 @pytest.fixture
 def no_bench_work(monkeypatch):
+    """The bench must not import (let alone run) a section for a bad option."""
     from oasr.commands import bench
 
-    class NoImports:
-        @staticmethod
-        def import_module(name):
-            raise AssertionError(f"the bench ran section {name} before checking its options")
-
-    monkeypatch.setattr(bench, "importlib", NoImports)
+    monkeypatch.setattr(bench, "importlib", types.SimpleNamespace(__name__="bench's importlib", import_module=None))
+    forbid(monkeypatch, bench.importlib, "import_module")
 
 
 @pytest.mark.parametrize("argv, expect", [
@@ -139,10 +141,7 @@ def test_kernels_bad_arch_is_one_usage_error_before_any_compile(capsys, monkeypa
     pytest.importorskip("cuda.bindings")
     from oasr.fast.kernels import nvrtc
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("compiled before checking --arch")
-
-    monkeypatch.setattr(nvrtc, "compile_family", forbidden)
+    forbid(monkeypatch, nvrtc, "compile_family")
     line = _refuses(capsys, ["kernels", "--arch", arch])
     assert "--arch" in line
 
