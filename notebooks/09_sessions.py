@@ -1,12 +1,5 @@
 # ---
 # jupyter:
-#   jupytext:
-#     formats: ipynb,py:percent
-#     text_representation:
-#       extension: .py
-#       format_name: percent
-#       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -69,7 +62,7 @@ first_half(a)
 before = a.att.describe("call")
 data = a.suspend("call")
 print(f"session: {len(data)} bytes; the stream held slot {before.slot}, blocks {list(before.blocks)}, "
-      f"cache_seqlen {before.cache_seqlen}, {a._streams.get('call') is None and 'now gone from engine A'}")
+      f"cache_seqlen {before.cache_seqlen}, {'call' not in a.stream_ids and 'now gone from engine A'}")
 assert a.num_active == 0 and a.pool.num_used_blocks == 0
 
 # %% [markdown]
@@ -184,7 +177,7 @@ assert (cross.log_probs - want.log_probs).abs().max().item() <= 1e-5
 
 # %%
 def pool_state(engine):
-    return engine.pool.free_block_ids(), engine.pool.k_pool.view(torch.uint8).clone(), list(engine._streams)
+    return engine.pool.free_block_ids(), engine.pool.k_pool.view(torch.uint8).clone(), engine.stream_ids
 
 
 c = new_engine()

@@ -294,3 +294,18 @@ def test_input_ended_is_public_and_refuses_an_unknown_id(twin):
     assert engine.status("a") == "finished" and engine.input_ended("a") is True
     with pytest.raises(KeyError, match="unknown stream id 'ghost'"):
         engine.input_ended("ghost")
+
+
+def test_stream_ids_lists_every_known_stream_in_order(twin):
+    engine = make_engine(make_model(), twin)
+    assert engine.stream_ids == []
+    engine.add_stream("b")
+    engine.add_stream("a")
+    engine.push("a", features(16, 0))
+    engine.end_stream("a")
+    engine.run()
+    assert engine.status("a") == "finished" and engine.status("b") == "waiting"
+    assert engine.stream_ids == ["b", "a"]  # finished streams stay known
+    ids = engine.stream_ids
+    ids.append("mine")
+    assert engine.stream_ids == ["b", "a"]  # a copy

@@ -234,6 +234,14 @@ class StreamingEngine:
         """``"waiting"``, ``"active"`` or ``"finished"``."""
         return self._stream(stream_id).state
 
+    @property
+    def stream_ids(self) -> list:
+        """Every stream the engine knows (waiting, active or finished), in the order they were added.
+
+        A suspended stream is no longer known here; ``resume`` adds it again.
+        """
+        return list(self._streams)
+
     def input_ended(self, stream_id) -> bool:
         """Whether ``end_stream`` was called for the stream: it takes no more input.
 
