@@ -198,11 +198,16 @@ def paged_attention(
     causal: bool = False,
     *,
     backend=None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Chunk attention of queries ``(B, n_head, T, head_dim)`` over each row's own pages.
 
     ``q``: ``(B, n_head, T, head_dim)`` (heads first, unlike K/V) in the served dtype; ``chunk_lens``
     as for ``append_kv``. Returns ``(B, n_head, T, head_dim)`` in ``q``'s dtype.
+
+    ``num_splits`` pins the kernels' key-range split count (a CUDA graph replays its launch
+    parameters, so a captured width pins it); None lets the launcher choose from the view's
+    ``max_span``. The torch backend has no splits and ignores it.
     """
     check_query(cache, q)
     name = resolve_backend(q.device, backend)
@@ -215,7 +220,7 @@ def paged_attention(
     if cache.quantized:
         check_fp8_supported(D, q.device, dtype=q.dtype, backend=name)
     lens = _kernel_lens(cache, chunk_lens, T, q.device, "paged_attention", what)
-    return ops.paged_attention(_executor(name, q.device), q, cache, lens, scale, causal)
+    return ops.paged_attention(_executor(name, q.device), q, cache, lens, scale, causal, num_splits)
 
 
 # Rows per group on the CPU path: a group's gathered K and V stay within this many bytes, so they

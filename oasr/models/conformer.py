@@ -28,6 +28,7 @@ offline forward reproduces it by putting ``W`` zero keys before frame 0.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -175,6 +176,27 @@ def chunk_attention_mask(num_frames: int, chunk_size: int, num_left_chunks: int,
     return allowed[None] & key_valid[:, None, :]
 
 
+def _row_values(values, B: int, high: int | None, device, what: str) -> torch.Tensor:
+    """One int per row as a ``(B,)`` int64 tensor on ``device``, checked where the values are host data.
+
+    A sequence of ints or a CPU tensor is validated on the host (``0 <= v``, and ``v <= high`` unless
+    ``high`` is None) before one tensor is made from it. A tensor on an accelerator is trusted as is,
+    shape-checked only: reading its values would synchronise with the device.
+    """
+    bound = f"[0, {high}]" if high is not None else ">= 0"
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        if tuple(values.shape) != (B,):
+            raise ValueError(f"{what} must be ({B},) values {bound}, got shape {tuple(values.shape)}")
+        return values.to(device=device, dtype=torch.long)
+    host = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    if len(host) != B or not all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= v and (high is None or v <= high)
+        for v in host
+    ):
+        raise ValueError(f"{what} must be ({B},) values {bound}, got {host}")
+    return torch.tensor([int(v) for v in host], dtype=torch.long, device=device)
+
+
 class StreamingConformer(nn.Module):
     def __init__(self, config: ConformerConfig | None = None):
         super().__init__()
@@ -222,12 +244,10 @@ class StreamingConformer(nn.Module):
             raise ValueError(f"{where}: xs must be (B, T, input_dim={self.config.input_dim}), got {tuple(xs.shape)}")
 
     def _lens(self, lens, B: int, T: int, device) -> torch.Tensor:
+        """``lens`` as a ``(B,)`` int64 tensor on ``device``; ``None`` is ``T`` for every row."""
         if lens is None:
             return torch.full((B,), T, dtype=torch.long, device=device)
-        lens = torch.as_tensor(lens, dtype=torch.long, device=device)
-        if lens.shape != (B,) or bool((lens < 0).any()) or bool((lens > T).any()):
-            raise ValueError(f"input lengths must be ({B},) values in [0, {T}], got {lens.tolist()}")
-        return lens
+        return _row_values(lens, B, T, device, "input lengths")
 
     def _cos_sin(self, positions: torch.Tensor):
         return rope_cos_sin(positions, self.inv_freq, self.ctc.weight.dtype)
@@ -354,7 +374,7 @@ class StreamingConformer(nn.Module):
         ``chunk_lens`` to the manager and writes ``new_cnn_cache`` back.
         """
         cfg = self.config
-        ops = twin_module(twin)
+        twin_module(twin)
         self._check_features(xs, "forward_chunk_paged")
         B, T_in, _ = xs.shape
         if len(att_caches) != cfg.num_layers or any(c.batch_size != B for c in att_caches):
@@ -363,27 +383,53 @@ class StreamingConformer(nn.Module):
         if tuple(cnn_cache.shape) != expected:
             raise ValueError(f"forward_chunk_paged: cnn_cache must be {expected}, got {tuple(cnn_cache.shape)}")
         lens_in = self._lens(input_lens, B, T_in, xs.device)
-        offsets = torch.as_tensor(offsets, dtype=torch.long, device=xs.device)
-        if offsets.shape != (B,):
-            raise ValueError(f"forward_chunk_paged: offsets must have shape ({B},), got {tuple(offsets.shape)}")
+        offsets = _row_values(offsets, B, None, xs.device, "forward_chunk_paged: offsets")
         tails = [states[spec.name].gather() for spec in self.streaming_state_specs]
-        x, chunk_lens, new_tails = self.subsample(xs, tails, lens_in)
+        log_probs, chunk_lens, new_cnn, new_tails = self.paged_chunk_core(
+            xs, offsets, lens_in, att_caches, cnn_cache, tails, twin
+        )
+        if log_probs.shape[1] == 0:
+            return log_probs, chunk_lens, cnn_cache
+        for spec, tail in zip(self.streaming_state_specs, new_tails, strict=True):
+            states[spec.name].scatter(tail)
+        return log_probs, chunk_lens, new_cnn
+
+    @torch.no_grad()
+    def paged_chunk_core(self, xs: torch.Tensor, offsets: torch.Tensor, input_lens: torch.Tensor, att_caches,
+                         cnn_cache: torch.Tensor, tails: list, twin="reference", num_splits: int | None = None):
+        """The body of ``forward_chunk_paged``, device tensors in and out: what a CUDA graph captures.
+
+        ``xs (B, T_in, input_dim)``; ``offsets``, ``input_lens``: ``(B,)`` int64 on ``xs``'s device,
+        used as they are (nothing reads them back; the public forward validates host values first);
+        ``att_caches``: one ``PagedKVCache`` per layer; ``cnn_cache (num_layers, B, kernel_size - 1,
+        hidden_dim)``; ``tails``: the subsampling tails in ``streaming_state_specs`` order, already
+        gathered. ``num_splits`` pins the fast twin's attention split count (None: the launcher's
+        choice from the views' ``max_span``; only given for the fast twin).
+
+        Returns ``(log_probs, chunk_lens, new_cnn_cache, new_tails)`` and writes nothing but the
+        chunk's K/V into the pool. Nothing here synchronises with the host, reads host data or makes a
+        shape from values: every shape follows from ``B`` and ``T_in`` (``CaptureSafetyChecker`` checks).
+        """
+        cfg = self.config
+        ops = twin_module(twin)
+        B, T_in, _ = xs.shape
+        x, chunk_lens, new_tails = self.subsample(xs, tails, input_lens)
         T = x.shape[1]
         if T == 0:
-            return self._empty_output(B, xs), chunk_lens, cnn_cache
+            return self._empty_output(B, xs), chunk_lens, cnn_cache, list(tails)
         cos, sin = self._cos_sin(offsets[:, None] + torch.arange(T, device=xs.device)[None, :])
         lens32 = chunk_lens.to(torch.int32)
+        split_kwargs = {} if num_splits is None else {"num_splits": num_splits}
         new_cnn = []
         for i, layer in enumerate(self.layers):
             cache = att_caches[i]
 
             def attend(q, k, v, cache=cache):
                 ops.append_kv(cache, k.contiguous(), v.contiguous(), lens32)
-                out = ops.paged_attention(q.transpose(1, 2).contiguous(), cache, lens32)  # (B, n_head, T, D)
+                out = ops.paged_attention(q.transpose(1, 2).contiguous(), cache, lens32,
+                                          **split_kwargs)  # (B, n_head, T, D)
                 return out.transpose(1, 2).reshape(B, T, -1)
 
             x, extended = layer(x, cos, sin, attend, cnn_cache[i])
             new_cnn.append(last_valid_frames(extended, chunk_lens, cfg.kernel_size - 1))
-        for spec, tail in zip(self.streaming_state_specs, new_tails, strict=True):
-            states[spec.name].scatter(tail)
-        return self._head(x), chunk_lens, torch.stack(new_cnn)
+        return self._head(x), chunk_lens, torch.stack(new_cnn), new_tails
