@@ -36,13 +36,17 @@ Policies (see docs/engine.md):
 from __future__ import annotations
 
 import itertools
+import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine.decoding import GreedyCtcDecoder
+from oasr.engine.tick import FastModelTick
 from oasr.errors import StreamCapacityError
 from oasr.models.twins import twin_module, twin_name
 from oasr.session import (
@@ -59,6 +63,9 @@ from oasr.session import (
 from oasr.stream_context import StreamContext
 
 WAITING, ACTIVE, FINISHED = "waiting", "active", "finished"
+ADMISSION_POLICIES = ("length", "arrival")
+
+logger = logging.getLogger("oasr.engine")
 
 
 @dataclass
@@ -127,6 +134,7 @@ class _Stream:
     admitted_tick: int | None = None
     max_extent: int = 0  # most K/V frames a chunk of this stream ever attended to
     session: object = None  # a resumed stream's StreamSession until admission restores it (see resume)
+    arrival_tick: int = 0  # engine.tick when add_stream ran (the admission clock)
 
 
 class StreamingEngine:
@@ -137,12 +145,32 @@ class StreamingEngine:
     admitted and freed with the other caches through ``StreamContext``;
     ``ctc_config`` sets it (default ``CtcDecoderConfig(beam_size=4)``).
     ``decoder="greedy"`` keeps the per-stream greedy collapse as a baseline.
+
+    ``cuda_graphs``: replay one captured CUDA graph per cohort width for the model step
+    (``oasr.engine.tick``); None (default) means on for the fast twin on CUDA, off
+    otherwise. ``True`` is refused on the CPU and with the reference twin.
+    ``graph_capture`` replaces the CUDA capture with a stand-in (tests only).
+    ``execution`` says which path runs (``"graphed"`` / ``"eager"``), ``execution_note``
+    why, and the choice is logged once to ``oasr.engine``.
+
+    ``admission``: ``"length"`` (default) admits ready waiting streams shortest buffered
+    input first, except that a stream waiting ``max_wait_time`` ticks or more since
+    ``add_stream`` goes ahead of every newer one (oldest first), so none starves;
+    ``"arrival"`` admits in arrival order.
     """
 
     def __init__(self, model, config: CacheConfig, twin="fast", decoder: str = "beam",
-                 ctc_config: CtcDecoderConfig | None = None, keep_log_probs: bool = False):
+                 ctc_config: CtcDecoderConfig | None = None, keep_log_probs: bool = False,
+                 cuda_graphs: bool | None = None, admission: str = "length", max_wait_time: int = 8,
+                 graph_capture=None):
         if decoder not in ("beam", "greedy"):
             raise ValueError(f"StreamingEngine: decoder must be 'beam' or 'greedy', got {decoder!r}")
+        if admission not in ADMISSION_POLICIES:
+            raise ValueError(f"StreamingEngine: admission must be one of {ADMISSION_POLICIES}, got {admission!r}")
+        if isinstance(max_wait_time, bool) or not isinstance(max_wait_time, int) or max_wait_time < 0:
+            raise ValueError(f"StreamingEngine: max_wait_time must be an int >= 0 (ticks), got {max_wait_time!r}")
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"StreamingEngine: cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         model.check_cache_config(config)
         param = next(model.parameters())
         if param.device.type != config.device.type:
@@ -175,6 +203,35 @@ class StreamingEngine:
         self.results: dict = {}
         self.stats: list[TickStats] = []
         self.tick = 0
+        self.admission = admission
+        self.max_wait_time = max_wait_time
+        self.tick_monitor = None  # e.g. a CaptureSafetyChecker: its region(label) wraps each model step
+        self.model_tick = None
+        self._setup_model_tick(cuda_graphs, graph_capture)
+
+    def _setup_model_tick(self, cuda_graphs, capture) -> None:
+        """Pick the eager or graphed model step (fast twin) and report the choice once."""
+        on_cuda = self.config.device.type == "cuda"
+        if cuda_graphs and self.twin != "fast":
+            raise ValueError("StreamingEngine: cuda_graphs=True needs twin='fast' (the reference twin hands out "
+                             "fresh view tensors every tick, which no graph can replay)")
+        if cuda_graphs and not on_cuda and capture is None:
+            raise ValueError(f"StreamingEngine: cuda_graphs=True needs a CUDA device, the caches are on "
+                             f"{self.config.device}; on the CPU the engine runs eager (cuda_graphs=None or False)")
+        graphs = bool(cuda_graphs) if cuda_graphs is not None else (on_cuda and self.twin == "fast")
+        if self.twin == "fast":
+            self.model_tick = FastModelTick(self.model, self.att, self.cnn, self.states, self.ops, self.config,
+                                            graphs=graphs, capture=capture)
+        self.execution = "graphed" if graphs else "eager"
+        if graphs:
+            self.execution_note = f"graphed: {self.model_tick.graph_stats.format()}"
+        elif self.twin != "fast":
+            self.execution_note = "eager: the reference twin runs op by op (it is the oracle)"
+        elif not on_cuda:
+            self.execution_note = f"eager: CUDA graphs need a CUDA device, this engine runs on {self.config.device}"
+        else:
+            self.execution_note = "eager: cuda_graphs=False"
+        logger.info("StreamingEngine model step: %s", self.execution_note)
 
     # ---- input ---------------------------------------------------------------------------
     def _stream(self, stream_id) -> _Stream:
@@ -186,7 +243,7 @@ class StreamingEngine:
         """Register a stream (it waits for admission); returns its id."""
         stream_id = self._claim_id(stream_id)
         greedy = GreedyCtcDecoder(self.model.config.vocab_size) if self.decoder == "greedy" else None
-        self._streams[stream_id] = _Stream(stream_id, greedy)
+        self._streams[stream_id] = _Stream(stream_id, greedy, arrival_tick=self.tick)
         self._waiting.append(stream_id)
         return stream_id
 
@@ -280,14 +337,29 @@ class StreamingEngine:
     def _ready(self, s: _Stream) -> bool:
         return s.num_pending >= self.chunk_input_frames or s.ended
 
+    def admission_order(self) -> list:
+        """Waiting stream ids in the order the next admission considers them (see ``admission``).
+
+        ``"length"``: streams that have waited ``max_wait_time`` ticks or more (``tick - arrival_tick``,
+        counted at the tick that admits) first, oldest first; then the rest by buffered feature frames,
+        fewest first, ties in arrival order. ``"arrival"``: arrival order.
+        """
+        if self.admission == "arrival":
+            return list(self._waiting)
+        now = self.tick
+        overdue = [sid for sid in self._waiting if now - self._streams[sid].arrival_tick >= self.max_wait_time]
+        late = set(overdue)
+        rest = sorted((sid for sid in self._waiting if sid not in late), key=lambda sid: self._streams[sid].num_pending)
+        return overdue + rest
+
     # ---- the tick ------------------------------------------------------------------------
     def _admit(self) -> None:
-        for sid in list(self._waiting):
+        for sid in self.admission_order():
             s = self._streams[sid]
             if not self._ready(s):
                 continue  # nothing to encode yet: do not hold a slot for it
             if not self.can_admit():
-                break  # arrival order: nobody overtakes a stream that does not fit
+                break  # every stream reserves the same worst case: if this one does not fit, none does
             self._contexts[sid] = self._allocate_caches(sid, s)
             self._waiting.remove(sid)
             self._active.append(sid)
@@ -371,24 +443,13 @@ class StreamingEngine:
         return outputs
 
     def _forward(self, cohort: list, frames_in: list, enc: list, width: int, outputs: dict) -> None:
-        cfg = self.config
-        pad = width - len(cohort)
-        xs = torch.zeros((width, self.chunk_input_frames, self.input_dim), dtype=cfg.dtype)
-        offsets = []
-        for row, (sid, n) in enumerate(zip(cohort, frames_in, strict=True)):
+        for row, sid in enumerate(cohort):
             s = self._streams[sid]
-            xs[row, :n] = self._take(s, n)
-            offsets.append(s.offset)
             s.max_extent = max(s.max_extent, self.att.cached_frames(sid) + enc[row])
-        caches = self.att.get_paged_caches(cohort, pad_to=width)
-        cnn_cache = self.cnn.get_cache(cohort, pad_to=width)
-        views = self.states.views(cohort, pad_to=width)
-        log_probs, _, new_cnn = self.model.forward_chunk_paged(
-            xs.to(cfg.device), offsets + [0] * pad, caches, cnn_cache, views, frames_in + [0] * pad, twin=self.ops
-        )
-        self.att.commit_chunks_batched(cohort, enc)
-        self.cnn.update(cohort, new_cnn, pad_to=width)
-        log_probs = log_probs.float().cpu()
+        if self.model_tick is not None:
+            log_probs = self._model_step_fast(cohort, frames_in, enc, width)
+        else:
+            log_probs = self._model_step_reference(cohort, frames_in, enc, width)
         chunks = [log_probs[row, : enc[row]] for row in range(len(cohort))]
         partials = self._decode(cohort, chunks)
         for row, sid in enumerate(cohort):
@@ -406,6 +467,46 @@ class StreamingEngine:
             s.partial = list(partials[row])
             if s.ended and s.num_pending < self.rate:
                 self._finish(s, "eos", outputs)
+
+    def _model_region(self, width: int):
+        monitor = self.tick_monitor
+        return nullcontext() if monitor is None else monitor.region(f"tick {self.tick}, width {width}")
+
+    def _model_step_fast(self, cohort: list, frames_in: list, enc: list, width: int) -> torch.Tensor:
+        """Fill the pinned inputs on the host, then the capture-safe region: model step, commit, readback."""
+        tick = self.model_tick
+        xs, meta = tick.host_inputs(width)
+        xs.zero_()
+        values = np.zeros((width, 2), dtype=np.int64)
+        for row, (sid, n) in enumerate(zip(cohort, frames_in, strict=True)):
+            s = self._streams[sid]
+            xs[row, :n] = self._take(s, n)
+            values[row] = (s.offset, n)
+        meta.numpy()[:] = values
+        with self._model_region(width):
+            tick.run(cohort, width)
+            self.att.commit_chunks_batched(cohort, enc)
+        return tick.log_probs(width)
+
+    def _model_step_reference(self, cohort: list, frames_in: list, enc: list, width: int) -> torch.Tensor:
+        """The reference twin's step: plain tensors through ``forward_chunk_paged`` (the oracle's way)."""
+        cfg = self.config
+        pad = width - len(cohort)
+        xs = torch.zeros((width, self.chunk_input_frames, self.input_dim), dtype=cfg.dtype)
+        offsets = []
+        for row, (sid, n) in enumerate(zip(cohort, frames_in, strict=True)):
+            s = self._streams[sid]
+            xs[row, :n] = self._take(s, n)
+            offsets.append(s.offset)
+        caches = self.att.get_paged_caches(cohort, pad_to=width)
+        cnn_cache = self.cnn.get_cache(cohort, pad_to=width)
+        views = self.states.views(cohort, pad_to=width)
+        log_probs, _, new_cnn = self.model.forward_chunk_paged(
+            xs.to(cfg.device), offsets + [0] * pad, caches, cnn_cache, views, frames_in + [0] * pad, twin=self.ops
+        )
+        self.att.commit_chunks_batched(cohort, enc)
+        self.cnn.update(cohort, new_cnn, pad_to=width)
+        return log_probs.float().cpu()
 
     def _decode(self, cohort: list, chunks: list) -> list:
         """Decode the cohort's chunks; return each stream's best partial token list."""
@@ -558,7 +659,7 @@ class StreamingEngine:
             greedy = GreedyCtcDecoder(mcfg.vocab_size)
             greedy.tokens, greedy._last = list(e.greedy_tokens), e.greedy_last
         s = _Stream(stream_id, greedy, partial=list(e.partial), ended=e.ended, offset=e.offset,
-                    input_frames=e.input_frames, max_extent=e.max_extent, session=session)
+                    input_frames=e.input_frames, max_extent=e.max_extent, session=session, arrival_tick=self.tick)
         if e.pending.shape[0]:
             s.pending, s.num_pending = [e.pending], e.pending.shape[0]
         if self.keep_log_probs and e.log_probs.shape[0]:

@@ -153,18 +153,32 @@ class CaptureSafetyChecker:
 
     def __init__(self):
         self._kind: dict[int, str] = {}
+        self._roots: list = []
+        self._pinned: list = []
         self._record: TickRecord | None = None
         self.records: list[TickRecord] = []
 
     # ---- declarations ---------------------------------------------------------------------
     def declare_device(self, *roots) -> None:
-        """Mark every tensor reachable from ``roots`` as device memory (Stager host rings as pinned)."""
-        seen: set[int] = set()
-        for root in roots:
-            self._walk(root, seen)
+        """Mark every tensor reachable from ``roots`` as device memory (Stager host rings as pinned).
+
+        The roots are walked again when each region starts, so buffers they allocate later count too.
+        """
+        self._roots += roots
+        self._reclassify()
 
     def declare_pinned(self, *tensors) -> None:
+        self._pinned += tensors
         for t in tensors:
+            self._kind[_ptr(t)] = PINNED
+
+    def _reclassify(self) -> None:
+        """Only the declarations: what an earlier region classified may have been freed and reused."""
+        self._kind = {}
+        seen: set[int] = set()
+        for root in self._roots:
+            self._walk(root, seen)
+        for t in self._pinned:
             self._kind[_ptr(t)] = PINNED
 
     def _walk(self, obj, seen: set) -> None:
@@ -181,7 +195,8 @@ class CaptureSafetyChecker:
             return
         pinned = getattr(obj, "pinned_host_tensors", None)
         if callable(pinned):
-            self.declare_pinned(*pinned())
+            for t in pinned():
+                self._kind[_ptr(t)] = PINNED
         if isinstance(obj, nn.Module):
             for t in list(obj.parameters()) + list(obj.buffers()):
                 self._kind.setdefault(_ptr(t), DEVICE)
@@ -208,6 +223,7 @@ class CaptureSafetyChecker:
         if self._record is not None:
             raise RuntimeError("CaptureSafetyChecker: regions do not nest")
         record = TickRecord(label or f"region {len(self.records)}")
+        self._reclassify()
         self._record = record
         patches = self._patch_python_conversions() + self._patch_launches()
         try:
@@ -388,9 +404,20 @@ class CaptureSafetyChecker:
 
 
 def engine_device_roots(engine) -> list:
-    """What a ``StreamingEngine`` holds on the device: model, pool, managers, the tick's static buffers."""
+    """What a ``StreamingEngine`` holds on the device: model, pool, managers, the tick's static buffers.
+
+    Not the engine itself: the features clients pushed are pageable host memory.
+    """
     roots = [engine.model, engine.pool, engine.att, engine.cnn, engine.states]
     tick = getattr(engine, "model_tick", None)
     if tick is not None:
         roots.append(tick)
     return roots
+
+
+def watch_engine(engine) -> CaptureSafetyChecker:
+    """A checker watching each model step of ``engine`` from now on (``engine.tick_monitor``)."""
+    checker = CaptureSafetyChecker()
+    checker.declare_device(*engine_device_roots(engine))
+    engine.tick_monitor = checker
+    return checker

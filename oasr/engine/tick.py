@@ -1,0 +1,183 @@
+"""``FastModelTick``: the fast twin's model step of one engine tick, eager or CUDA-graphed.
+
+What runs from the moment the engine hands a cohort to the model until the next
+tick's inputs are ready. Nothing in it synchronises with the host or copies from
+pageable memory (``oasr.fast.capture_check`` checks it on the CPU)::
+
+    host (engine)                                           device
+    pending features --row copies--> pinned inputs --non_blocking--> static batch[w]  (xs, offsets, lens)
+                                                                          |
+    slot states (tails, conv caches) --index_select(out=)-------------> static batch[w]  (gather, seed 000 10.4)
+                                                                          |
+                                  model.paged_chunk_core (eager)  or  GraphRunner.replay(w)
+                                                                          |
+    slot states <--------------------------index_copy_ (scatter)------- outputs[w]
+    decode <-- event.synchronize() <-- pinned log-probs <--one non_blocking copy-- outputs[w]
+
+* **Static batches.** Each cohort width ``w`` has its own device buffers for the
+  inputs and the gathered slot states, allocated once. A captured graph reads
+  only those, the pool, and the attention manager's per-width table buffers, so
+  each replay reads its own rows: the gather before and the scatter after are
+  ordinary device ops outside the graph.
+* **Pinned launch plan.** The views handed to the model carry ``max_span`` and
+  ``max_seqlen`` set to the worst case the config allows
+  (``blocks_per_stream * block_size_frames``), so the attention's split count and
+  grid are a function of the width alone, the same eager and graphed (which is
+  what makes the two bit-identical). The grid then covers the worst case; splits
+  past a row's keys exit at once.
+* **Readback.** The cohort's log-probs come back through one ``non_blocking``
+  copy into a pinned buffer and an event; ``log_probs(width)`` waits on the
+  event when the host needs them (the decoder), not before.
+
+Graphs (``graphs=True``) are captured at construction for every width, with
+the padding lane as every row (lengths 0), so capture advances no stream. The
+padding lane is also what pads a live cohort up to its width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+logger = logging.getLogger("oasr.engine")
+
+
+@dataclasses.dataclass
+class _StaticBatch:
+    """Device buffers of one width: the step reads only these (and the pool / table buffers)."""
+
+    xs: torch.Tensor  # (w, T_in, input_dim)
+    meta: torch.Tensor  # (w, 2) int64: offset, input length
+    tails: list  # gathered subsampling tails, streaming_state_specs order
+    cnn: torch.Tensor  # (num_layers, w, kernel_size - 1, hidden_dim)
+
+
+def engine_widths(max_batch_size: int) -> list[int]:
+    """The cohort widths an engine can run: powers of two below ``max_batch_size``, and ``max_batch_size``."""
+    widths, w = [], 1
+    while w < max_batch_size:
+        widths.append(w)
+        w *= 2
+    return widths + [max_batch_size]
+
+
+class FastModelTick:
+    """The model step of a tick on static buffers; see the module docstring.
+
+    ``capture``: the graph capture strategy when ``graphs`` (default ``CudaGraphCapture`` on the
+    config's device; a CPU device is refused there). Tests pass a stand-in.
+    """
+
+    def __init__(self, model, att, cnn, states, ops, config, graphs: bool = False, capture=None):
+        mc = model.config
+        self.model, self.att, self.cnn, self.states, self.ops = model, att, cnn, states, ops
+        self.config = config
+        self.widths = engine_widths(config.max_batch_size)
+        device = torch.device(config.device)
+        on_cuda = device.type == "cuda"
+        rows = max(self.widths)
+        self.input_frames = mc.chunk_input_frames
+        self.output_frames = mc.chunk_input_frames // mc.subsampling_rate
+        self.specs = tuple(model.streaming_state_specs)
+        self.worst_span = config.blocks_per_stream * config.block_size_frames
+        dtype = config.dtype
+        self._host_xs = torch.zeros((rows, self.input_frames, mc.input_dim), dtype=dtype, pin_memory=on_cuda)
+        self._host_meta = torch.zeros((rows, 2), dtype=torch.int64, pin_memory=on_cuda)
+        self._host_log_probs = torch.zeros((rows, self.output_frames, mc.vocab_size), dtype=dtype,
+                                           pin_memory=on_cuda)
+        self._uploaded = torch.cuda.Event() if on_cuda else None
+        self._read_back = torch.cuda.Event() if on_cuda else None
+        self._batches = {}
+        for w in self.widths:
+            self._batches[w] = _StaticBatch(
+                xs=torch.zeros((w, self.input_frames, mc.input_dim), dtype=dtype, device=device),
+                meta=torch.zeros((w, 2), dtype=torch.int64, device=device),
+                tails=[torch.zeros(s.batch_shape(w), dtype=s.dtype or dtype, device=device) for s in self.specs],
+                cnn=torch.zeros((config.num_layers, w, config.cnn_cache_frames, config.hidden_dim), dtype=dtype,
+                                device=device),
+            )
+        self._plans: dict[int, list] = {}  # width -> pinned views (the graph's addresses)
+        for w in self.widths:  # build the slot caches' index stagers now, not inside a tick
+            self.states.views([], pad_to=w)
+            self.cnn.state.view(self.cnn.SPEC_NAME, [], pad_to=w)
+        self.runner = None
+        if graphs:
+            from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
+            from oasr.fast.paged_ops import load_kernels
+
+            capture = capture if capture is not None else CudaGraphCapture(device)
+            for w in self.widths:  # every row the padding lane: capture advances no stream
+                self._plan(self.att.get_paged_caches([], pad_to=w), w)
+            self.runner = GraphRunner(self._step, self.widths, capture, prepare=lambda: load_kernels(device))
+            self.runner.capture_all()
+
+    @property
+    def graphed(self) -> bool:
+        return self.runner is not None
+
+    @property
+    def graph_stats(self):
+        return None if self.runner is None else self.runner.stats
+
+    def pinned_host_tensors(self) -> list[torch.Tensor]:
+        """The host buffers that cross to and from the device (pinned on CUDA)."""
+        return [self._host_xs, self._host_meta, self._host_log_probs]
+
+    def static_buffers(self, width: int) -> list[torch.Tensor]:
+        """Every device tensor a step at ``width`` reads besides the pool and the table buffers."""
+        b = self._batches[width]
+        return [b.xs, b.meta, *b.tails, b.cnn]
+
+    # ---- host side ----------------------------------------------------------------------------
+    def host_inputs(self, width: int):
+        """``(features (w, T_in, input_dim), meta (w, 2) int64)``: the pinned rows the engine fills."""
+        if self._uploaded is not None and not self._uploaded.query():
+            self._uploaded.synchronize()  # the last upload still reads them (never in steady state)
+        return self._host_xs[:width], self._host_meta[:width]
+
+    def log_probs(self, width: int) -> torch.Tensor:
+        """The last tick's ``(w, T, vocab)`` log-probs as a fresh float32 CPU tensor (waits for the copy)."""
+        if self._read_back is not None:
+            self._read_back.synchronize()
+        return self._host_log_probs[:width].to(torch.float32, copy=True)
+
+    # ---- device side --------------------------------------------------------------------------
+    def _plan(self, views: list, width: int) -> list:
+        """The views with the worst-case maxima: launch parameters fixed per width."""
+        plan = self._plans.get(width)
+        if plan is None:
+            plan = [dataclasses.replace(v, max_span=self.worst_span, max_seqlen=self.worst_span) for v in views]
+            self._plans[width] = plan
+        elif views[0].block_table.data_ptr() != plan[0].block_table.data_ptr():
+            raise RuntimeError(f"FastModelTick: the width-{width} table buffers moved; the plan is stale")
+        return plan
+
+    def _step(self, width: int):
+        """The capture-safe step at ``width``: static batch in, ``(log_probs, chunk_lens, new_cnn, new_tails)``."""
+        b = self._batches[width]
+        return self.model.paged_chunk_core(b.xs, b.meta[:, 0], b.meta[:, 1], self._plans[width], b.cnn, b.tails,
+                                           self.ops)
+
+    def run(self, cohort: list, width: int) -> None:
+        """One model step for ``cohort`` padded to ``width`` (host inputs filled); issues the readback."""
+        self._plan(self.att.get_paged_caches(cohort, pad_to=width), width)
+        b = self._batches[width]
+        b.meta.copy_(self._host_meta[:width], non_blocking=True)
+        b.xs.copy_(self._host_xs[:width], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        views = self.states.views(cohort, pad_to=width)
+        cnn_view = self.cnn.state.view(self.cnn.SPEC_NAME, cohort, pad_to=width)
+        for spec, out in zip(self.specs, b.tails, strict=True):
+            v = views[spec.name]
+            torch.index_select(v.buffer, spec.slot_axis, v.index, out=out)
+        torch.index_select(cnn_view.buffer, cnn_view.spec.slot_axis, cnn_view.index, out=b.cnn)
+        log_probs, _, new_cnn, new_tails = self.runner.replay(width) if self.runner else self._step(width)
+        for spec, tail in zip(self.specs, new_tails, strict=True):
+            views[spec.name].scatter(tail)
+        cnn_view.scatter(new_cnn)
+        self._host_log_probs[:width].copy_(log_probs, non_blocking=True)
+        if self._read_back is not None:
+            self._read_back.record()
