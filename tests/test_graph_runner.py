@@ -1,0 +1,214 @@
+"""The graph runner's bookkeeping on the CPU, with a stand-in for CUDA-graph capture.
+
+The stand-in does what a capture fixes and nothing more: it records the storages
+the step reads that it did not allocate itself (a graph replays those addresses)
+and, on every replay, reruns the step and fails if it read any storage the
+capture did not see. So a step that reads a per-tick tensor -- a fresh index, a
+new view buffer -- fails here the way a CUDA graph would silently read stale
+memory. The outputs are copied into the captured ones, as a replay writes them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from oasr.engine import StreamingEngine
+from oasr.engine.tick import engine_widths
+from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
+from oasr.models import ConformerConfig, StreamingConformer
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+
+
+class _ExternalReads(TorchDispatchMode):
+    """Storages an op read that no earlier op of the same call produced."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.read = set(), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for t in _tensors((args, kwargs)):
+            p = t.untyped_storage().data_ptr()
+            if p not in self.made:
+                self.read.add(p)
+        for t in _tensors(out):
+            p = t.untyped_storage().data_ptr()
+            if p not in self.read:
+                self.made.add(p)
+        return out
+
+
+class StandInCapture:
+    """Capture strategy for the CPU: eager calls, with the address discipline of a graph checked."""
+
+    def __init__(self):
+        self.captured = []  # widths, in capture order
+        self.warmups = 0
+        self.replays = 0
+        self.began = self.ended = False
+
+    def begin(self):
+        self.began = True
+
+    def capture(self, fn, warmup):
+        for _ in range(warmup):
+            fn()
+            self.warmups += 1
+        with _ExternalReads() as reads:
+            outputs = fn()
+        self.captured.append(len(self.captured))
+        return {"fn": fn, "reads": reads.read, "outputs": outputs}, outputs
+
+    def replay(self, handle):
+        with _ExternalReads() as reads:
+            fresh = handle["fn"]()
+        extra = reads.read - handle["reads"]
+        assert not extra, f"a replay read {len(extra)} storage(s) the capture never saw (not static)"
+        self.replays += 1
+        for mine, new in zip(_tensors(handle["outputs"]), _tensors(fresh), strict=True):
+            mine.copy_(new)  # a replay writes the captured outputs
+
+    def end(self):
+        self.ended = True
+        return 12345
+
+
+# ---- GraphRunner on its own -------------------------------------------------------------------
+def test_runner_captures_each_width_once_largest_first_and_replays_into_the_captured_outputs():
+    static = {w: torch.zeros(w) for w in (1, 2, 4)}
+    calls = []
+
+    def step(width):
+        calls.append(width)
+        return static[width] * 2 + 1
+
+    capture = StandInCapture()
+    prepared = []
+    runner = GraphRunner(step, [2, 1, 4, 4], capture, prepare=lambda: prepared.append(True), warmup=2)
+    assert runner.widths == (4, 2, 1) and not runner.captured
+    stats = runner.capture_all()
+    assert prepared == [True] and capture.began and capture.ended
+    assert stats.widths == (4, 2, 1) and stats.num_graphs == 3 and stats.memory_bytes == 12345
+    assert calls == [4, 4, 4, 2, 2, 2, 1, 1, 1]  # two warm-ups and one capture per width
+    assert runner.capture_all() is stats and len(calls) == 9  # captured once
+    out4 = runner.outputs(4)
+    static[4].fill_(3.0)
+    assert runner.replay(4) is out4 and torch.equal(out4, torch.full((4,), 7.0))
+    out2 = runner.replay(2)
+    assert torch.equal(out4, torch.full((4,), 7.0))  # another width leaves it alone
+    assert torch.equal(out2, torch.ones(2))
+    with pytest.raises(KeyError, match="no graph for width 8"):
+        runner.replay(8)
+
+
+def test_stand_in_fails_a_step_that_reads_a_fresh_tensor():
+    holder = {"x": torch.ones(3)}
+    runner = GraphRunner(lambda w: holder["x"] * 2, [1], StandInCapture())
+    runner.capture_all()
+    runner.replay(1)
+    holder["x"] = torch.ones(3)  # a new tensor at a new address: a graph would read the old one
+    with pytest.raises(AssertionError, match="not static"):
+        runner.replay(1)
+
+
+def test_runner_refuses_bad_widths():
+    with pytest.raises(ValueError, match="positive"):
+        GraphRunner(lambda w: None, [], StandInCapture())
+    with pytest.raises(ValueError, match="positive"):
+        GraphRunner(lambda w: None, [0, 2], StandInCapture())
+
+
+def test_cuda_capture_refuses_the_cpu():
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        CudaGraphCapture("cpu")
+
+
+# ---- the engine -------------------------------------------------------------------------------
+def make_model():
+    return StreamingConformer(ConformerConfig(chunk_size=4, num_left_chunks=2, seed=5))
+
+
+def test_engine_on_cpu_runs_eager_and_says_so():
+    model = make_model()
+    engine = StreamingEngine(model, model.config.cache_config(max_batch_size=4), twin="fast")
+    assert engine.execution == "eager" and "CUDA graphs need a CUDA device" in engine.execution_note
+    assert engine.model_tick is not None and not engine.model_tick.graphed
+    ref = StreamingEngine(model, model.config.cache_config(max_batch_size=4), twin="reference")
+    assert ref.execution == "eager" and ref.model_tick is None and "reference" in ref.execution_note
+
+
+def test_engine_refuses_graphs_on_cpu_and_for_the_reference_twin():
+    model = make_model()
+    cfg = model.config.cache_config(max_batch_size=4)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        StreamingEngine(model, cfg, twin="fast", cuda_graphs=True)
+    with pytest.raises(ValueError, match="needs twin='fast'"):
+        StreamingEngine(model, cfg, twin="reference", cuda_graphs=True)
+    with pytest.raises(ValueError, match="None, True or False"):
+        StreamingEngine(model, cfg, twin="fast", cuda_graphs="yes")
+
+
+@pytest.mark.parametrize("max_batch_size,widths", [(8, [1, 2, 4, 8]), (6, [1, 2, 4, 6]), (1, [1])])
+def test_engine_widths_are_the_cohort_widths(max_batch_size, widths):
+    model = make_model()
+    engine = StreamingEngine(model, model.config.cache_config(max_batch_size=max_batch_size), twin="fast")
+    assert engine_widths(max_batch_size) == widths
+    assert sorted({engine.cohort_width(n) for n in range(1, max_batch_size + 1)}) == widths
+
+
+def drive(engine, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [16 * 7 + 3, 40, 9, 16 * 5, 16 * 9 + 11, 33, 16 * 3]
+    feats = {f"s{i}": torch.randn(n, 20, generator=g) for i, n in enumerate(lengths)}
+    pos = dict.fromkeys(feats, 0)
+    for tick in range(80):
+        for i, (sid, f) in enumerate(feats.items()):
+            if tick == i // 2:
+                engine.add_stream(sid)
+            if tick >= i // 2 and pos[sid] < f.shape[0]:
+                n = int(torch.randint(0, 30, (1,), generator=g))
+                engine.push(sid, f[pos[sid] : pos[sid] + n])
+                pos[sid] += n
+                if pos[sid] >= f.shape[0]:
+                    engine.end_stream(sid)
+        engine.step()
+        if all(engine.status(s) == "finished" for s in feats if s in engine._streams) and len(engine._streams) == 7:
+            break
+    return {sid: engine.result(sid) for sid in feats}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+def test_graphed_engine_with_stand_in_captures_every_width_and_matches_eager(kv_cache_dtype):
+    model = make_model()
+    cfg = model.config.cache_config(max_batch_size=8, block_size_frames=3, kv_cache_dtype=kv_cache_dtype)
+    capture = StandInCapture()
+    graphed = StreamingEngine(model, cfg, twin="fast", cuda_graphs=True, graph_capture=capture, keep_log_probs=True)
+    eager = StreamingEngine(model, cfg, twin="fast", cuda_graphs=False, keep_log_probs=True)
+    tick = graphed.model_tick
+    assert graphed.execution == "graphed" and tick.graphed and eager.execution == "eager"
+    assert tick.graph_stats.widths == (8, 4, 2, 1) and capture.warmups == 2 * 4
+    assert graphed.execution_note.startswith("graphed: 4 CUDA graphs")
+    # capture ran every row on the padding lane: no stream exists, nothing was allocated from the pool
+    assert graphed.pool.num_used_blocks == 0
+    static = {w: [t.data_ptr() for t in tick.static_buffers(w)] for w in tick.widths}
+    got, want = drive(graphed), drive(eager)
+    assert capture.replays == sum(1 for s in graphed.stats if s.width)
+    assert len({s.width for s in graphed.stats} - {0}) >= 3  # several widths replayed
+    assert static == {w: [t.data_ptr() for t in tick.static_buffers(w)] for w in tick.widths}
+    for sid in want:
+        assert got[sid].tokens == want[sid].tokens
+        assert torch.equal(got[sid].log_probs, want[sid].log_probs), sid
