@@ -20,6 +20,7 @@ SECTIONS = {
     "stream_cost": ("oasr.bench.stream_cost", "section", False),
     "ctc": ("oasr.bench.ctc", "section", False),
     "fp8": ("oasr.bench.fp8", "section", True),
+    "graphs": ("oasr.bench.graphs", "section", True),  # CUDA only: one "skipped" row on the CPU
 }
 
 
