@@ -10,6 +10,8 @@
 #   3. `python -m oasr bench --quick --device cuda` (its attention section compares v1, v2, SDPA on
 #      gathered K/V and FlashInfer at the ASR shape: oasr/bench/attention_gpu.py)
 #                                                -> DIR/bench.json (rows), DIR/bench.log (tables)
+#   4. the graphs bench (engine tick, CUDA-graphed vs eager) -> DIR/bench-graphs.json, DIR/bench-graphs.log
+#      (the graphed-engine tests, tests/test_graphs_cuda.py, run with the cuda tests in step 1)
 #   DIR/summary.txt: the exit codes.
 # The device machine may have no network. Wheels carried in ./wheels are installed when present
 # (all optional): e.g. `pip download -d wheels pytest hypothesis tqdm numpy cuda-python
@@ -69,6 +71,11 @@ timeout 120 $PY -m oasr bench --quick --device cuda --sections attention,fp8,boo
 bench_rc=$?
 echo "bench exit code $bench_rc" | tee -a "$DIR/bench.log"
 grep -A 40 "== attention" "$DIR/bench.log" | head -60
+
+echo "== graphs bench"
+timeout 120 $PY -m oasr bench --quick --device cuda --sections graphs --json "$DIR/bench-graphs.json" \
+    >"$DIR/bench-graphs.log" 2>&1
+echo "graphs bench exit code $?" | tee -a "$DIR/bench-graphs.log"
 
 echo "tests rc=$tests_rc kernels rc=$kernels_rc bench rc=$bench_rc" | tee "$DIR/summary.txt"
 if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then

@@ -248,6 +248,7 @@ def summary(engine, workload, wall: float, args) -> list[str]:
         f"  frames      {input_frames} feature frames ({audio:.1f} s of audio) -> {encoder_frames} encoder frames",
         f"  wall        {wall:.2f} s: {input_frames / wall:.0f} feature frames/s, {audio / wall:.1f}x real time",
         f"  ticks       {engine.tick}, cohort widths used {widths}",
+        f"  model step  {engine.execution_note}",
         f"  peak pool   {peak.used_blocks}/{cfg.max_num_blocks} blocks "
         f"({100 * peak.used_blocks / cfg.max_num_blocks:.1f}%) at tick {peak.tick}; "
         f"peak active {max(s.active for s in engine.stats)}, "
@@ -293,6 +294,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"{flag} needs a bounded window, but --num-left-chunks -1 asks for unlimited history; "
                      f"give --num-left-chunks >= 1 or leave it out (4)")
     check_device(parser, args.device)
+    if args.cuda_graphs and (torch.device(args.device).type != "cuda" or args.twin != "fast"):
+        parser.error(f"--cuda-graphs needs --device cuda and --twin fast (got --device {args.device}, --twin "
+                     f"{args.twin}): graphs capture the fast twin's model step on a GPU; the CPU runs eager")
     if args.plot:
         check_output_path(parser, args.plot, "--plot")
     try:
@@ -329,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="PNG of pool occupancy and streams over ticks ('': no plot)")
     parser.add_argument("--suspend-every", type=int, default=0, metavar="N",
                         help="every N ticks suspend one active stream to session bytes and resume it (default 0: off)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="replay one CUDA graph per cohort width for the model step (default: on for the fast "
+                             "twin on CUDA; the CPU always runs eager)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the model's weights")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -342,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = make_workload(args.streams, model.config.input_dim, args.seed)
     ctc_config = decoder_config(args)
     engine = StreamingEngine(model, cache_config, twin=args.twin, decoder=args.decoder, ctc_config=ctc_config,
-                             keep_log_probs=args.check_sample > 0)
+                             keep_log_probs=args.check_sample > 0, cuda_graphs=args.cuda_graphs)
     total = sum(s.features.shape[0] for s in workload)
     progress = tqdm(total=total, unit="frame", unit_scale=True, desc="demo", disable=args.quiet, file=sys.stderr)
     start = time.perf_counter()
