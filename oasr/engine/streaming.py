@@ -3,15 +3,19 @@
 Works with either twin (``twin="reference"`` or ``"fast"``); it only calls the
 managers' public API and the model's ``forward_chunk_paged``. One tick::
 
-    1. admit    waiting streams in arrival order, while a slot is free and the pool
-                can still hold one more stream's worst case (``blocks_per_stream``)
+    1. admit    waiting streams, shortest buffered input first but any stream that has
+                waited ``max_wait_time`` ticks ahead of newer ones (``admission_order``),
+                while a slot is free and the pool can still hold one more stream's
+                worst case (``blocks_per_stream``)
     2. pick     active streams holding a whole chunk (4 * chunk_size feature frames)
                 or, once ended, a last short chunk
     3. capacity a picked stream whose chunk would pass its block ceiling (unlimited
                 history) finishes now with what it has: finish_reason="length"
     4. prepare  att.prepare_chunks_batched(cohort, frames)   one pool allocation
-    5. forward  model.forward_chunk_paged on the cohort padded to a power of two
-                (padding rows ride the padding lane: scratch block, lane slot)
+    5. forward  the model on the cohort padded to a power of two (padding rows ride
+                the padding lane: scratch block, lane slot); for the fast twin the
+                capture-safe step of ``oasr.engine.tick`` (eager, or one CUDA graph
+                replay per width), for the reference ``model.forward_chunk_paged``
     6. commit   att.commit_chunks_batched (advance, evict) and cnn.update; the
                 subsampling tails were scattered back by the forward
     7. decode   the cohort's valid log-probs go through the pooled CTC prefix beam
