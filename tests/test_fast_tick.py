@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import oasr
 from oasr import fast
+from oasr.fast.capture_check import iter_tensors as _tensors
 from oasr.fast.staging import Stager
 
 GEOMETRIES = {
@@ -89,17 +90,6 @@ class OpRecorder(TorchDispatchMode):
 
     def names(self) -> list[str]:
         return [name for name, _, _ in self.ops]
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for x in tree:
-            yield from _tensors(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _tensors(x)
 
 
 @contextmanager

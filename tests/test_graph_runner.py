@@ -16,19 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from oasr.engine import StreamingEngine
 from oasr.engine.tick import engine_widths
+from oasr.fast.capture_check import iter_tensors
 from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
 from oasr.models import ConformerConfig, StreamingConformer
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for x in tree:
-            yield from _tensors(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _tensors(x)
+from tests.test_engine import drive
 
 
 class _ExternalReads(TorchDispatchMode):
@@ -41,11 +32,11 @@ class _ExternalReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        for t in _tensors((args, kwargs)):
+        for t in iter_tensors((args, kwargs)):
             p = t.untyped_storage().data_ptr()
             if p not in self.made:
                 self.read.add(p)
-        for t in _tensors(out):
+        for t in iter_tensors(out):
             p = t.untyped_storage().data_ptr()
             if p not in self.read:
                 self.made.add(p)
@@ -79,7 +70,7 @@ class StandInCapture:
         extra = reads.read - handle["reads"]
         assert not extra, f"a replay read {len(extra)} storage(s) the capture never saw (not static)"
         self.replays += 1
-        for mine, new in zip(_tensors(handle["outputs"]), _tensors(fresh), strict=True):
+        for mine, new in zip(iter_tensors(handle["outputs"]), iter_tensors(fresh), strict=True):
             mine.copy_(new)  # a replay writes the captured outputs
 
     def end(self):
@@ -170,24 +161,12 @@ def test_engine_widths_are_the_cohort_widths(max_batch_size, widths):
     assert sorted({engine.cohort_width(n) for n in range(1, max_batch_size + 1)}) == widths
 
 
-def drive(engine, seed=0):
+def drive_streams(engine, seed=0):
+    """Seven streams of mixed lengths arriving over time (tests/test_engine.py's driver); their results."""
     g = torch.Generator().manual_seed(seed)
     lengths = [16 * 7 + 3, 40, 9, 16 * 5, 16 * 9 + 11, 33, 16 * 3]
     feats = {f"s{i}": torch.randn(n, 20, generator=g) for i, n in enumerate(lengths)}
-    pos = dict.fromkeys(feats, 0)
-    for tick in range(80):
-        for i, (sid, f) in enumerate(feats.items()):
-            if tick == i // 2:
-                engine.add_stream(sid)
-            if tick >= i // 2 and pos[sid] < f.shape[0]:
-                n = int(torch.randint(0, 30, (1,), generator=g))
-                engine.push(sid, f[pos[sid] : pos[sid] + n])
-                pos[sid] += n
-                if pos[sid] >= f.shape[0]:
-                    engine.end_stream(sid)
-        engine.step()
-        if all(engine.status(s) == "finished" for s in feats if s in engine._streams) and len(engine._streams) == 7:
-            break
+    drive(engine, feats, {sid: i // 2 for i, sid in enumerate(feats)}, seed)
     return {sid: engine.result(sid) for sid in feats}
 
 
@@ -205,7 +184,7 @@ def test_graphed_engine_with_stand_in_captures_every_width_and_matches_eager(kv_
     # capture ran every row on the padding lane: no stream exists, nothing was allocated from the pool
     assert graphed.pool.num_used_blocks == 0
     static = {w: [t.data_ptr() for t in tick.static_buffers(w)] for w in tick.widths}
-    got, want = drive(graphed), drive(eager)
+    got, want = drive_streams(graphed), drive_streams(eager)
     assert capture.replays == sum(1 for s in graphed.stats if s.width)
     assert len({s.width for s in graphed.stats} - {0}) >= 3  # several widths replayed
     assert static == {w: [t.data_ptr() for t in tick.static_buffers(w)] for w in tick.widths}

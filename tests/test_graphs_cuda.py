@@ -15,6 +15,7 @@ import torch
 from oasr.engine import StreamingEngine
 from oasr.engine.tick import engine_widths
 from oasr.models import ConformerConfig, StreamingConformer
+from tests.test_engine import drive
 
 pytestmark = [
     pytest.mark.cuda,
@@ -38,25 +39,12 @@ def build(fmt: str, cuda_graphs: bool, num_left_chunks: int = 2, max_batch_size:
     return StreamingEngine(model, cfg, twin="fast", cuda_graphs=cuda_graphs, keep_log_probs=True)
 
 
-def drive(engine, streams: int = 11, seed: int = 0):
-    """Streams of mixed lengths arriving over time, pushed in uneven pieces; returns their results."""
+def drive_streams(engine, streams: int = 11, seed: int = 0):
+    """Streams of mixed lengths arriving over time, pushed in uneven pieces (tests/test_engine.py's driver)."""
     g = torch.Generator().manual_seed(seed)
     feats = {f"s{i}": torch.randn(int(torch.randint(9, 16 * 9, (1,), generator=g)), 20, generator=g)
              for i in range(streams)}
-    pos = dict.fromkeys(feats, 0)
-    for tick in range(400):
-        for i, (sid, f) in enumerate(feats.items()):
-            if tick == i:
-                engine.add_stream(sid)
-            if tick >= i and pos[sid] < f.shape[0]:
-                n = int(torch.randint(0, 30, (1,), generator=g))
-                engine.push(sid, f[pos[sid] : pos[sid] + n].to(engine.config.dtype))
-                pos[sid] += n
-                if pos[sid] >= f.shape[0]:
-                    engine.end_stream(sid)
-        engine.step()
-        if tick >= streams and all(engine.status(s) == "finished" for s in feats):
-            break
+    drive(engine, feats, {sid: i for i, sid in enumerate(feats)}, seed, max_ticks=400)
     return {sid: engine.result(sid) for sid in feats}
 
 
@@ -68,7 +56,7 @@ def test_graphed_engine_equals_eager_bit_for_bit(fmt, num_left_chunks):
     assert graphed.execution == "graphed" and eager.execution == "eager"
     stats = graphed.model_tick.graph_stats
     assert stats.widths == tuple(sorted(engine_widths(8), reverse=True)) and stats.memory_bytes >= 0
-    got, want = drive(graphed), drive(eager)
+    got, want = drive_streams(graphed), drive_streams(eager)
     assert len({s.width for s in graphed.stats} - {0}) >= 3
     for sid in want:
         assert got[sid].tokens == want[sid].tokens, sid

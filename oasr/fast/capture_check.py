@@ -115,15 +115,16 @@ class TickRecord:
         return "\n".join(lines)
 
 
-def _tensors(tree):
+def iter_tensors(tree):
+    """Every tensor in a nest of lists, tuples and dicts (an op's arguments or outputs)."""
     if isinstance(tree, torch.Tensor):
         yield tree
     elif isinstance(tree, (list, tuple)):
         for x in tree:
-            yield from _tensors(x)
+            yield from iter_tensors(x)
     elif isinstance(tree, dict):
         for x in tree.values():
-            yield from _tensors(x)
+            yield from iter_tensors(x)
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -256,8 +257,8 @@ class CaptureSafetyChecker:
             return
         name = func._schema.name
         record.op_names.append(str(func))
-        inputs = list(_tensors((args, kwargs)))
-        outputs = list(_tensors(out))
+        inputs = list(iter_tensors((args, kwargs)))
+        outputs = list(iter_tensors(out))
         written = self._written(func, args, kwargs)
         if name in SYNC_OPS:
             self._violation(f"host sync: {func}")
@@ -268,7 +269,7 @@ class CaptureSafetyChecker:
             self._violation(f"data-dependent output shape: {func} with tensor repeats")
         if name in INDEX_OPS:
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-            if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in _tensors(list(indices or ()))):
+            if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in iter_tensors(list(indices or ()))):
                 self._violation(f"data-dependent output shape: {func} with a boolean mask")
         if name in FRESH_OPS:
             self._violation(f"pageable host-to-device copy: {func} (a tensor made from Python data)")
@@ -314,7 +315,7 @@ class CaptureSafetyChecker:
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-                out += list(_tensors(value))
+                out += list(iter_tensors(value))
         return out
 
     # ---- what bypasses the dispatcher ---------------------------------------------------------
@@ -396,7 +397,7 @@ class CaptureSafetyChecker:
                     result = fn(*args, **kwargs)
             finally:
                 checker._record = record
-            for t in _tensors(result):
+            for t in iter_tensors(result):
                 checker._kind[_ptr(t)] = DEVICE  # what a kernel writes is device memory
             return result
 
