@@ -207,3 +207,10 @@ def test_demo_prints_the_path_and_refuses_graphs_on_cpu(capsys):
         oasr_main(["demo", "--streams", "3", "--quiet", "--plot", "", "--cuda-graphs"])
     assert exit_info.value.code == 2
     assert "--cuda-graphs needs --device cuda and --twin fast" in capsys.readouterr().err
+
+
+def test_graphs_bench_section_says_it_needs_cuda_on_the_cpu():
+    from oasr.bench.graphs import section
+
+    rows = section(quick=True, device="cpu")
+    assert len(rows) == 1 and rows[0]["case"] == "skipped" and "CUDA" in rows[0]["note"]
