@@ -144,3 +144,44 @@ def test_unlimited_history_tick_is_capture_safe():
     _, records = run_checked("fp32 pages", streams=4, num_left_chunks=-1)
     assert all(r.violations == [] for r in records)
     assert all(r.launch_keys == records[0].launch_keys for r in records)
+
+
+# ---- the pinned launch plan on the kernels ----------------------------------------------------
+def _emulation_missing():
+    from oasr.fast.kernels import emulation
+
+    try:
+        emulation.emulation_toolchain()
+    except emulation.EmulationUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(_emulation_missing() is not None, reason=f"kernel emulation unavailable: {_emulation_missing()}")
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+def test_worst_case_plan_on_the_kernels_equals_offline(monkeypatch, kv_cache_dtype):
+    """The engine's step on the emulated CUDA kernels (the launchers a GPU runs), with the worst-case plan:
+    the key range is split for the longest stream the config allows, so most splits of a young stream hold
+    no key at all. Streams must still equal the offline forward."""
+    from oasr.fast.kernels.ops import choose_num_splits
+    from oasr.reference.fp8 import dequantize, quantize
+
+    monkeypatch.setenv("OASR_CPU_BACKEND", "emulated")
+    model = StreamingConformer(ConformerConfig(hidden_dim=32, n_head=2, n_kv_head=1, head_dim=64, chunk_size=4,
+                                               num_left_chunks=-1, seed=7))
+    cfg = model.config.cache_config(max_batch_size=2, block_size_frames=4, max_blocks_per_seq=64,
+                                    kv_cache_dtype=kv_cache_dtype)
+    engine = StreamingEngine(model, cfg, twin="fast", keep_log_probs=True)
+    worst = engine.model_tick.worst_span
+    assert worst == 256 and choose_num_splits(2, 1, 1, worst + 4, 4) == 4  # emulated sm_count 4: four splits
+    g = torch.Generator().manual_seed(0)
+    feats = {sid: torch.randn(16 * 6 + 5 * sid, 20, generator=g) for sid in range(2)}
+    for sid, f in feats.items():
+        engine.add_stream(sid)
+        engine.push(sid, f)
+        engine.end_stream(sid)
+    engine.run()
+    transform = None if kv_cache_dtype is None else (lambda x: dequantize(*quantize(x), x.dtype))
+    for sid, f in feats.items():
+        offline = model.forward_offline(f[None], kv_transform=transform)[0][0]
+        assert (engine.result(sid).log_probs - offline).abs().max().item() <= 1e-5, sid
