@@ -32,11 +32,17 @@ per storage:
 * Inside the region, an op's outputs are device memory if any input is device
   memory or the op has no tensor input (a factory: ``empty``, ``arange``, ``full``
   made in device code). ``lift_fresh`` (``torch.tensor`` / ``torch.as_tensor`` of
-  Python data) makes pageable host memory, and is itself a violation: on CUDA with
-  ``device=`` it is a pageable copy. Outputs of ops whose inputs are all host memory
-  are pageable host memory.
+  Python data, and a Python scalar written through an index) is itself a violation:
+  on CUDA it is a pageable copy. Its output then counts as the device tensor it
+  would become, so one mistake is reported once. Outputs of ops whose inputs are all
+  host memory are pageable host memory. Each region starts again from the
+  declarations (roots are walked anew): an address classified in an earlier region
+  may since have been freed and reused.
 * Every other storage -- anything made before the region that nobody declared, such
   as the feature tensors a client pushed -- is pageable host memory.
+
+What this cannot see: a host tensor declared by mistake as device memory (the
+roots define the device), and work done in numpy (host only, by construction).
 
 A violation is then: an op writing device memory that reads a pageable host tensor
 of one element or more (0-dim CPU scalars are kernel arguments on CUDA, not copies);
@@ -60,7 +66,7 @@ own freedom from syncs is checked on hardware (tests/test_kernels_cuda.py).
 Usage::
 
     checker = CaptureSafetyChecker()
-    checker.declare_device(model, engine.pool, engine.att, ...)
+    checker.declare_device(model, engine.pool, engine.att, ...)   # or watch_engine(engine)
     with checker.region("tick 3, width 4") as record:
         ...
     record.violations      # [] when capture-safe
