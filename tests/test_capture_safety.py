@@ -85,8 +85,8 @@ def test_the_public_forward_with_host_lists_is_flagged():
         engine.add_stream(sid)
         engine.push(sid, torch.randn(16, 20))
     engine.step()  # admitted, one chunk each
-    caches = engine.att.get_paged_caches([0, 1])
     engine.att.prepare_chunks_batched([0, 1])
+    caches = engine.att.get_paged_caches([0, 1])
     checker = watch_engine(engine)
     with checker.region("public forward") as record:
         model.forward_chunk_paged(torch.zeros(2, 16, 20), [4, 4], caches, engine.cnn.get_cache([0, 1]),

@@ -32,6 +32,8 @@ class _ExternalReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func._schema.name in ("aten::lift_fresh", "aten::lift_fresh_copy"):  # made from Python data just now
+            self.made.update(t.untyped_storage().data_ptr() for t in iter_tensors(args))
         for t in iter_tensors((args, kwargs)):
             p = t.untyped_storage().data_ptr()
             if p not in self.made:

@@ -98,7 +98,7 @@ class FastModelTick:
                 cnn=torch.zeros((config.num_layers, w, config.cnn_cache_frames, config.hidden_dim), dtype=dtype,
                                 device=device),
             )
-        self._plans: dict[int, list] = {}  # width -> pinned views (the graph's addresses)
+        self._plans: dict[int, list] = {}  # width -> this tick's pinned views (over the graph's addresses)
         for w in self.widths:  # build the slot caches' index stagers now, not inside a tick
             self.states.views([], pad_to=w)
             self.cnn.state.view(self.cnn.SPEC_NAME, [], pad_to=w)
@@ -145,13 +145,16 @@ class FastModelTick:
 
     # ---- device side --------------------------------------------------------------------------
     def _plan(self, views: list, width: int) -> list:
-        """The views with the worst-case maxima: launch parameters fixed per width."""
-        plan = self._plans.get(width)
-        if plan is None:
-            plan = [dataclasses.replace(v, max_span=self.worst_span, max_seqlen=self.worst_span) for v in views]
-            self._plans[width] = plan
-        elif views[0].block_table.data_ptr() != plan[0].block_table.data_ptr():
-            raise RuntimeError(f"FastModelTick: the width-{width} table buffers moved; the plan is stale")
+        """The views with the worst-case maxima: launch parameters fixed per width.
+
+        Rebuilt every tick (the views' host-side fields, such as ``prepared_frames``, follow the
+        cohort), over the same per-width table buffers a captured graph reads.
+        """
+        plan = [dataclasses.replace(v, max_span=self.worst_span, max_seqlen=self.worst_span) for v in views]
+        first = self._plans.get(width)
+        if first is not None and plan[0].block_table.data_ptr() != first[0].block_table.data_ptr():
+            raise RuntimeError(f"FastModelTick: the width-{width} table buffers moved; a captured graph is stale")
+        self._plans[width] = plan
         return plan
 
     def _step(self, width: int):
