@@ -23,8 +23,8 @@ import torch
 
 # The .cu sources live at the repository root (editable install); OASR_KERNELS_DIR overrides.
 KERNELS_DIR = Path(os.environ.get("OASR_KERNELS_DIR") or Path(__file__).resolve().parents[3] / "kernels_cu")
-SHARED_HEADERS = ("common.cuh",)
-EMULATION_HEADERS = ("emu/simt_emu.h",)
+SHARED_HEADERS = ("common.cuh", "warp_mma.cuh")
+EMULATION_HEADERS = ("emu/simt_emu.h", "emu/warp_emu.h")
 
 # Template arguments for each dtype the kernels take.
 DTYPE_ARG = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
