@@ -42,6 +42,8 @@ CXX_FLAGS = (
 # Grid size the launchers use for the emulator's notional "SM count" when they
 # size split-K grids (small, so tests exercise the split path on small inputs).
 EMULATED_SM_COUNT = 4
+# CTAs "resident" per emulated SM, for launchers that size grids by waves (attention v2).
+EMULATED_RESIDENT_CTAS = 2
 
 _CTYPE = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
 _CDECL = {"ptr": "const void*", "i32": "int", "f32": "float"}
@@ -213,6 +215,10 @@ class EmulatedExecutor:
         build()  # one parallel build of every family
         for family in registry.families():
             _library(family)
+
+    def resident_ctas(self, kernel: registry.Kernel, targs: tuple[str, ...], threads: int) -> int:
+        """CTAs per SM for the wave arithmetic: a parameter here (EMULATED_RESIDENT_CTAS), not a measurement."""
+        return EMULATED_RESIDENT_CTAS
 
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
         registry.check_grid(kernel, grid)

@@ -252,6 +252,7 @@ class CudaExecutor:
         self.arch = device_arch(self.device)
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernels: dict[str, object] = {}  # name expression -> cuda.core Kernel
+        self._resident: dict[str, int] = {}  # name expression -> CTAs per SM (occupancy, read once)
 
     def _load_family(self, family: str) -> None:
         from cuda.core import ObjectCode
@@ -266,6 +267,16 @@ class CudaExecutor:
         """Compile (or read from the cache) and load every kernel now, e.g. before graph capture."""
         for family in registry.families():
             self._load_family(family)
+
+    def resident_ctas(self, kernel: registry.Kernel, targs: tuple[str, ...], threads: int) -> int:
+        """CTAs of this instantiation resident per SM on this device (the driver's occupancy query)."""
+        expr = kernel.name_expression(targs)
+        if expr not in self._resident:
+            if expr not in self._kernels:
+                self._load_family(kernel.family)
+            occupancy = self._kernels[expr].occupancy
+            self._resident[expr] = max(1, int(occupancy.max_active_blocks_per_multiprocessor(threads, 0)))
+        return self._resident[expr]
 
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
         from cuda.core import LaunchConfig, Stream, launch

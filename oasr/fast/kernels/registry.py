@@ -60,6 +60,17 @@ _DTYPE_FP8_HEAD = tuple((t, str(d)) for t in DTYPE_ARG.values() for d in FP8_HEA
 # Attention: (model dtype, page type, head_dim), pages in the model dtype or in fp8.
 _ATTENTION = tuple((t, page, str(d)) for t in DTYPE_ARG.values() for page in (t, FP8_ARG) for d in HEAD_DIMS)
 
+# Attention v2 (tensor cores): 16-bit model dtypes only, block size a template parameter.
+V2_DTYPE_ARG = {t: a for t, a in DTYPE_ARG.items() if t != torch.float32}
+V2_BLOCK_SIZES = (8, 16, 32, 64)
+_ATTENTION_V2 = tuple(
+    (t, page, str(d), str(bs))
+    for t in V2_DTYPE_ARG.values()
+    for page in (t, FP8_ARG)
+    for d in HEAD_DIMS
+    for bs in V2_BLOCK_SIZES
+)
+
 KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::paged_kv_append_kernel",
@@ -128,6 +139,33 @@ KERNELS: tuple[Kernel, ...] = (
             ("causal", "i32"),
         ),
         instances=_ATTENTION,
+    ),
+    Kernel(
+        name="oasr::paged_chunk_attention_v2_kernel",
+        family="paged_chunk_attention_v2",
+        params=(
+            ("q", "ptr"),
+            ("k_cache", "ptr"),
+            ("v_cache", "ptr"),
+            ("k_scale", "ptr"),
+            ("v_scale", "ptr"),
+            ("block_table", "ptr"),
+            ("table_stride", "i32"),
+            ("cache_seqlens", "ptr"),
+            ("cache_seqstarts", "ptr"),
+            ("chunk_lens", "ptr"),
+            ("out", "ptr"),
+            ("part_acc", "ptr"),
+            ("part_ml", "ptr"),
+            ("n_head", "i32"),
+            ("n_kv_head", "i32"),
+            ("num_frames", "i32"),
+            ("num_splits", "i32"),
+            ("split_len", "i32"),
+            ("scale_log2", "f32"),
+            ("causal", "i32"),
+        ),
+        instances=_ATTENTION_V2,
     ),
     Kernel(
         name="oasr::paged_attention_combine_kernel",
