@@ -25,6 +25,10 @@
 //               barrier per shuffle suffices. The `mask` argument is ignored:
 //               every lane of the warp must take part (the kernels only shuffle
 //               in converged code). `width` is honoured for xor/down/idx.
+//   mma, ldmatrix, cp.async   emu/warp_emu.h (included through warp_mma.cuh):
+//               warp-collective fragment exchange through a second per-warp
+//               buffer (`fragments`); cp.async copies queued per thread
+//               (ThreadState::async_copies) and performed at wait_group.
 //   types       __half, __nv_bfloat16 and __nv_fp8_e4m3/e5m2 come from the CUDA
 //               toolkit's headers, which compile as host code under g++ and
 //               round like the device does. dim3/uint3/float4/uint4 come from
