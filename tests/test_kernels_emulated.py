@@ -14,6 +14,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from oasr.fast import paged_ops as fast
 from oasr.fast.kernels import emulation, ops, registry
@@ -309,7 +311,7 @@ def test_v2_long_range_reloads_its_block_table_window(emu):
     # keys), in one split and with the last split running long (stale max_span).
     from dataclasses import replace
 
-    s = make_scenario(4, batch=1, n_kv_head=1, group=2, num_frames=4, head_dim=64, block_size=8,
+    s = make_scenario(16, batch=1, n_kv_head=1, group=2, num_frames=4, head_dim=64, block_size=8,
                       max_history=1400, dtype=torch.float16, with_seqstarts=False)  # fmt: skip
     assert int(s.cache.cache_seqlens[0]) > 1100  # the precondition this test is about
     ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
@@ -347,3 +349,48 @@ def test_split_count_by_waves():
     assert ops.choose_num_splits_by_waves(4, 1040, 132 * 4) == 15  # few CTAs: 1/15 is within 10% of 1/16 (the most)
     assert ops.choose_num_splits_by_waves(4, 100, 8) == 1  # too short to split
     assert ops.choose_num_splits_by_waves(3, 10_000, 8) == 5  # 15 CTAs, 2 waves: 0.4, within 10% of 3/8
+
+
+# -- v2 over random geometries (hypothesis) --------------------------------------------------------
+
+V2_GEOMETRIES = st.fixed_dictionaries(
+    dict(
+        batch=st.integers(1, 2),
+        n_kv_head=st.integers(1, 2),
+        group=st.sampled_from([1, 2, 3, 4, 8]),  # group x chunk up to 128 rows: 1 or 2 query tiles of 64
+        num_frames=st.integers(1, 16),
+        head_dim=st.sampled_from([64, 128]),
+        block_size=st.sampled_from(V2_BLOCK_SIZES),
+        max_history=st.integers(0, 100),
+        dtype=st.sampled_from(V2_DTYPES),
+    )
+)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    geo=V2_GEOMETRIES,
+    seed=st.integers(0, 2**16),
+    causal=st.booleans(),
+    fp8=st.booleans(),
+    num_splits=st.sampled_from([None, 1, 2, 3]),
+)
+def test_v2_matches_reference_on_random_geometries(emu, geo, seed, causal, fp8, num_splits):
+    from oasr.fast.kernels.testing import to_fp8
+
+    s = make_scenario(seed, **geo)
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    if fp8:
+        s = to_fp8(s)
+    out = emulated_attention("v2", s.q, s.cache, s.chunk_lens, causal=causal, num_splits=num_splits)
+    q32 = s.q.float()
+    c32 = s.cache if fp8 else s.to(torch.float32).cache
+    ref32 = ref.paged_attention(q32, c32, s.chunk_lens, causal=causal)
+    ref_abs_v = ref.paged_attention(q32, with_abs_v(c32), s.chunk_lens, causal=causal)
+    assert not out.isnan().any()
+    err = (out.float() - ref32).abs()
+    assert (err <= v2_bound(ref32, ref_abs_v, out.dtype, fp8, FP32_FLOOR)).all(), f"max err {err.max():.3g}"
+    for b, n in enumerate(s.chunk_lens.tolist()):
+        assert (out[b, :, n:] == 0).all()
