@@ -88,7 +88,7 @@ constexpr int kThreads = kWarps * kWarp;
 constexpr int kRowsPerWarp = 16;  // one MMA M tile
 constexpr int kRowsPerCta = kWarps * kRowsPerWarp;
 constexpr int KT = 32;             // keys per tile
-constexpr int kTableWindow = 128;  // block-table entries held in shared memory
+constexpr int kTableWindow = kThreads;  // block-table entries held in shared memory: one per thread
 
 // 16 e4m3 bytes -> 16 U values (two 16-byte words), element order kept.
 template <typename U>
@@ -171,7 +171,10 @@ __global__ void __launch_bounds__(attn2::kThreads) paged_chunk_attention_v2_kern
     // -- query rows -> shared (T, zero for padding and rows past the length) -> A fragments
     T* q_rows = reinterpret_cast<T*>(smem);
     constexpr int QU = D / 8;  // 16-byte units of a query row
-    for (int i = tid; i < kRowsPerCta * QU; i += kThreads) {
+    static_assert(kRowsPerCta * QU % kThreads == 0, "whole query-row units per thread");
+#pragma unroll
+    for (int u = 0; u < kRowsPerCta * QU / kThreads; ++u) {
+        const int i = tid + u * kThreads;
         const int r = i / QU, c = (i % QU) * 8;
         const int row = row0 + r;
         Bytes16 x = {{0u, 0u, 0u, 0u}};
@@ -196,8 +199,7 @@ __global__ void __launch_bounds__(attn2::kThreads) paged_chunk_attention_v2_kern
         if (need_block < window_base + kTableWindow) return;
         __syncthreads();  // nobody still reads the old window
         window_base = first_block;
-        for (int j = tid; j < kTableWindow; j += kThreads)
-            if (window_base + j <= last_block) table_window[j] = block_table[table_row + window_base + j];
+        if (window_base + tid <= last_block) table_window[tid] = block_table[table_row + window_base + tid];
         __syncthreads();
     };
     auto stage_k = [&](int s) { return reinterpret_cast<Page*>(smem + s * kStageBytes); };
@@ -207,28 +209,33 @@ __global__ void __launch_bounds__(attn2::kThreads) paged_chunk_attention_v2_kern
         const int tile_lo = lo + tile * KT;
         ensure_window(tile_lo / BS, (imin(tile_lo + KT, hi) - 1) / BS);
         const int s = tile % kStages;
-        for (int i = tid; i < 2 * KT * kPageChunks; i += kThreads) {
-            const int which = i / (KT * kPageChunks);  // 0: K, 1: V
-            const int key = (i / kPageChunks) % KT;
+        static_assert(KT * kPageChunks % kThreads == 0, "whole chunks per thread");
+#pragma unroll 1  // unrolled, ptxas keeps the offsets live and spills at D = 128 on sm_90
+        for (int u = 0; u < KT * kPageChunks / kThreads; ++u) {  // K and V share the slot arithmetic
+            const int i = tid + u * kThreads;
+            const int key = i / kPageChunks;
             const int c = (i % kPageChunks) * (16 / static_cast<int>(sizeof(Page)));
             const int pos = tile_lo + key;
-            const Page* pool = which ? v_cache : k_cache;
-            const Page* src = pool;
+            long long offset = 0;  // the pool is not read for keys past the range (zero-filled)
             if (pos < hi) {
                 const long long block = table_window[pos / BS - window_base];
-                src = pool + ((block * BS + pos % BS) * n_kv_head + kvh) * D + c;
+                offset = ((block * BS + pos % BS) * n_kv_head + kvh) * D + c;
             }
-            cp_async_16((which ? stage_v(s) : stage_k(s)) + key * PS + c, src, pos < hi);
+            cp_async_16(stage_k(s) + key * PS + c, k_cache + offset, pos < hi);
+            cp_async_16(stage_v(s) + key * PS + c, v_cache + offset, pos < hi);
         }
         if constexpr (kFp8) {  // the tile's scales: plain loads, read after the next barriers
-            for (int i = tid; i < 2 * KT; i += kThreads) {
-                const int which = i / KT, key = i % KT, pos = tile_lo + key;
-                float x = 0.f;
+            if (tid < KT) {
+                const int key = tid, pos = tile_lo + key;
+                float ks = 0.f, vs = 0.f;
                 if (pos < hi) {
                     const long long block = table_window[pos / BS - window_base];
-                    x = (which ? v_scale : k_scale)[(block * BS + pos % BS) * n_kv_head + kvh];
+                    const long long slot = (block * BS + pos % BS) * n_kv_head + kvh;
+                    ks = k_scale[slot];
+                    vs = v_scale[slot];
                 }
-                scales[s][which][key] = x;
+                scales[s][0][key] = ks;
+                scales[s][1][key] = vs;
             }
         }
     };
@@ -264,7 +271,10 @@ __global__ void __launch_bounds__(attn2::kThreads) paged_chunk_attention_v2_kern
             T* kc = reinterpret_cast<T*>(smem + kRingBytes);
             PV* vc = reinterpret_cast<PV*>(kc + KT * TS);
             constexpr int CH = D / 16;  // 16-byte fp8 chunks per row
-            for (int i = tid; i < 2 * KT * CH; i += kThreads) {
+            static_assert(2 * KT * CH % kThreads == 0, "whole fp8 chunks per thread");
+#pragma unroll 1  // (register pressure, as for the gather)
+            for (int u = 0; u < 2 * KT * CH / kThreads; ++u) {
+                const int i = tid + u * kThreads;
                 const int which = i / (KT * CH), key = (i / CH) % KT, c = (i % CH) * 16;
                 const Bytes16 raw = *reinterpret_cast<const Bytes16*>((which ? stage_v(s) : stage_k(s)) + key * PS + c);
                 Bytes16 wide[2];
