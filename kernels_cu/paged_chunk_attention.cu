@@ -2,6 +2,11 @@
 // stream's pages, with the key range optionally split across thread blocks
 // (flash-decoding) and a small kernel that merges the splits.
 //
+// This is v1, the readable scalar kernel (CUDA-core FMAs on fp32 tiles; every
+// dtype). v2, the same contract on tensor cores for fp16/bf16 queries, lives
+// in paged_chunk_attention_v2.cu and shares the combine kernel below; the
+// launcher picks one (oasr.fast.kernels.ops.choose_attention_version).
+//
 // Computes (the oracle is oasr.reference.paged_ops.paged_attention):
 //   row b, query head hq, query t < len_b (len_b = chunk_lens[b], or T):
 //       keys   = table positions [cache_seqstarts[b], cache_seqlens[b] + len_b)
