@@ -77,6 +77,7 @@
 // Checked by: tests/test_kernels_emulated.py and tests/test_fp8_kernels.py
 //   (every attention case runs v1 and v2 under the host emulation),
 //   tests/test_kernels_cuda.py (GPU; not run in this repository's CI).
+#include "attention_window.cuh"
 #include "common.cuh"
 #include "warp_mma.cuh"
 
@@ -152,28 +153,12 @@ __global__ void __launch_bounds__(attn2::kThreads) paged_chunk_attention_v2_kern
     const int warp_id = tid / kWarp;
     const int lane = tid % kWarp;
     const int g = lane / 4, qd = lane % 4;
-    const int b = blockIdx.z;
-    const int kvh = blockIdx.y;
-    const int q_tile = blockIdx.x / num_splits;
-    const int split = blockIdx.x % num_splits;
-    const int group = n_head / n_kv_head;
-
-    const int len = chunk_lens ? imin(imax(chunk_lens[b], 0), num_frames) : num_frames;
-    const int seqlen = cache_seqlens[b];
-    const int start = cache_seqstarts[b];
-    const int end = seqlen + len;
-    const int rows_total = group * num_frames;
-    const int rows_valid = group * len;
-    const int row0 = q_tile * kRowsPerCta;
+    const AttentionCta cta = attention_cta<kRowsPerCta>(cache_seqlens, cache_seqstarts, chunk_lens, n_head,
+                                                         n_kv_head, num_frames, num_splits, split_len, causal);
+    const int b = cta.b, kvh = cta.kvh, split = cta.split, group = cta.group, seqlen = cta.seqlen;
+    const int rows_total = cta.rows_total, rows_valid = cta.rows_valid, row0 = cta.row0, lo = cta.lo, hi = cta.hi;
     const int warp_row0 = row0 + warp_id * kRowsPerWarp;
     const bool active = warp_row0 < rows_valid;  // the warp has a query to answer
-
-    // This split's key range, cut to what any row of the CTA can see (v1's rule).
-    const int last_row = imin(row0 + kRowsPerCta, rows_valid) - 1;
-    const int lo = start + split * split_len;
-    int hi = split == num_splits - 1 ? end : imin(end, lo + split_len);
-    if (last_row < row0) hi = lo;
-    if (causal && last_row >= row0) hi = imin(hi, seqlen + last_row / group + 1);
     const int n_tiles = hi > lo ? (hi - lo + KT - 1) / KT : 0;
 
     // -- query rows -> shared (T, zero for padding and rows past the length) -> A fragments

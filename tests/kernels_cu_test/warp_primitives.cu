@@ -12,6 +12,15 @@ using oasr::warp::cp_async_16;
 using oasr::warp::cp_async_commit_group;
 using oasr::warp::cp_async_wait_group;
 
+// A 16 x 8 fp32 C/D fragment back to row-major memory (rows g and g + 8, columns 2q, 2q + 1).
+__device__ inline void store_d(float* d_out, const float (&d)[4]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    d_out[g * 8 + 2 * q] = d[0];
+    d_out[g * 8 + 2 * q + 1] = d[1];
+    d_out[(g + 8) * 8 + 2 * q] = d[2];
+    d_out[(g + 8) * 8 + 2 * q + 1] = d[3];
+}
+
 // One m16n8k16: A (16 x 16, row-major), B (16 x 8, row-major: B[k][n]) of T,
 // C (16 x 8) fp32 in, D (16 x 8) fp32 out. Fragments are built by hand from
 // the layout in warp_mma.cuh (no ldmatrix). misuse = 1 swaps a[1] and a[2]
@@ -36,10 +45,7 @@ __global__ void mma_kernel(const unsigned short* a_in, const unsigned short* b_i
                   c_in[(g + 8) * 8 + 2 * q + 1]};
     float d[4];
     oasr::warp::mma_m16n8k16<T>(d, a, b, c);
-    d_out[g * 8 + 2 * q] = d[0];
-    d_out[g * 8 + 2 * q + 1] = d[1];
-    d_out[(g + 8) * 8 + 2 * q] = d[2];
-    d_out[(g + 8) * 8 + 2 * q + 1] = d[3];
+    store_d(d_out, d);
 }
 
 // X 8 x 8 matrices of 16-bit elements (in: X * 64 values, matrix-major, rows of
@@ -81,7 +87,7 @@ template <typename T, int b_is_kn, int misuse>
 __global__ void tile_mma_kernel(const T* a_in, const T* b_in, float* d_out) {
     __shared__ __align__(16) T a[16 * 16];
     __shared__ __align__(16) T b[16 * 8];
-    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const int lane = threadIdx.x % 32;
     for (int i = lane; i < 256; i += 32) a[i] = a_in[i];
     for (int i = lane; i < 128; i += 32) b[i] = b_in[i];
     __syncwarp();
@@ -99,10 +105,7 @@ __global__ void tile_mma_kernel(const T* a_in, const T* b_in, float* d_out) {
     }
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     oasr::warp::mma_m16n8k16<T>(d, af, bf, d);
-    d_out[g * 8 + 2 * q] = d[0];
-    d_out[g * 8 + 2 * q + 1] = d[1];
-    d_out[(g + 8) * 8 + 2 * q] = d[2];
-    d_out[(g + 8) * 8 + 2 * q + 1] = d[3];
+    store_d(d_out, d);
 }
 
 // cp.async groups. Each thread owns 4 shared slots of 16 bytes, first set to

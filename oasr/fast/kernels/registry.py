@@ -23,7 +23,7 @@ import torch
 
 # The .cu sources live at the repository root (editable install); OASR_KERNELS_DIR overrides.
 KERNELS_DIR = Path(os.environ.get("OASR_KERNELS_DIR") or Path(__file__).resolve().parents[3] / "kernels_cu")
-SHARED_HEADERS = ("common.cuh", "warp_mma.cuh")
+SHARED_HEADERS = ("common.cuh", "warp_mma.cuh", "attention_window.cuh")
 EMULATION_HEADERS = ("emu/simt_emu.h", "emu/warp_emu.h")
 
 # Template arguments for each dtype the kernels take.
@@ -71,6 +71,30 @@ _ATTENTION_V2 = tuple(
     for bs in V2_BLOCK_SIZES
 )
 
+_ATTENTION_PARAMS = (
+    ("q", "ptr"),
+    ("k_cache", "ptr"),
+    ("v_cache", "ptr"),
+    ("k_scale", "ptr"),
+    ("v_scale", "ptr"),
+    ("block_table", "ptr"),
+    ("table_stride", "i32"),
+    ("cache_seqlens", "ptr"),
+    ("cache_seqstarts", "ptr"),
+    ("chunk_lens", "ptr"),
+    ("out", "ptr"),
+    ("part_acc", "ptr"),
+    ("part_ml", "ptr"),
+    ("n_head", "i32"),
+    ("n_kv_head", "i32"),
+    ("num_frames", "i32"),
+    ("block_size", "i32"),
+    ("num_splits", "i32"),
+    ("split_len", "i32"),
+    ("scale_log2", "f32"),
+    ("causal", "i32"),
+)
+
 KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::paged_kv_append_kernel",
@@ -115,56 +139,13 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::paged_chunk_attention_kernel",
         family="paged_chunk_attention",
-        params=(
-            ("q", "ptr"),
-            ("k_cache", "ptr"),
-            ("v_cache", "ptr"),
-            ("k_scale", "ptr"),
-            ("v_scale", "ptr"),
-            ("block_table", "ptr"),
-            ("table_stride", "i32"),
-            ("cache_seqlens", "ptr"),
-            ("cache_seqstarts", "ptr"),
-            ("chunk_lens", "ptr"),
-            ("out", "ptr"),
-            ("part_acc", "ptr"),
-            ("part_ml", "ptr"),
-            ("n_head", "i32"),
-            ("n_kv_head", "i32"),
-            ("num_frames", "i32"),
-            ("block_size", "i32"),
-            ("num_splits", "i32"),
-            ("split_len", "i32"),
-            ("scale_log2", "f32"),
-            ("causal", "i32"),
-        ),
+        params=_ATTENTION_PARAMS,
         instances=_ATTENTION,
     ),
     Kernel(
         name="oasr::paged_chunk_attention_v2_kernel",
         family="paged_chunk_attention_v2",
-        params=(
-            ("q", "ptr"),
-            ("k_cache", "ptr"),
-            ("v_cache", "ptr"),
-            ("k_scale", "ptr"),
-            ("v_scale", "ptr"),
-            ("block_table", "ptr"),
-            ("table_stride", "i32"),
-            ("cache_seqlens", "ptr"),
-            ("cache_seqstarts", "ptr"),
-            ("chunk_lens", "ptr"),
-            ("out", "ptr"),
-            ("part_acc", "ptr"),
-            ("part_ml", "ptr"),
-            ("n_head", "i32"),
-            ("n_kv_head", "i32"),
-            ("num_frames", "i32"),
-            ("num_splits", "i32"),
-            ("split_len", "i32"),
-            ("scale_log2", "f32"),
-            ("causal", "i32"),
-        ),
+        params=tuple(p for p in _ATTENTION_PARAMS if p[0] != "block_size"),  # v2: a template argument
         instances=_ATTENTION_V2,
     ),
     Kernel(
