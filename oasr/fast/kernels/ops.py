@@ -18,6 +18,7 @@ the kernels cannot tile (``check_fp8_geometry``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -373,8 +374,14 @@ def gather_kv_blocks(
 
 
 # Each registered attention kernel's launcher (registry.attention_kernels(), by short name), all with
-# paged_attention's signature. Tests and the GPU bench run every entry, so a new version is compared
-# by adding its line here.
+# paged_attention's signature, each pinned to its version (paged_attention alone picks one). Tests and
+# the GPU bench run every entry, so a new version is compared by adding its line here; ATTENTION_SERVES
+# says which inputs each one takes (the others raise ValueError).
 ATTENTION_LAUNCHERS = {
-    "paged_chunk_attention_kernel": paged_attention,
+    "paged_chunk_attention_kernel": functools.partial(paged_attention, version="v1"),
+    "paged_chunk_attention_v2_kernel": functools.partial(paged_attention, version="v2"),
+}
+ATTENTION_SERVES = {  # (cache, q dtype, head_dim) -> bool
+    "paged_chunk_attention_kernel": lambda cache, q_dtype, head_dim: True,  # every dtype the fast twin takes
+    "paged_chunk_attention_v2_kernel": v2_supports,
 }

@@ -71,7 +71,7 @@ _ATTENTION_V2 = tuple(
     for bs in V2_BLOCK_SIZES
 )
 
-_ATTENTION_PARAMS = (
+_ATTENTION_KERNEL_PARAMS = (
     ("q", "ptr"),
     ("k_cache", "ptr"),
     ("v_cache", "ptr"),
@@ -139,13 +139,13 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::paged_chunk_attention_kernel",
         family="paged_chunk_attention",
-        params=_ATTENTION_PARAMS,
+        params=_ATTENTION_KERNEL_PARAMS,
         instances=_ATTENTION,
     ),
     Kernel(
         name="oasr::paged_chunk_attention_v2_kernel",
         family="paged_chunk_attention_v2",
-        params=tuple(p for p in _ATTENTION_PARAMS if p[0] != "block_size"),  # v2: a template argument
+        params=tuple(p for p in _ATTENTION_KERNEL_PARAMS if p[0] != "block_size"),  # v2: a template argument
         instances=_ATTENTION_V2,
     ),
     Kernel(
