@@ -48,8 +48,8 @@
 // fp8 pages. cp.async moves the raw e4m3 bytes (16 per chunk); after the
 //   barrier the CTA widens the stage into 16-bit tiles in shared memory
 //   (packed fp8x2_to: exact), K to T and V to bf16, which the mma loop reads
-//   as it reads 16-bit pages. The per-vector scales (loaded with the tile, 0
-//   for zero-filled keys) never touch K or V elements: k_scale[key] joins the
+//   as it reads 16-bit pages. The per-vector scales (4-byte cp.async in the
+//   tile's group, 0 for zero-filled keys) never touch K or V elements: k_scale[key] joins the
 //   softmax scale in S's column factor, v_scale[key] multiplies P's column
 //   before P is rounded for the P V mma. Powers of two: exact in fp32. P V
 //   runs in bf16 on fp8 pages even for fp16 queries: p * v_scale can be far
@@ -64,15 +64,15 @@
 //   oasr.fast.kernels.testing.v2_bound).
 //
 // Resources (NVRTC 13, `python -m oasr kernels --arch sm_80,sm_90`; the same for
-//   every block size): registers per thread 120-125 at D = 64 and 163-166 at
+//   every block size): registers per thread 120-126 at D = 64 and 163-166 at
 //   D = 128, no spills, no stack; static shared memory 27.5 KB (16-bit pages)
 //   / 25.3 KB (fp8) at D = 64, 34.5 KB / 36 KB at D = 128. Registers bound
 //   residency: 4 CTAs (16 warps) per SM at D = 64, 3 (12 warps) at D = 128.
 //   The gather and fp8-widening loops are kept rolled: unrolled, ptxas on
 //   sm_90 held their offsets live and spilled at D = 128. Main loop on sm_90
-//   (bf16, D = 64, one 32-key tile per warp): about 500 SASS instructions,
-//   32 HMMA, 16 LDSM, 4 LDGSTS (static count; nothing here is timed: no GPU
-//   has run this kernel yet).
+//   (`python -m oasr kernels --sass`, bf16, D = 64, one 32-key tile, one
+//   warp): about 550 SASS instructions with 32 HMMA and 16 LDSM (fp8 pages:
+//   about 670). Nothing here is timed: no GPU has run this kernel yet.
 //
 // Checked by: tests/test_kernels_emulated.py and tests/test_fp8_kernels.py
 //   (every attention case runs v1 and v2 under the host emulation),
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(attn2::kThreads) paged_chunk_attention_v2_kern
 
     __shared__ __align__(16) unsigned char smem[kSmemBytes];
     __shared__ int table_window[kTableWindow];
-    __shared__ float scales[kFp8 ? kStages : 1][2][KT];  // fp8: k and v scale of each key of each stage
+    __shared__ __align__(16) float scales[kFp8 ? kStages : 1][2][KT];  // fp8: k, v scale per key and stage
 
     const int tid = threadIdx.x;
     const int warp_id = tid / kWarp;
@@ -217,18 +217,14 @@ __global__ void __launch_bounds__(attn2::kThreads) paged_chunk_attention_v2_kern
             cp_async_16(stage_k(s) + key * PS + c, k_cache + offset, pos < hi);
             cp_async_16(stage_v(s) + key * PS + c, v_cache + offset, pos < hi);
         }
-        if constexpr (kFp8) {  // the tile's scales: plain loads, read after the next barriers
+        if constexpr (kFp8) {  // the tile's scales, in the same cp.async group (zeros past the range)
             if (tid < KT) {
                 const int key = tid, pos = tile_lo + key;
-                float ks = 0.f, vs = 0.f;
-                if (pos < hi) {
-                    const long long block = table_window[pos / BS - window_base];
-                    const long long slot = (block * BS + pos % BS) * n_kv_head + kvh;
-                    ks = k_scale[slot];
-                    vs = v_scale[slot];
-                }
-                scales[s][0][key] = ks;
-                scales[s][1][key] = vs;
+                long long slot = 0;
+                if (pos < hi) slot = (static_cast<long long>(table_window[pos / BS - window_base]) * BS + pos % BS) *
+                                         n_kv_head + kvh;
+                warp::cp_async_4(&scales[s][0][key], k_scale + slot, pos < hi);
+                warp::cp_async_4(&scales[s][1][key], v_scale + slot, pos < hi);
             }
         }
     };

@@ -28,8 +28,9 @@
 //   A fragment, rows of K (keys x dims) give B fragments of K^T, and .trans
 //   over rows of V (keys x dims) gives B fragments of V.
 //
-// cp.async (16 bytes, .cg: bypasses L1): cp_async_16 queues a global -> shared
-//   copy (zeros when `fill` is false: src-size 0), commit_group closes this
+// cp.async (16 bytes, .cg: bypasses L1; 4 bytes, .ca): cp_async_16 / cp_async_4
+//   queue a global -> shared copy (zeros when `fill` is false: src-size 0;
+//   both addresses aligned to the size), commit_group closes this
 //   thread's open group, wait_group<N> blocks until at most N of this thread's
 //   committed groups are still in flight. Nothing else makes the bytes visible:
 //   not __syncthreads, not time. Another thread sees them only after the
@@ -148,6 +149,13 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool f
     const int src_bytes = fill ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                  "r"(src_bytes)
+                 : "memory");
+}
+
+// 4 bytes global -> shared (both 4-byte aligned); zeros when !fill.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool fill) {
+    const int src_bytes = fill ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes)
                  : "memory");
 }
 

@@ -153,27 +153,37 @@ def test_v_loaded_without_trans_fails(lib):
 STALE = 0xAB
 
 
+SLOTS = 5
+
+
 def _cp_async(lib, pattern, misuse, threads=64):
-    src = torch.randint(0, 256, (threads * 4 * 16,), dtype=torch.uint8)
+    src = torch.randint(0, 256, (threads * SLOTS * 16,), dtype=torch.uint8)
     src[src == STALE] = 0  # so a stale byte can never pass for data
-    out = torch.zeros(3 * threads * 4 * 16, dtype=torch.uint8)
+    out = torch.zeros(3 * threads * SLOTS * 16, dtype=torch.uint8)
     _run(lib, CP_ASYNC, (pattern, misuse), (src, out), block=threads)
-    return src.view(threads, 4, 16), out.view(3, threads, 4, 16)
+    return src.view(threads, SLOTS, 16), out.view(3, threads, SLOTS, 16)
 
 
 def _expect(src, landed):
-    """Slots after a wait: the copies of the retired groups landed, the others still hold 0xAB."""
+    """Slots after a wait: the copies of the retired groups landed, the others still hold 0xAB.
+    Slot 2 is a zero-filled 16-byte copy; slot 4 two 4-byte copies (data, then zeros; 8 bytes untouched)."""
     want = torch.full_like(src, STALE)
     for s in landed:
-        want[:, s] = 0 if s == 2 else src[:, s]  # slot 2 is the zero-filled copy
+        if s == 2:
+            want[:, 2] = 0
+        elif s == 4:
+            want[:, 4, :4] = src[:, 4, :4]
+            want[:, 4, 4:8] = 0
+        else:
+            want[:, s] = src[:, s]
     return want
 
 
 @pytest.mark.parametrize(
     "pattern,steps",
     [
-        ("0", [(0,), (0, 1, 2), (0, 1, 2, 3)]),  # three groups in flight: wait<2>, wait<1>, wait<0>
-        ("1", [(0,), (0, 1, 2), (0, 1, 2, 3)]),  # two in flight, wait<1>, one more committed, wait<1>, wait<0>
+        ("0", [(0,), (0, 1, 2), (0, 1, 2, 3, 4)]),  # three groups in flight: wait<2>, wait<1>, wait<0>
+        ("1", [(0,), (0, 1, 2), (0, 1, 2, 3, 4)]),  # two in flight, wait<1>, one more committed, wait<1>, wait<0>
     ],
     ids=["three-groups-wait-2-1-0", "interleaved-commit-wait"],
 )

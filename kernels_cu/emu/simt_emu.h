@@ -118,6 +118,7 @@ struct ThreadState {
     struct AsyncCopy {
         void* dst;
         const void* src;  // null: fill with zeros
+        unsigned bytes;
     };
     std::vector<AsyncCopy> async_copies;
     std::vector<std::size_t> async_groups;

@@ -15,7 +15,7 @@
 //       mma multiplies exactly (a product of two 16-bit floats fits fp32) and
 //       adds in fp32 in k order onto c; the hardware's internal order and
 //       rounding are not specified, so tests compare with a tolerance.
-//   cp_async_16 / commit_group / wait_group<N>   deferred. A copy is queued on
+//   cp_async_16, cp_async_4 / commit_group / wait_group<N>   deferred. A copy is queued on
 //       the issuing thread and performed, source read and destination written,
 //       only when that thread's wait_group retires its group. Until then shared
 //       memory holds its old bytes: a kernel that reads before waiting (or
@@ -111,7 +111,11 @@ inline void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) { detail::ldmat
 inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { detail::ldmatrix<4, true>(r, row); }
 
 inline void cp_async_16(void* smem, const void* gmem, bool fill) {
-    oasr_emu::this_thread_state.async_copies.push_back({smem, fill ? gmem : nullptr});
+    oasr_emu::this_thread_state.async_copies.push_back({smem, fill ? gmem : nullptr, 16});
+}
+
+inline void cp_async_4(void* smem, const void* gmem, bool fill) {
+    oasr_emu::this_thread_state.async_copies.push_back({smem, fill ? gmem : nullptr, 4});
 }
 
 inline void cp_async_commit_group() {
@@ -132,9 +136,9 @@ inline void cp_async_wait_group() {
     for (std::size_t i = 0; i < copies; ++i) {
         const auto& c = st.async_copies[i];
         if (c.src) {
-            std::memcpy(c.dst, c.src, 16);
+            std::memcpy(c.dst, c.src, c.bytes);
         } else {
-            std::memset(c.dst, 0, 16);
+            std::memset(c.dst, 0, c.bytes);
         }
     }
     st.async_copies.erase(st.async_copies.begin(), st.async_copies.begin() + static_cast<std::ptrdiff_t>(copies));

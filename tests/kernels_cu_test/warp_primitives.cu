@@ -108,33 +108,39 @@ __global__ void tile_mma_kernel(const T* a_in, const T* b_in, float* d_out) {
     store_d(d_out, d);
 }
 
-// cp.async groups. Each thread owns 4 shared slots of 16 bytes, first set to
+// cp.async groups. Each thread owns 5 shared slots of 16 bytes, first set to
 // the byte 0xAB, then copies src chunks into them: group 0 = slot 0, group 1 =
-// slot 1 and (zero-filled, fill = false) slot 2, group 2 = slot 3. After
-// wait_group<2>, <1>, <0> (step 0, 1, 2) it snapshots its 4 slots into
-// out[step][thread][slot] (16 bytes each). pattern = 1 interleaves: commits
-// group 0 and 1, waits <1>, then issues and commits group 2 before the next
-// waits. misuse = 1 skips the waits and reads after a __syncthreads only.
+// slot 1 and (zero-filled, fill = false) slot 2, group 2 = slot 3 and two
+// 4-byte copies into slot 4 (bytes 0-3 from src, bytes 4-7 zero-filled; 8-15
+// untouched). After wait_group<2>, <1>, <0> (step 0, 1, 2) it snapshots its
+// slots into out[step][thread][slot] (16 bytes each). pattern = 1
+// interleaves: commits groups 0 and 1, waits <1>, then issues and commits
+// group 2 before the next waits. misuse = 1 skips the waits and reads after
+// a __syncthreads only.
 template <int pattern, int misuse>
 __global__ void cp_async_kernel(const unsigned char* src, unsigned char* out) {
-    __shared__ __align__(16) unsigned char slots[128][4][16];
+    constexpr int S = 5;
+    __shared__ __align__(16) unsigned char slots[128][S][16];
     const int t = threadIdx.x, n = blockDim.x;
-    for (int s = 0; s < 4; ++s)
+    for (int s = 0; s < S; ++s)
         for (int i = 0; i < 16; ++i) slots[t][s][i] = 0xAB;
     auto snapshot = [&](int step) {
-        for (int s = 0; s < 4; ++s)
-            for (int i = 0; i < 16; ++i) out[((step * n + t) * 4 + s) * 16 + i] = slots[t][s][i];
+        for (int s = 0; s < S; ++s)
+            for (int i = 0; i < 16; ++i) out[((step * n + t) * S + s) * 16 + i] = slots[t][s][i];
     };
-    auto chunk = [&](int s) { return src + (t * 4 + s) * 16; };
+    auto chunk = [&](int s) { return src + (t * S + s) * 16; };
+    auto group2 = [&] {
+        cp_async_16(slots[t][3], chunk(3), true);
+        oasr::warp::cp_async_4(slots[t][4], chunk(4), true);
+        oasr::warp::cp_async_4(slots[t][4] + 4, chunk(4) + 4, false);
+        cp_async_commit_group();
+    };
     cp_async_16(slots[t][0], chunk(0), true);
     cp_async_commit_group();
     cp_async_16(slots[t][1], chunk(1), true);
     cp_async_16(slots[t][2], chunk(2), false);
     cp_async_commit_group();
-    if (pattern == 0) {
-        cp_async_16(slots[t][3], chunk(3), true);
-        cp_async_commit_group();
-    }
+    if (pattern == 0) group2();
     if (misuse) {
         __syncthreads();
         snapshot(0);
@@ -150,8 +156,7 @@ __global__ void cp_async_kernel(const unsigned char* src, unsigned char* out) {
     } else {
         cp_async_wait_group<1>();
         snapshot(0);
-        cp_async_16(slots[t][3], chunk(3), true);
-        cp_async_commit_group();
+        group2();
         cp_async_wait_group<1>();
         snapshot(1);
     }
