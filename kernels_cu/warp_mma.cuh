@@ -41,8 +41,8 @@
 //   included, is an f16 and a bf16 value; the NaN bytes 0x7f/0xff give NaN.
 //   sm_89+: the hardware cvt.rn.f16x2.e4m3x2 (then f16 -> f32 -> bf16 for
 //   bf16, all exact). Below sm_89 and on the host: the portable bit path
-//   (e4m3's exponent and mantissa bits placed into an fp32 whose exponent bias
-//   is 127 - 7 = 120 larger, times 2^120: exact for normals and subnormals).
+//   (fp8x2_portable: the bits placed into a wider-biased 16-bit float, one
+//   packed multiply by a power of two; exact for normals and subnormals).
 //
 // Checked by: tests/test_warp_primitives.py (emulation, against torch).
 #pragma once
@@ -68,14 +68,40 @@ __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
-// The portable e4m3 -> fp32 of one byte (exact; NaN for 0x7f / 0xff).
-__device__ __forceinline__ float fp8_bits_to_float(unsigned byte) {
-    const unsigned mag = byte & 0x7fu;
-    const float two_120 = __int_as_float((120 + 127) << 23);
-    const float x = __int_as_float(static_cast<int>(mag << 20)) * two_120;
-    const float nan = __int_as_float(0x7fc00000);
-    const float v = mag == 0x7fu ? nan : x;
-    return (byte & 0x80u) ? -v : v;
+// The portable e4m3x2 -> f16x2 / bf16x2 (sm_80 and the host): each byte's
+// exponent and mantissa bits are placed into a 16-bit float whose exponent
+// bias is larger (f16: by 8, bf16: by 120), one packed multiply by 2^8 /
+// 2^120 rescales both halves exactly (normals and subnormals alike: every
+// result is an f16 / bf16 value), then the signs go back in and the NaN bytes
+// (magnitude 0x7f) become 0x7fff, a NaN in both formats.
+struct Fp8Pair {
+    unsigned sign, mag, nan;
+    __device__ __forceinline__ explicit Fp8Pair(unsigned short two) {
+        const unsigned w = (two & 0xffu) | ((two & 0xff00u) << 8);  // byte i -> bits 16 i .. 16 i + 7
+        sign = (w & 0x00800080u) << 8;
+        mag = w & 0x007f007fu;
+        nan = (((mag + 0x00010001u) & 0x00800080u) >> 7) * 0x7fffu;  // 0x7fff in a half whose mag is 0x7f
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ unsigned fp8x2_portable(unsigned short two);
+
+template <>
+__device__ __forceinline__ unsigned fp8x2_portable<__half>(unsigned short two) {
+    const Fp8Pair p(two);
+    const unsigned placed = p.mag << 7, two_8 = 0x5c005c00u;  // 2^8 in both halves
+    const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&placed), *reinterpret_cast<const __half2*>(&two_8));
+    return *reinterpret_cast<const unsigned*>(&x) | p.sign | p.nan;
+}
+
+template <>
+__device__ __forceinline__ unsigned fp8x2_portable<__nv_bfloat16>(unsigned short two) {
+    const Fp8Pair p(two);
+    const unsigned placed = p.mag << 4, two_120 = 0x7b807b80u;  // 2^120 in both halves
+    const __nv_bfloat162 x = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&placed),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&two_120));
+    return *reinterpret_cast<const unsigned*>(&x) | p.sign | p.nan;
 }
 
 }  // namespace warp
@@ -177,7 +203,7 @@ __device__ __forceinline__ unsigned fp8x2_to<__half>(unsigned short two) {
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(out) : "h"(two));
     return out;
 #else
-    return pack2<__half>(fp8_bits_to_float(two & 0xffu), fp8_bits_to_float(two >> 8));
+    return fp8x2_portable<__half>(two);
 #endif
 }
 
@@ -192,7 +218,7 @@ __device__ __forceinline__ unsigned fp8x2_to<__nv_bfloat16>(unsigned short two) 
         : "r"(h2));
     return out;
 #else
-    return pack2<__nv_bfloat16>(fp8_bits_to_float(two & 0xffu), fp8_bits_to_float(two >> 8));
+    return fp8x2_portable<__nv_bfloat16>(two);
 #endif
 }
 

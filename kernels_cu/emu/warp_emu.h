@@ -147,7 +147,7 @@ inline void cp_async_wait_group() {
 
 template <typename T>
 inline unsigned fp8x2_to(unsigned short two) {
-    return pack2<T>(fp8_bits_to_float(two & 0xffu), fp8_bits_to_float(two >> 8u));
+    return fp8x2_portable<T>(two);
 }
 
 }  // namespace warp
