@@ -2,6 +2,11 @@
 // stream's pages, with the key range optionally split across thread blocks
 // (flash-decoding) and a small kernel that merges the splits.
 //
+// This is v1, the readable scalar kernel (CUDA-core FMAs on fp32 tiles; every
+// dtype). v2, the same contract on tensor cores for fp16/bf16 queries, lives
+// in paged_chunk_attention_v2.cu and shares the combine kernel below; the
+// launcher picks one (oasr.fast.kernels.ops.choose_attention_version).
+//
 // Computes (the oracle is oasr.reference.paged_ops.paged_attention):
 //   row b, query head hq, query t < len_b (len_b = chunk_lens[b], or T):
 //       keys   = table positions [cache_seqstarts[b], cache_seqlens[b] + len_b)
@@ -78,6 +83,7 @@
 //   python -m pytest tests/test_attention_past_length.py         (zeros past the chunk, NaN/Inf in V)
 //   python -m pytest -m cuda tests/test_kernels_cuda.py          (GPU)
 //   python -m oasr kernels --arch sm_80,sm_90 [--sass]           (registers, smem, spills; main loop, model)
+#include "attention_window.cuh"
 #include "common.cuh"
 
 namespace oasr {
@@ -129,19 +135,10 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
     const int tid = threadIdx.x;
     const int warp = tid / kWarp;
     const int lane = tid % kWarp;
-    const int b = blockIdx.z;
-    const int kvh = blockIdx.y;
-    const int q_tile = blockIdx.x / num_splits;
-    const int split = blockIdx.x % num_splits;
-    const int group = n_head / n_kv_head;
-
-    const int len = chunk_lens ? imin(imax(chunk_lens[b], 0), num_frames) : num_frames;
-    const int seqlen = cache_seqlens[b];
-    const int start = cache_seqstarts[b];
-    const int end = seqlen + len;
-    const int rows_total = group * num_frames;
-    const int rows_valid = group * len;
-    const int row0 = q_tile * kRowsPerCta;
+    const AttentionCta cta = attention_cta<kRowsPerCta>(cache_seqlens, cache_seqstarts, chunk_lens, n_head,
+                                                         n_kv_head, num_frames, num_splits, split_len, causal);
+    const int b = cta.b, kvh = cta.kvh, split = cta.split, group = cta.group, seqlen = cta.seqlen;
+    const int rows_total = cta.rows_total, rows_valid = cta.rows_valid, row0 = cta.row0, lo = cta.lo, hi = cta.hi;
 
     // Query rows of this tile -> shared, pre-scaled into the log2 domain.
     for (int i = tid; i < kRowsPerCta * UNITS; i += kThreads) {
@@ -162,13 +159,6 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
 #pragma unroll
         for (int e = 0; e < VU; ++e) q_rows[r * D + c + e] = x[e];
     }
-
-    // This split's key range, cut to what any row of the tile can see.
-    const int last_row = imin(row0 + kRowsPerCta, rows_valid) - 1;
-    const int lo = start + split * split_len;
-    int hi = split == num_splits - 1 ? end : imin(end, lo + split_len);
-    if (last_row < row0) hi = lo;  // no valid query in this tile
-    if (causal && last_row >= row0) hi = imin(hi, seqlen + last_row / group + 1);
 
     float m[R], l[R], acc[R][DPL];
 #pragma unroll

@@ -26,8 +26,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oasr.fast import paged_ops as fast
-from oasr.fast.kernels import emulation, ops
-from oasr.fast.kernels.testing import bits, low_precision_bound, make_scenario, to_fp8, written_slots
+from oasr.fast.kernels import emulation, ops, registry
+from oasr.fast.kernels.testing import (
+    bits,
+    emulated_attention,
+    low_precision_bound,
+    make_scenario,
+    to_fp8,
+    v2_bound,
+    with_abs_v,
+    written_slots,
+)
 from oasr.reference import paged_ops as ref
 from oasr.reference.block_pool import BlockPool as ReferenceBlockPool
 from oasr.reference.fp8 import quantize
@@ -118,7 +127,7 @@ def written_vectors(s, k: torch.Tensor):
     return valid, c.block_table[rows, pos // c.block_size].long(), pos % c.block_size
 
 
-def _geometry(seed: int, head_dim: int, dtype: torch.dtype, max_history: int = 100) -> dict:
+def _geometry(seed: int, head_dim: int, dtype: torch.dtype, max_history: int = 100, block_sizes=BLOCK_SIZES) -> dict:
     rng = random.Random(seed)
     return dict(
         batch=rng.randint(1, 3),
@@ -126,7 +135,7 @@ def _geometry(seed: int, head_dim: int, dtype: torch.dtype, max_history: int = 1
         group=rng.choice([1, 2, 4]),
         num_frames=rng.randint(1, 20),
         head_dim=head_dim,
-        block_size=rng.choice(BLOCK_SIZES),
+        block_size=rng.choice(block_sizes),
         max_history=rng.randint(0, max_history),
         dtype=dtype,
     )
@@ -298,13 +307,17 @@ def test_append_saturates_near_the_model_dtype_max(backend, dtype):
 # -- attention on fp8 pages --------------------------------------------------------------------------
 
 
-def _check_attention(out, s, causal, scale=None):
+def _check_attention(out, s, causal, scale=None, version="v1"):
     """``out`` (model dtype) against the reference on the same fp8 pages: fp32 queries give the fp32
-    result, the model-dtype queries its own rounding (see low_precision_bound)."""
+    result, the model-dtype queries its own rounding (see low_precision_bound); v2 also rounds P to
+    bf16 for its P V (v2_bound)."""
     lens = s.chunk_lens
     ref32 = ref.paged_attention(s.q.float(), s.cache, lens, softmax_scale=scale, causal=causal)
     assert out.dtype == s.q.dtype and not out.isnan().any()
-    if out.dtype == torch.float32:
+    if version == "v2":
+        ref_abs_v = ref.paged_attention(s.q.float(), with_abs_v(s.cache), lens, softmax_scale=scale, causal=causal)
+        bound = v2_bound(ref32, ref_abs_v, out.dtype, True, FP32_FLOOR)
+    elif out.dtype == torch.float32:
         bound = FP32_FLOOR * (1 + ref32.abs())
     else:
         ref_lowp = ref.paged_attention(s.q, s.cache, lens, softmax_scale=scale, causal=causal)
@@ -324,6 +337,48 @@ def test_attention_matches_reference_on_the_same_pages(backend, dtype, head_dim,
     scale = 0.3 if seed >= 4 else None
     out = fast.paged_attention(s.q, s.cache, s.chunk_lens, softmax_scale=scale, causal=causal, backend=backend)
     _check_attention(out, s, causal, scale)
+
+
+V2_CASES = [
+    pytest.param(d, hd, seed, id=f"{str(d).split('.')[-1]}-D{hd}-s{seed}")
+    for d in (torch.float16, torch.bfloat16)
+    for hd in (64, 128)
+    for seed in range(4)
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,seed", V2_CASES)
+def test_attention_v2_matches_reference_on_the_same_pages(emu, dtype, head_dim, seed):
+    # The tensor-core kernel on fp8 pages: bytes widened in shared memory, scales folded into S and P.
+    geo = _geometry(400 + seed, head_dim, dtype, max_history=250, block_sizes=list(registry.V2_BLOCK_SIZES))
+    s = to_fp8(make_scenario(400 + seed, **geo))
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    causal = seed % 2 == 1
+    scale = 0.3 if seed >= 2 else None
+    out = emulated_attention("v2", s.q, s.cache, s.chunk_lens, softmax_scale=scale, causal=causal)
+    _check_attention(out, s, causal, scale, version="v2")
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("dtype,head_dim,causal", [(torch.bfloat16, 128, True), (torch.float16, 64, False)],
+                         ids=["bfloat16-D128-causal", "float16-D64"])  # fmt: skip
+def test_attention_v2_forced_splits(emu, dtype, head_dim, causal, num_splits):
+    geo = _geometry(300 + num_splits, head_dim, dtype, max_history=300, block_sizes=list(registry.V2_BLOCK_SIZES))
+    geo.update(batch=2, max_history=300)
+    s = to_fp8(make_scenario(300 + num_splits, **geo))
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    out = emulated_attention("v2", s.q, s.cache, s.chunk_lens, causal=causal, num_splits=num_splits)
+    _check_attention(out, s, causal, version="v2")
+
+
+def test_attention_v2_empty_rows_write_zeros(emu):
+    s = to_fp8(make_scenario(5, batch=3, n_kv_head=2, group=2, num_frames=6, head_dim=128, block_size=8,
+                             max_history=40, dtype=torch.float16))  # fmt: skip
+    s.chunk_lens[:] = torch.tensor([0, 6, 0], dtype=torch.int32)
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    out = emulated_attention("v2", s.q, s.cache, s.chunk_lens)
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+    _check_attention(out, s, False, version="v2")
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])

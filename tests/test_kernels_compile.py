@@ -95,3 +95,17 @@ ptxas info    : Used 255 registers, used 1 barriers, 46080 bytes smem, 400 bytes
     res = nvrtc.parse_ptxas_log(log)["_Zfoo"]
     assert (res.registers, res.barriers, res.shared_bytes) == (255, 1, 46080)
     assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (24, 8, 12)
+
+
+def test_attention_v2_is_registered_for_everything_the_launcher_may_choose():
+    # ops.v2_supports admits fp16/bf16 queries, pages in that dtype or fp8, HEAD_DIMS, V2_BLOCK_SIZES:
+    # every such combination is an instantiation (so compiled, spill-checked and reported above).
+    expect = {
+        (t, page, str(d), str(bs))
+        for t in registry.V2_DTYPE_ARG.values()
+        for page in (t, registry.FP8_ARG)
+        for d in registry.HEAD_DIMS
+        for bs in registry.V2_BLOCK_SIZES
+    }
+    assert set(registry.BY_NAME["paged_chunk_attention_v2_kernel"].instances) == expect
+    assert "paged_chunk_attention_v2" in registry.families()

@@ -20,7 +20,7 @@ import torch
 from oasr.fast import paged_ops as fast
 from oasr.fast.kernels import ops
 from oasr.fast.kernels.nvrtc import executor_for
-from oasr.fast.kernels.testing import bits, low_precision_bound, make_scenario, to_fp8
+from oasr.fast.kernels.testing import bits, low_precision_bound, make_scenario, to_fp8, v2_bound, with_abs_v
 from oasr.reference import paged_ops as ref
 from tests.test_fp8_kernels import fp8_pool, near_max_scenario, rounding_sweep, scale_oracle, spread
 
@@ -76,11 +76,24 @@ def test_append_and_attention_match_reference(device, dtype, head_dim, seed):
         bound = low_precision_bound(ref32, ref.paged_attention(want.q, want.cache, want.chunk_lens, causal=causal),
                                     FP32_FLOOR)  # fmt: skip
     executor = executor_for(device)
-    for num_splits in (None, 1, 3):
-        out = ops.paged_attention(executor, g.q, g.cache, g.chunk_lens, head_dim**-0.5, causal, num_splits)
-        err = (out.float().cpu() - ref32).abs()
-        assert not out.isnan().any()
-        assert (err <= bound).all(), f"num_splits={num_splits}: max err {err.max():.3g}"
+    _check_versions(executor, g, want.cache, s32.q, s32.cache, causal, ref32, bound, quantized=False)
+
+
+def _check_versions(executor, g, cpu_cache, q32, cache32, causal, ref32, v1_bound, quantized):
+    """v1, and v2 where it serves the geometry (the fast twin's default there), at the launcher's split
+    count and at 1 and 3 splits, against the fp32 reference (v2 with v2_bound)."""
+    versions = ["v1"] + (["v2"] if ops.v2_supports(cpu_cache, g.q.dtype, g.q.shape[-1]) else [])
+    for version in versions:
+        bound = v1_bound
+        if version == "v2":
+            ref_abs_v = ref.paged_attention(q32, with_abs_v(cache32), g.chunk_lens.cpu(), causal=causal)
+            bound = v2_bound(ref32, ref_abs_v, g.q.dtype, quantized, FP32_FLOOR)
+        for num_splits in (None, 1, 3):
+            out = ops.paged_attention(executor, g.q, g.cache, g.chunk_lens, g.q.shape[-1] ** -0.5, causal,
+                                      num_splits, version=version)  # fmt: skip
+            assert out.dtype == g.q.dtype and not out.isnan().any()
+            err = (out.float().cpu() - ref32).abs()
+            assert (err <= bound).all(), f"{version} num_splits={num_splits}: max err {err.max():.3g}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -186,11 +199,28 @@ def test_fp8_append_and_attention_match_reference(device, dtype, head_dim, seed)
         bound = low_precision_bound(ref32, ref.paged_attention(want.q, want.cache, want.chunk_lens, causal=causal),
                                     FP32_FLOOR)  # fmt: skip
     executor = executor_for(device)
-    for num_splits in (None, 1, 3):
-        out = ops.paged_attention(executor, g.q, g.cache, g.chunk_lens, head_dim**-0.5, causal, num_splits)
-        assert out.dtype == dtype and not out.isnan().any()
-        err = (out.float().cpu() - ref32).abs()
-        assert (err <= bound).all(), f"num_splits={num_splits}: max err {err.max():.3g}"
+    _check_versions(executor, g, want.cache, want.q.float(), want.cache, causal, ref32, bound, quantized=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fast_twin_runs_v2_and_zeroes_rows_past_their_length(device, dtype):
+    # On CUDA the fast twin picks v2 for 16-bit pools with a v2 block size; rows past their
+    # length are exact zeros even with NaN / Inf in visible V.
+    s = make_scenario(8, batch=4, n_kv_head=2, group=2, num_frames=16, head_dim=64, block_size=16,
+                      max_history=300, dtype=dtype)  # fmt: skip
+    s.chunk_lens[:] = torch.tensor([16, 3, 0, 9], dtype=torch.int32)
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    pos = int(s.cache.cache_seqlens[1])
+    poison = torch.tensor([float("nan"), float("inf")])
+    s.cache.v_cache[s.cache.block_table[1, pos // 16].long(), pos % 16, 0, :2] = poison
+    g = s.to(device=device)
+    executor = executor_for(device)
+    assert ops.choose_attention_version(executor, g.cache, dtype, 64) == "v2"
+    got = fast.paged_attention(g.q, g.cache, g.chunk_lens).cpu()
+    want = ops.paged_attention(executor, g.q, g.cache, g.chunk_lens, 0.125, False, version="v2").cpu()
+    assert torch.equal(bits(got), bits(want))
+    for b, n in enumerate(s.chunk_lens.tolist()):
+        assert (got[b, :, n:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

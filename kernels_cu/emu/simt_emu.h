@@ -25,6 +25,10 @@
 //               barrier per shuffle suffices. The `mask` argument is ignored:
 //               every lane of the warp must take part (the kernels only shuffle
 //               in converged code). `width` is honoured for xor/down/idx.
+//   mma, ldmatrix, cp.async   emu/warp_emu.h (included through warp_mma.cuh):
+//               warp-collective fragment exchange through a second per-warp
+//               buffer (`fragments`); cp.async copies queued per thread
+//               (ThreadState::async_copies) and performed at wait_group.
 //   types       __half, __nv_bfloat16 and __nv_fp8_e4m3/e5m2 come from the CUDA
 //               toolkit's headers, which compile as host code under g++ and
 //               round like the device does. dim3/uint3/float4/uint4 come from
@@ -86,6 +90,9 @@ struct Warp {
     unsigned lanes;  // threads in this warp (32 except a partial last warp)
     std::barrier<> bar;
     alignas(64) unsigned long long exchange[2][kWarpSize] = {};
+    // Fragment exchange of the warp-collective primitives (emu/warp_emu.h):
+    // per lane up to 6 registers (mma's a[4], b[2]) or one address (ldmatrix).
+    alignas(64) unsigned long long fragments[2][kWarpSize][6] = {};
 };
 
 struct Block {
@@ -104,6 +111,17 @@ struct ThreadState {
     Warp* warp = nullptr;
     unsigned lane = 0;
     unsigned phase = 0;  // which exchange buffer the next shuffle uses
+    unsigned fragment_phase = 0;  // which fragment buffer the next mma / ldmatrix uses
+    // cp.async (emu/warp_emu.h): this thread's queued copies, in issue order, and
+    // how many of them each committed group holds (oldest first). Dropped at the
+    // end of every block: a copy never lands in another block's shared memory.
+    struct AsyncCopy {
+        void* dst;
+        const void* src;  // null: fill with zeros
+        unsigned bytes;
+    };
+    std::vector<AsyncCopy> async_copies;
+    std::vector<std::size_t> async_groups;
 };
 
 inline thread_local ThreadState this_thread_state;
@@ -195,6 +213,7 @@ void launch(dim3 grid, dim3 block, Body&& body) {
         st.warp = state.warps[tid / kWarpSize].get();
         st.lane = tid % kWarpSize;
         st.phase = 0;
+        st.fragment_phase = 0;
         threadIdx = uint3{tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)};
         blockDim = block;
         gridDim = grid;
@@ -203,6 +222,8 @@ void launch(dim3 grid, dim3 block, Body&& body) {
                 for (unsigned x = 0; x < grid.x; ++x) {
                     blockIdx = uint3{x, y, z};
                     body();
+                    st.async_copies.clear();
+                    st.async_groups.clear();
                     state.bar.arrive_and_wait();  // block done: the next may reuse __shared__
                 }
         st = ThreadState{};

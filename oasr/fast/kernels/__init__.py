@@ -4,6 +4,7 @@
     nvrtc.py       NVRTC compile (cached cubins + ptxas report), load, launch on torch's current stream
     emulation.py   g++ build against kernels_cu/emu/simt_emu.h, ctypes launch on CPU tensors
     ops.py         launchers: PagedKVCache calls -> grids and arguments, for either executor
+                   (attention: v1 or v2, and the split count)
     testing.py     random scenarios (shuffled tables, NaN-poisoned pools) shared by the tests
 
 Callers normally go through ``oasr.fast.paged_ops``, which picks the executor

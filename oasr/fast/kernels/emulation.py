@@ -42,6 +42,8 @@ CXX_FLAGS = (
 # Grid size the launchers use for the emulator's notional "SM count" when they
 # size split-K grids (small, so tests exercise the split path on small inputs).
 EMULATED_SM_COUNT = 4
+# CTAs "resident" per emulated SM, for launchers that size grids by waves (attention v2).
+EMULATED_RESIDENT_CTAS = 2
 
 _CTYPE = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
 _CDECL = {"ptr": "const void*", "i32": "int", "f32": "float"}
@@ -98,8 +100,12 @@ def emulation_toolchain() -> tuple[str, str]:
 
 def shim_source(family: str) -> str:
     """The generated translation unit: the family's .cu plus one launcher per instantiation."""
-    lines = [f'#include "{family}.cu"', ""]
-    for kernel in registry.kernels_of(family):
+    return _shim(f"{family}.cu", registry.kernels_of(family))
+
+
+def _shim(include: str, kernels) -> str:
+    lines = [f'#include "{include}"', ""]
+    for kernel in kernels:
         decl = ", ".join(f"{_CDECL[kind]} {name}" for name, kind in kernel.params)
         call = ", ".join(name for name, _ in kernel.params)
         for targs in kernel.instances:
@@ -120,12 +126,15 @@ def _compiler_version(cxx: str) -> str:
 
 
 def _library_path(family: str, cxx: str, include: str) -> tuple[Path, str]:
-    shim = shim_source(family)
+    return _cached_path(family, shim_source(family), registry.read_sources(family, emulation=True), cxx, include)
+
+
+def _cached_path(stem: str, shim: str, sources: dict[str, str], cxx: str, include: str) -> tuple[Path, str]:
     h = hashlib.sha256()
-    for name, text in sorted(registry.read_sources(family, emulation=True).items()):
+    for name, text in sorted(sources.items()):
         h.update(name.encode() + b"\0" + text.encode() + b"\0")
     h.update(repr((shim, CXX_FLAGS, _compiler_version(cxx), include)).encode())
-    return cache_dir() / "emu" / f"{family}-{h.hexdigest()[:20]}.so", shim
+    return cache_dir() / "emu" / f"{stem}-{h.hexdigest()[:20]}.so", shim
 
 
 _lock = threading.Lock()
@@ -136,28 +145,53 @@ def build(families: list[str] | None = None) -> dict[str, Path]:
     """Build (or find cached) emulation libraries, compiling missing ones in parallel."""
     cxx, include = emulation_toolchain()
     families = families or registry.families()
+    return _compile({family: _library_path(family, cxx, include) for family in families}, cxx, include)
+
+
+def _compile(targets: dict[str, tuple[Path, str]], cxx: str, include: str, extra_include: Path | None = None):
     paths, jobs = {}, []
-    for family in families:
-        path, shim = _library_path(family, cxx, include)
-        paths[family] = path
+    includes = [f"-I{registry.KERNELS_DIR}", *([f"-I{extra_include}"] if extra_include else []), f"-I{include}"]
+    for stem, (path, shim) in targets.items():
+        paths[stem] = path
         if path.exists():
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         shim_path = path.with_suffix(".cpp")
         _atomic_write(shim_path, shim.encode())
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        cmd = [cxx, *CXX_FLAGS, f"-I{registry.KERNELS_DIR}", f"-I{include}", str(shim_path), "-o", str(tmp)]
-        jobs.append((family, path, tmp, cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
+        cmd = [cxx, *CXX_FLAGS, *includes, str(shim_path), "-o", str(tmp)]
+        jobs.append((stem, path, tmp, cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
     errors = []
-    for family, path, tmp, cmd, proc in jobs:
+    for stem, path, tmp, cmd, proc in jobs:
         _, err = proc.communicate()
         if proc.returncode != 0:
-            errors.append(f"{family}: {' '.join(cmd)}\n{err}")
+            errors.append(f"{stem}: {' '.join(cmd)}\n{err}")
             continue
         os.replace(tmp, path)
     if errors:
         raise RuntimeError("emulation build failed:\n" + "\n".join(errors))
     return paths
+
+
+def build_source(source: Path, kernels) -> ctypes.CDLL:
+    """Build (or find cached) one .cu outside kernels_cu/ (test kernels) with launchers for ``kernels``
+    (``registry.Kernel`` entries); it may include kernels_cu/ headers. Launch with ``launch_in``."""
+    cxx, include = emulation_toolchain()
+    sources = {source.name: source.read_text()}
+    for name in (*registry.SHARED_HEADERS, *registry.EMULATION_HEADERS):
+        sources[name] = (registry.KERNELS_DIR / name).read_text()
+    target = _cached_path(source.stem, _shim(source.name, kernels), sources, cxx, include)
+    path = _compile({source.stem: target}, cxx, include, extra_include=source.parent)[source.stem]
+    return ctypes.CDLL(str(path))
+
+
+def launch_in(library: ctypes.CDLL, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
+    """Run one instantiation of ``kernel`` from ``library``: grid/block are 3-tuples, args by ``kernel.params``."""
+    fn = getattr(library, kernel.emu_symbol(targs))
+    fn.argtypes = [ctypes.c_uint] * 6 + [_CTYPE[kind] for _, kind in kernel.params]
+    fn.restype = None
+    values = [(int(v) or None) if kind == "ptr" else v for (_, kind), v in zip(kernel.params, args, strict=True)]
+    fn(*grid, *block, *values)
 
 
 def _library(family: str) -> ctypes.CDLL:
@@ -181,6 +215,10 @@ class EmulatedExecutor:
         build()  # one parallel build of every family
         for family in registry.families():
             _library(family)
+
+    def resident_ctas(self, kernel: registry.Kernel, targs: tuple[str, ...], threads: int) -> int:
+        """CTAs per SM for the wave arithmetic: a parameter here (EMULATED_RESIDENT_CTAS), not a measurement."""
+        return EMULATED_RESIDENT_CTAS
 
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
         registry.check_grid(kernel, grid)

@@ -252,6 +252,7 @@ class CudaExecutor:
         self.arch = device_arch(self.device)
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernels: dict[str, object] = {}  # name expression -> cuda.core Kernel
+        self._resident: dict[str, int] = {}  # name expression -> CTAs per SM (occupancy, read once)
 
     def _load_family(self, family: str) -> None:
         from cuda.core import ObjectCode
@@ -267,6 +268,25 @@ class CudaExecutor:
         for family in registry.families():
             self._load_family(family)
 
+    @staticmethod
+    def _require_not_capturing(expr: str) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{expr} is not loaded and a CUDA graph is being captured: call "
+                "oasr.fast.paged_ops.load_kernels(device) (or run the op once) before capturing"
+            )
+
+    def resident_ctas(self, kernel: registry.Kernel, targs: tuple[str, ...], threads: int) -> int:
+        """CTAs of this instantiation resident per SM on this device (the driver's occupancy query)."""
+        expr = kernel.name_expression(targs)
+        if expr not in self._resident:
+            if expr not in self._kernels:
+                self._require_not_capturing(expr)
+                self._load_family(kernel.family)
+            occupancy = self._kernels[expr].occupancy
+            self._resident[expr] = max(1, int(occupancy.max_active_blocks_per_multiprocessor(threads, 0)))
+        return self._resident[expr]
+
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
         from cuda.core import LaunchConfig, Stream, launch
 
@@ -276,11 +296,7 @@ class CudaExecutor:
                 return self.launch(kernel, targs, grid, block, args)
         expr = kernel.name_expression(targs)
         if expr not in self._kernels:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"{expr} is not loaded and a CUDA graph is being captured: call "
-                    "oasr.fast.paged_ops.load_kernels(device) (or run the op once) before capturing"
-                )
+            self._require_not_capturing(expr)
             self._load_family(kernel.family)
         params = [_convert(kind, value) for (_, kind), value in zip(kernel.params, args, strict=True)]
         stream = Stream.from_handle(torch.cuda.current_stream(self.device).cuda_stream)

@@ -18,6 +18,7 @@ the kernels cannot tile (``check_fp8_geometry``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,10 +27,13 @@ from oasr.fast.kernels import registry
 from oasr.paged import PagedKVCache
 
 THREADS = 128  # every kernel runs 128-thread blocks
-ROWS_PER_CTA = 16  # attention: query rows (t, g) per CTA = 4 warps x 4 rows
-TILE_KEYS = 32  # attention: keys per shared-memory tile
+ROWS_PER_CTA = 16  # attention v1: query rows (t, g) per CTA = 4 warps x 4 rows
+V2_ROWS_PER_CTA = 64  # attention v2: 4 warps x one 16-row MMA tile
+TILE_KEYS = 32  # attention (v1 and v2): keys per shared-memory tile
 MIN_KEYS_PER_SPLIT = 64  # flash-decoding: a split gets at least two key tiles
 MAX_SPLITS = 32
+WAVE_SLACK = 1.1  # v2: the fewest splits within 10% of the best modelled time (choose_num_splits_by_waves)
+ATTENTION_VERSIONS = ("v1", "v2")
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -176,6 +180,46 @@ def choose_num_splits(batch: int, n_kv_head: int, q_tiles: int, max_keys: int, s
     return max(1, min(want, by_length, MAX_SPLITS))
 
 
+def choose_num_splits_by_waves(ctas: int, max_keys: int, slots: int) -> int:
+    """How many CTAs share one row's key range, for attention v2 (flash-decoding by waves).
+
+    ``slots`` = SMs x CTAs resident per SM (``executor.resident_ctas``: the CUDA
+    occupancy of the kernel on the device; a fixed parameter for the emulator).
+    With ``s`` splits the grid has ``ctas * s`` CTAs, each doing 1/s of a row's
+    keys, and runs in ``ceil(ctas * s / slots)`` waves, so the modelled time is
+    ``waves / s``. The answer is the fewest splits within WAVE_SLACK of the best
+    modelled time (fewer splits: less combine work and fewer partial rows),
+    with at least MIN_KEYS_PER_SPLIT keys per split and at most MAX_SPLITS.
+    Host-side numbers only. E.g. 128 streams x 4 KV heads (512 CTAs) on 132
+    SMs: 4 resident -> 1 split (0.97 waves); 3 resident -> 3 splits (4 waves of
+    a third each, 1.33, against 2 whole waves at 1 split).
+    """
+    ctas, slots = max(1, ctas), max(1, slots)
+    most = max(1, min(MAX_SPLITS, max_keys // MIN_KEYS_PER_SPLIT))
+    modelled = {s: math.ceil(ctas * s / slots) / s for s in range(1, most + 1)}
+    best = min(modelled.values())
+    return min(s for s, t in modelled.items() if t <= WAVE_SLACK * best)
+
+
+def v2_supports(cache: PagedKVCache, q_dtype: torch.dtype, head_dim: int) -> bool:
+    """True when attention v2 has an instantiation for this pool and query: fp16/bf16 queries,
+    pages in that dtype or fp8, head_dim in HEAD_DIMS, block size in V2_BLOCK_SIZES."""
+    page_ok = cache.quantized or cache.k_cache.dtype == q_dtype
+    return (
+        q_dtype in registry.V2_DTYPE_ARG
+        and page_ok
+        and head_dim in registry.HEAD_DIMS
+        and cache.block_size in registry.V2_BLOCK_SIZES
+    )
+
+
+def choose_attention_version(executor, cache: PagedKVCache, q_dtype: torch.dtype, head_dim: int) -> str:
+    """The fast twin's choice: v2 (tensor cores) on CUDA wherever ``v2_supports``; v1 otherwise
+    (fp32 pools, other block sizes, and the emulator, where v2 runs only when asked by name:
+    it is the slow one to emulate, and the tests run both)."""
+    return "v2" if executor.kind == "cuda" and v2_supports(cache, q_dtype, head_dim) else "v1"
+
+
 def paged_attention(
     executor,
     q: torch.Tensor,
@@ -184,8 +228,14 @@ def paged_attention(
     scale: float,
     causal: bool,
     num_splits: int | None = None,
+    version: str | None = None,
 ) -> torch.Tensor:
-    """Launch paged_chunk_attention (and the combine kernel when the keys are split)."""
+    """Launch paged_chunk_attention v1 or v2 (and the combine kernel when the keys are split).
+
+    ``version`` None: ``choose_attention_version``; "v1" or "v2" by name (v2 raises ``ValueError``
+    where ``v2_supports`` is false). ``num_splits`` None: v1 sizes splits with ``choose_num_splits``
+    (two waves of SMs), v2 with ``choose_num_splits_by_waves``; an int forces the count.
+    """
     _check_pool(cache)
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
@@ -216,15 +266,35 @@ def paged_attention(
     for t in (q, cache.k_cache, cache.v_cache):
         if t.data_ptr() % 16:
             raise ValueError("fast paged_attention: q and the pool must be 16-byte aligned")
+    if version is None:
+        version = choose_attention_version(executor, cache, q.dtype, D)
+    if version not in ATTENTION_VERSIONS:
+        raise ValueError(f"fast paged_attention: version must be one of {ATTENTION_VERSIONS}, got {version!r}")
+    if version == "v2" and not v2_supports(cache, q.dtype, D):
+        raise ValueError(
+            f"fast paged_attention: v2 takes fp16/bf16 queries with pages in that dtype or fp8, head_dim in "
+            f"{registry.HEAD_DIMS}, block_size in {registry.V2_BLOCK_SIZES}; got q {q.dtype}, pages "
+            f"{cache.k_cache.dtype}, head_dim={D}, block_size={cache.block_size}"
+        )
     table = _block_table(cache)
     seqlens = _int32_vector(cache.cache_seqlens, "cache_seqlens", B, q.device)
     seqstarts = _int32_vector(cache.cache_seqstarts, "cache_seqstarts", B, q.device)
 
     group = H // Hkv
-    q_tiles = math.ceil(group * T / ROWS_PER_CTA)
     max_keys = max(1, cache.max_span + T)
-    if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, q_tiles, max_keys, executor.sm_count)
+    if version == "v2":
+        kernel = registry.BY_NAME["paged_chunk_attention_v2_kernel"]
+        kernel_targs = (registry.DTYPE_ARG[dtype], page, str(D), str(cache.block_size))
+        q_tiles = math.ceil(group * T / V2_ROWS_PER_CTA)
+        if num_splits is None:
+            slots = executor.sm_count * executor.resident_ctas(kernel, kernel_targs, THREADS)
+            num_splits = choose_num_splits_by_waves(B * Hkv * q_tiles, max_keys, slots)
+    else:
+        kernel = registry.BY_NAME["paged_chunk_attention_kernel"]
+        kernel_targs = (registry.DTYPE_ARG[dtype], page, str(D))
+        q_tiles = math.ceil(group * T / ROWS_PER_CTA)
+        if num_splits is None:
+            num_splits = choose_num_splits(B, Hkv, q_tiles, max_keys, executor.sm_count)
     split_len = TILE_KEYS * math.ceil(math.ceil(max_keys / num_splits) / TILE_KEYS)
     num_splits = max(1, math.ceil(max_keys / split_len))  # drop splits that would start past every range
 
@@ -233,19 +303,14 @@ def paged_attention(
         part_acc = torch.empty((num_splits, B, H, T, D), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_splits, B, H, T, 2), dtype=torch.float32, device=q.device)
     targs = (registry.DTYPE_ARG[dtype], str(D))
+    block_size = () if version == "v2" else (cache.block_size,)  # v2: a template argument
     args = (
         _ptr(q), _ptr(cache.k_cache), _ptr(cache.v_cache), _ptr(cache.k_scale), _ptr(cache.v_scale), _ptr(table),
         table.stride(0), _ptr(seqlens), _ptr(seqstarts), _ptr(chunk_lens), _ptr(out), _ptr(part_acc),
-        _ptr(part_ml), H, Hkv, T, cache.block_size, num_splits, split_len, scale * math.log2(math.e),
+        _ptr(part_ml), H, Hkv, T, *block_size, num_splits, split_len, scale * math.log2(math.e),
         int(bool(causal)),
     )  # fmt: skip
-    executor.launch(
-        registry.BY_NAME["paged_chunk_attention_kernel"],
-        (targs[0], page, targs[1]),
-        (q_tiles * num_splits, Hkv, B),
-        (THREADS, 1, 1),
-        args,
-    )
+    executor.launch(kernel, kernel_targs, (q_tiles * num_splits, Hkv, B), (THREADS, 1, 1), args)
     if num_splits > 1:
         rows = B * H * T
         executor.launch(
@@ -309,8 +374,14 @@ def gather_kv_blocks(
 
 
 # Each registered attention kernel's launcher (registry.attention_kernels(), by short name), all with
-# paged_attention's signature. Tests and the GPU bench run every entry, so a new version is compared
-# by adding its line here.
+# paged_attention's signature, each pinned to its version (paged_attention alone picks one). Tests and
+# the GPU bench run every entry, so a new version is compared by adding its line here; ATTENTION_SERVES
+# says which inputs each one takes (the others raise ValueError).
 ATTENTION_LAUNCHERS = {
-    "paged_chunk_attention_kernel": paged_attention,
+    "paged_chunk_attention_kernel": functools.partial(paged_attention, version="v1"),
+    "paged_chunk_attention_v2_kernel": functools.partial(paged_attention, version="v2"),
+}
+ATTENTION_SERVES = {  # (cache, q dtype, head_dim) -> bool
+    "paged_chunk_attention_kernel": lambda cache, q_dtype, head_dim: True,  # every dtype the fast twin takes
+    "paged_chunk_attention_v2_kernel": v2_supports,
 }

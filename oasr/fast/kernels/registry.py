@@ -23,8 +23,8 @@ import torch
 
 # The .cu sources live at the repository root (editable install); OASR_KERNELS_DIR overrides.
 KERNELS_DIR = Path(os.environ.get("OASR_KERNELS_DIR") or Path(__file__).resolve().parents[3] / "kernels_cu")
-SHARED_HEADERS = ("common.cuh",)
-EMULATION_HEADERS = ("emu/simt_emu.h",)
+SHARED_HEADERS = ("common.cuh", "warp_mma.cuh", "attention_window.cuh")
+EMULATION_HEADERS = ("emu/simt_emu.h", "emu/warp_emu.h")
 
 # Template arguments for each dtype the kernels take.
 DTYPE_ARG = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
@@ -59,6 +59,41 @@ _DTYPE_HEAD = tuple((t, str(d)) for t in DTYPE_ARG.values() for d in HEAD_DIMS)
 _DTYPE_FP8_HEAD = tuple((t, str(d)) for t in DTYPE_ARG.values() for d in FP8_HEAD_DIMS)
 # Attention: (model dtype, page type, head_dim), pages in the model dtype or in fp8.
 _ATTENTION = tuple((t, page, str(d)) for t in DTYPE_ARG.values() for page in (t, FP8_ARG) for d in HEAD_DIMS)
+
+# Attention v2 (tensor cores): 16-bit model dtypes only, block size a template parameter.
+V2_DTYPE_ARG = {t: a for t, a in DTYPE_ARG.items() if t != torch.float32}
+V2_BLOCK_SIZES = (8, 16, 32, 64)
+_ATTENTION_V2 = tuple(
+    (t, page, str(d), str(bs))
+    for t in V2_DTYPE_ARG.values()
+    for page in (t, FP8_ARG)
+    for d in HEAD_DIMS
+    for bs in V2_BLOCK_SIZES
+)
+
+_ATTENTION_KERNEL_PARAMS = (
+    ("q", "ptr"),
+    ("k_cache", "ptr"),
+    ("v_cache", "ptr"),
+    ("k_scale", "ptr"),
+    ("v_scale", "ptr"),
+    ("block_table", "ptr"),
+    ("table_stride", "i32"),
+    ("cache_seqlens", "ptr"),
+    ("cache_seqstarts", "ptr"),
+    ("chunk_lens", "ptr"),
+    ("out", "ptr"),
+    ("part_acc", "ptr"),
+    ("part_ml", "ptr"),
+    ("n_head", "i32"),
+    ("n_kv_head", "i32"),
+    ("num_frames", "i32"),
+    ("block_size", "i32"),
+    ("num_splits", "i32"),
+    ("split_len", "i32"),
+    ("scale_log2", "f32"),
+    ("causal", "i32"),
+)
 
 KERNELS: tuple[Kernel, ...] = (
     Kernel(
@@ -104,30 +139,14 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::paged_chunk_attention_kernel",
         family="paged_chunk_attention",
-        params=(
-            ("q", "ptr"),
-            ("k_cache", "ptr"),
-            ("v_cache", "ptr"),
-            ("k_scale", "ptr"),
-            ("v_scale", "ptr"),
-            ("block_table", "ptr"),
-            ("table_stride", "i32"),
-            ("cache_seqlens", "ptr"),
-            ("cache_seqstarts", "ptr"),
-            ("chunk_lens", "ptr"),
-            ("out", "ptr"),
-            ("part_acc", "ptr"),
-            ("part_ml", "ptr"),
-            ("n_head", "i32"),
-            ("n_kv_head", "i32"),
-            ("num_frames", "i32"),
-            ("block_size", "i32"),
-            ("num_splits", "i32"),
-            ("split_len", "i32"),
-            ("scale_log2", "f32"),
-            ("causal", "i32"),
-        ),
+        params=_ATTENTION_KERNEL_PARAMS,
         instances=_ATTENTION,
+    ),
+    Kernel(
+        name="oasr::paged_chunk_attention_v2_kernel",
+        family="paged_chunk_attention_v2",
+        params=tuple(p for p in _ATTENTION_KERNEL_PARAMS if p[0] != "block_size"),  # v2: a template argument
+        instances=_ATTENTION_V2,
     ),
     Kernel(
         name="oasr::paged_attention_combine_kernel",

@@ -168,6 +168,7 @@ class Tiling:
 # By registry short name. A registered attention kernel missing here is reported without a model.
 TILINGS = {
     "paged_chunk_attention_kernel": Tiling(keys_per_iteration=32, rows_per_cta=16, split_rule="v1"),
+    "paged_chunk_attention_v2_kernel": Tiling(keys_per_iteration=32, rows_per_cta=64, split_rule="waves"),
 }
 
 # -- finding the tools ---------------------------------------------------------------------------
@@ -524,8 +525,8 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
     base = shape.streams * shape.n_kv_head * q_tiles
     if tiling.split_rule == "v1":
         splits = ops.choose_num_splits(shape.streams, shape.n_kv_head, q_tiles, shape.keys, machine.sms)
-    else:  # enough CTAs to fill every SM's resident slots once
-        splits = max(1, min(math.ceil(machine.sms * max(resident, 1) / base), shape.keys // tiling.keys_per_iteration))
+    else:  # the launcher's rule for v2: ops.choose_num_splits_by_waves over SMs x resident CTAs
+        splits = ops.choose_num_splits_by_waves(base, shape.keys, machine.sms * max(resident, 1))
     ctas = base * splits
     tiles = math.ceil(math.ceil(shape.keys / splits) / tiling.keys_per_iteration)
     warps = math.ceil(threads / 32)

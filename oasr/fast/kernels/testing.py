@@ -171,3 +171,51 @@ def low_precision_bound(ref32: torch.Tensor, ref_lowp: torch.Tensor, floor: floa
     away, which stays within twice the reference's own error plus ``floor``.
     """
     return 2 * (ref_lowp.float() - ref32.float()).abs() + floor * (1 + ref32.float().abs())
+
+
+# Unit roundoff (half an ulp at 1) of the 16-bit types the tensor-core kernel rounds to.
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def with_abs_v(cache: PagedKVCache) -> PagedKVCache:
+    """The same cache with |V| (fp8: sign bits cleared; NaN bytes stay NaN, scales are positive)."""
+    if cache.quantized:
+        v = (cache.v_cache.view(torch.uint8) & 0x7F).view(cache.v_cache.dtype)
+    else:
+        v = cache.v_cache.abs()
+    return replace(cache, v_cache=v)
+
+
+def v2_bound(ref32: torch.Tensor, ref_abs_v: torch.Tensor, out_dtype: torch.dtype, quantized: bool, floor: float):
+    """Per-element bound for attention v2 (tensor cores) against the fp32 reference.
+
+    v2 rounds P to the type of its P V mma (bf16 on fp8 pages, else the model
+    dtype) before multiplying by V, so each p_j carries a relative error of at
+    most that type's unit roundoff u_pv, and the output at most
+    ``u_pv * sum_j p_j |v_j| / l`` = ``u_pv * ref_abs_v`` (the reference run
+    on |V|: ``with_abs_v``). Everything else is fp32 (``floor``, as for v1)
+    plus one rounding of the output to ``out_dtype`` (its unit roundoff times
+    |out|).
+    """
+    u_pv = UNIT_ROUNDOFF[torch.bfloat16] if quantized else UNIT_ROUNDOFF[out_dtype]
+    u_out = UNIT_ROUNDOFF[out_dtype]
+    r = ref32.float().abs()
+    return u_out * r + u_pv * (1 + u_out) * ref_abs_v.float() + floor * (1 + r)
+
+
+def emulated_attention(version: str, q, cache: PagedKVCache, chunk_lens=None, softmax_scale=None, causal=False,
+                       num_splits=None) -> torch.Tensor:  # fmt: skip
+    """paged_attention on the emulator with attention kernel ``version`` ("v1" or "v2").
+
+    v1 with the launcher's split count goes through the fast twin (``backend="emulated"``, whose choice
+    on the emulator is v1); v2, and any forced split count, through the launcher
+    (``ops.paged_attention``) with the int32 lengths the twin would pass.
+    """
+    from oasr.fast import paged_ops as fast
+    from oasr.fast.kernels import emulation, ops
+
+    if version == "v1" and num_splits is None:
+        return fast.paged_attention(q, cache, chunk_lens, softmax_scale, causal, backend="emulated")
+    lens = None if chunk_lens is None else torch.as_tensor(chunk_lens, dtype=torch.int32)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return ops.paged_attention(emulation.executor(), q, cache, lens, scale, causal, num_splits, version=version)
