@@ -1,0 +1,139 @@
+"""What both twins' ``DecoderKVCacheManager`` share: requests, refusals, row records, argument checks.
+
+The admission arithmetic lives here once, so the twins refuse the same batches
+with the same words::
+
+    available = pool.num_free_blocks - reserved
+    reserved  = sum over admitted rows of (self ceiling pages - self pages held)
+    a batch fits  iff  free rows >= len(batch)  and  every ceiling <= the config's
+                  and  sum of (self ceiling pages + cross pages) <= available
+
+Cross pages are mapped at admission (their extent is fixed), so they are held,
+not reserved. Self pages are taken one at a time as a row crosses a page
+boundary, always out of its own reservation, so ``available`` never goes
+negative and an admitted row can always reach its ceiling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+
+
+class AdmissionError(RuntimeError):
+    """``admit`` refused a batch; ``reason`` is ``can_admit``'s sentence. Nothing was changed."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"DecoderKVCacheManager.admit refused the batch: {reason}")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """``can_admit``'s answer: truthy when the batch fits; otherwise ``reason`` names the numbers."""
+
+    ok: bool
+    reason: str = ""
+    blocks: int = 0  # pages the batch would reserve (self ceilings + cross extents)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class DecoderRowInfo:
+    """A snapshot of one row (tests, notebooks): blocks in logical order and lengths."""
+
+    row: int
+    self_blocks: tuple
+    cross_blocks: tuple
+    length: int
+    cross_length: int
+    ceiling_tokens: int
+    cross_ceiling: int
+
+
+def check_requests(requests) -> list[DecoderRequest]:
+    reqs = list(requests) if isinstance(requests, (list, tuple)) else [requests]
+    for i, r in enumerate(reqs):
+        if not isinstance(r, DecoderRequest):
+            raise ValueError(f"can_admit: request {i} must be a DecoderRequest, got {type(r).__name__}")
+    return reqs
+
+
+def judge(config: DecoderCacheConfig, requests: list[DecoderRequest], free_rows: int, free_blocks: int,
+          reserved: int) -> Admission:
+    """The admission rule (module docstring) on plain numbers; never mutates anything."""
+    if len(requests) > free_rows:
+        return Admission(False, f"the batch needs {len(requests)} rows, only {free_rows} of "
+                                f"max_rows={config.max_rows} are free")
+    for i, r in enumerate(requests):
+        if r.self_tokens > config.max_self_tokens:
+            return Admission(False, f"request {i} declares prompt_len={r.prompt_len} + max_new_tokens="
+                                    f"{r.max_new_tokens} = {r.self_tokens} tokens, above max_self_tokens="
+                                    f"{config.max_self_tokens}")
+        if r.cross_len > config.max_cross_tokens:
+            return Admission(False, f"request {i} declares cross_len={r.cross_len}, above max_cross_tokens="
+                                    f"{config.max_cross_tokens}")
+    self_pages = sum(config.pages_for(r.self_tokens) for r in requests)
+    cross_pages = sum(config.pages_for(r.cross_len) for r in requests)
+    need = self_pages + cross_pages
+    available = free_blocks - reserved
+    if need > available:
+        return Admission(False, f"the batch's ceilings need {need} blocks ({self_pages} self + {cross_pages} "
+                                f"cross, page_size={config.page_size}), only {available} are available "
+                                f"({free_blocks} free minus {reserved} reserved by admitted rows)", need)
+    return Admission(True, "", need)
+
+
+def check_rows(rows, admitted, op: str, unique: bool = True) -> list[int]:
+    """``rows`` as a list of admitted row ids (``admitted(row) -> bool``); ValueError / KeyError otherwise."""
+    ids = list(rows) if isinstance(rows, (list, tuple)) else [rows]
+    for r in ids:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise ValueError(f"{op}: row ids must be ints, got {r!r}")
+        if not admitted(r):
+            raise KeyError(f"{op}: row {r} is not admitted (never admitted, or finished)")
+    if unique and len(set(ids)) != len(ids):
+        raise ValueError(f"{op}: duplicate rows in {ids}")
+    return ids
+
+
+def check_kv(config: DecoderCacheConfig, k: torch.Tensor, v: torch.Tensor, op: str, lead: tuple,
+             convert: bool) -> int:
+    """``k, v`` must be ``(L, *lead, T, H, D)`` (``T`` free when ``lead`` ends with None) on the pool's device.
+
+    Self writes keep the strict rule: the model dtype only. Cross fills convert (``convert=True``).
+    Returns T.
+    """
+    L, H, D = config.num_layers, config.n_kv_head, config.head_dim
+    want = (L, *lead, "T", H, D)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        shape = tuple(t.shape)
+        if len(shape) != len(want) or shape[0] != L or shape[-2:] != (H, D) or \
+                tuple(shape[1:1 + len(lead)]) != tuple(lead):
+            raise ValueError(f"{op}: {name} must be {want}, got {shape}")
+        if t.device != config.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, the pool on {config.device}")
+        if not t.is_floating_point():
+            raise ValueError(f"{op}: {name} must be floating point, got {t.dtype}")
+        if not convert and t.dtype != config.dtype:
+            raise ValueError(f"{op}: {name} is {t.dtype}, the decoder serves {config.dtype} (no silent conversion)")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    return k.shape[-3]
+
+
+def check_step_kv(config: DecoderCacheConfig, k, v, batch: int) -> None:
+    """``append``'s one token per row: ``k, v (L, B, H, D)`` in the model dtype."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"append: {name} must be (L={config.num_layers}, B={batch}, "
+                             f"H={config.n_kv_head}, D={config.head_dim}), got {got}")
+    check_kv(config, k[:, :, None], v[:, :, None], "append", (batch,), convert=False)

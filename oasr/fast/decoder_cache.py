@@ -1,0 +1,345 @@
+"""Fast ``DecoderKVCacheManager``: slot-indexed persistent tables, numpy bookkeeping, one batched append.
+
+Fast twin of ``oasr.reference.decoder_cache.DecoderKVCacheManager``: same
+methods, same errors, same atomicity, and the same block ids in the same table
+columns for the same op sequence. Geometry and admission are drawn in
+``oasr.decoder_config`` and ``oasr.decoder_common``.
+
+Where the state lives (``R = max_rows``)::
+
+    host mirror (numpy, the source of truth)          device (persistent, fixed address)
+    _self_table   int32 (R, self_pages)           ->  self_table    int32 (R, self_pages)
+    _cross_table  int32 (R, cross_pages)          ->  cross_table   int32 (R, cross_pages)
+    _length, _cross_length  int64 (R,)            ->  _meta         int32 (2, R): length, max(cross_length - 1, 0)
+    _held, _cross_held, _ceiling, _cross_ceiling, _admitted (host only)
+
+One decode step for ``B`` rows (``append``): a constant number of numpy
+operations, one ``pool.allocate_array`` for every row that crosses a page
+boundary, one staged copy (the rows, their table rows, their lengths), then on
+the device: two ``index_copy_`` into the persistent tables, the cohort's views
+gathered with ``index_select``, one ``append_kv`` per layer for all rows (one
+quantize-and-scatter per layer with fp8), and one ``index_add_`` that advances
+the lengths. Decode attention is ``oasr.fast.paged_ops.paged_attention`` with
+one query per row (GQA rows packed by the chunk kernel), on any backend.
+
+Block ownership goes through ``_take`` / ``_drop`` (the pool) and ``_bind`` /
+``_unbind`` (table entries) exactly as in the reference, so reference counts
+can be added in those four places.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from oasr.decoder_common import (
+    Admission, AdmissionError, DecoderRowInfo, check_kv, check_requests, check_rows, check_step_kv, judge,
+)
+from oasr.decoder_config import DecoderCacheConfig
+from oasr.fast.block_pool import BlockPool
+from oasr.fast.paged_ops import append_kv
+from oasr.fast.staging import Stager
+from oasr.paged import PagedKVCache
+
+_I32, _I64 = torch.int32, torch.int64
+
+
+class DecoderKVCacheManager:
+    def __init__(self, config: DecoderCacheConfig, pool: BlockPool | None = None, *, backend: str | None = None):
+        if not isinstance(config, DecoderCacheConfig):
+            raise ValueError(f"DecoderKVCacheManager: config must be a DecoderCacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.backend = backend
+        if pool is None:
+            pool = BlockPool(config.pool_config(), scratch_blocks=1)
+        pc = pool.config
+        if pc.kv_cache_dtype != config.kv_cache_dtype or pc.dtype != config.dtype:
+            raise ValueError(
+                f"DecoderKVCacheManager: the pool stores kv_cache_dtype={pc.kv_cache_dtype!r} (model dtype "
+                f"{pc.dtype}) but the decoder declares kv_cache_dtype={config.kv_cache_dtype!r} ({config.dtype}); "
+                f"the pool's format must equal the decoder's"
+            )
+        geometry = (pc.num_layers, pc.n_kv_head, pc.head_dim, pc.block_size_frames)
+        want = (config.num_layers, config.n_kv_head, config.head_dim, config.page_size)
+        if geometry != want or pool.scratch_blocks < 1:
+            raise ValueError(
+                f"DecoderKVCacheManager: pool geometry (layers, kv heads, head_dim, page) = {geometry} with "
+                f"{pool.scratch_blocks} scratch blocks; the decoder needs {want} and >= 1 scratch block"
+            )
+        self.pool = pool
+        R, SW, CW = config.max_rows, max(config.self_pages, 1), max(config.cross_pages, 1)
+        null, device = pool.null_block, config.device
+        self._self_table = np.full((R, SW), null, dtype=np.int32)
+        self._cross_table = np.full((R, CW), null, dtype=np.int32)
+        self._held = np.zeros(R, dtype=np.int64)
+        self._cross_held = np.zeros(R, dtype=np.int64)
+        self._length = np.zeros(R, dtype=np.int64)
+        self._cross_length = np.zeros(R, dtype=np.int64)
+        self._ceiling = np.zeros(R, dtype=np.int64)  # self tokens declared
+        self._cross_ceiling = np.zeros(R, dtype=np.int64)
+        self._requests: list = [None] * R
+        self._admitted = np.zeros(R, dtype=bool)
+        self.self_table = torch.full((R, SW), null, dtype=_I32, device=device)
+        self.cross_table = torch.full((R, CW), null, dtype=_I32, device=device)
+        self._meta = torch.zeros((2, R), dtype=_I32, device=device)
+        self._zeros = torch.zeros(R, dtype=_I32, device=device)
+        self._ones = torch.ones(R, dtype=_I32, device=device)
+        self._stager = Stager([(R, _I64), (R * SW, _I32), (R * CW, _I32), (2 * R, _I32)], device)
+        self._cohort_stager = Stager([(R, _I64)], device)
+        self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
+        self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
+
+    # ---- block ownership (the only places that touch the pool's free list or a table entry) ----
+    def _take(self, n: int) -> np.ndarray:
+        return self.pool.allocate_array(n)
+
+    def _drop(self, ids: np.ndarray) -> None:
+        self.pool.free_array(ids)
+
+    def _bind(self, table: np.ndarray, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
+        table[rows, cols] = ids
+
+    def _unbind(self, table: np.ndarray, row: int, count: int) -> np.ndarray:
+        ids = table[row, :count].astype(np.int64)
+        table[row, :count] = self.pool.null_block
+        return ids
+
+    # ---- device mirror ------------------------------------------------------------
+    def _sync(self, ids: np.ndarray) -> torch.Tensor:
+        """One staged copy of the rows' tables and lengths into the persistent device tensors;
+        returns the rows as a device index."""
+        B = ids.size
+        meta = np.concatenate([self._length[ids], np.maximum(self._cross_length[ids] - 1, 0)])
+        rows_d, self_d, cross_d, meta_d = self._stager.stage(
+            ids, self._self_table[ids], self._cross_table[ids], meta
+        )
+        if B:
+            self.self_table.index_copy_(0, rows_d, self_d.view(B, -1))
+            self.cross_table.index_copy_(0, rows_d, cross_d.view(B, -1))
+            self._meta.index_copy_(1, rows_d, meta_d.view(2, B))
+        return rows_d
+
+    # ---- counts ---------------------------------------------------------------
+    def _is_admitted(self, row) -> bool:
+        return 0 <= row < self.config.max_rows and bool(self._admitted[row])
+
+    def _row(self, row) -> int:
+        if isinstance(row, bool) or not isinstance(row, int) or not self._is_admitted(row):
+            raise KeyError(f"row {row!r} is not admitted (never admitted, or finished)")
+        return row
+
+    @property
+    def rows(self) -> list[int]:
+        return np.flatnonzero(self._admitted).tolist()
+
+    @property
+    def num_free_rows(self) -> int:
+        return int((~self._admitted).sum())
+
+    @property
+    def reserved_blocks(self) -> int:
+        page = self.config.page_size
+        a = self._admitted
+        return int((-(-self._ceiling[a] // page) - self._held[a]).sum())
+
+    @property
+    def available_blocks(self) -> int:
+        return self.pool.num_free_blocks - self.reserved_blocks
+
+    def describe(self, row: int) -> DecoderRowInfo:
+        r = self._row(row)
+        return DecoderRowInfo(r, tuple(self._self_table[r, : self._held[r]].tolist()),
+                              tuple(self._cross_table[r, : self._cross_held[r]].tolist()),
+                              int(self._length[r]), int(self._cross_length[r]), int(self._ceiling[r]),
+                              int(self._cross_ceiling[r]))
+
+    def length(self, row: int) -> int:
+        return int(self._length[self._row(row)])
+
+    # ---- admission --------------------------------------------------------------
+    def can_admit(self, requests) -> Admission:
+        reqs = check_requests(requests)
+        return judge(self.config, reqs, self.num_free_rows, self.pool.num_free_blocks, self.reserved_blocks)
+
+    def admit(self, requests) -> list[int]:
+        reqs = check_requests(requests)
+        answer = self.can_admit(reqs)
+        if not answer:
+            raise AdmissionError(answer.reason)
+        cfg = self.config
+        rows = np.flatnonzero(~self._admitted)[: len(reqs)]
+        pages = np.array([cfg.pages_for(r.cross_len) for r in reqs], dtype=np.int64)
+        cross = self._take(int(pages.sum()))  # one allocation for the batch, request order
+        owner = np.repeat(rows, pages)
+        cols = np.arange(cross.size) - np.repeat(np.cumsum(pages) - pages, pages)
+        self._bind(self._cross_table, owner, cols, cross)
+        self._cross_held[rows] = pages
+        self._ceiling[rows] = [r.self_tokens for r in reqs]
+        self._cross_ceiling[rows] = [r.cross_len for r in reqs]
+        self._held[rows] = 0
+        self._length[rows] = 0
+        self._cross_length[rows] = 0
+        self._admitted[rows] = True
+        for row, req in zip(rows.tolist(), reqs, strict=True):
+            self._requests[row] = req
+        self._sync(rows)
+        return rows.tolist()
+
+    def finish(self, row: int) -> None:
+        r = self._row(row)
+        ids = np.concatenate([self._unbind(self._self_table, r, int(self._held[r])),
+                              self._unbind(self._cross_table, r, int(self._cross_held[r]))])
+        self._drop(ids)
+        self._held[r] = self._cross_held[r] = self._length[r] = self._cross_length[r] = 0
+        self._ceiling[r] = self._cross_ceiling[r] = 0
+        self._admitted[r] = False
+        self._requests[r] = None
+        self._sync(np.array([r], dtype=np.int64))
+
+    # ---- views ------------------------------------------------------------------
+    def _rows_index(self, rows, op: str) -> tuple[np.ndarray, torch.Tensor]:
+        ids = np.array(check_rows(rows, self._is_admitted, op), dtype=np.int64)
+        (rows_d,) = self._cohort_stager.stage(ids)
+        return ids, rows_d
+
+    def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int) -> list:
+        starts = self._zeros[: table.shape[0]]
+        return [
+            PagedKVCache(k, v, table, seqlens, starts, self.config.page_size, max_len, max_span, layer, ks, vs)
+            for layer, ((k, v), (ks, vs)) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
+        ]
+
+    def _self_views(self, ids: np.ndarray, rows_d: torch.Tensor) -> list:
+        lens = self._length[ids]
+        longest = int(lens.max()) if ids.size else 0
+        return self._views(self.self_table.index_select(0, rows_d), self._meta[0].index_select(0, rows_d),
+                           longest, longest)
+
+    def self_caches(self, rows) -> list[PagedKVCache]:
+        ids, rows_d = self._rows_index(rows, "self_caches")
+        return self._self_views(ids, rows_d)
+
+    def cross_caches(self, rows) -> list[PagedKVCache]:
+        """See the reference: ``cache_seqlens`` is ``cross_length - 1``; read with ``cross_query_lens``."""
+        ids, rows_d = self._rows_index(rows, "cross_caches")
+        lens = self._cross_length[ids]
+        longest = int(lens.max()) if ids.size else 0
+        return self._views(self.cross_table.index_select(0, rows_d), self._meta[1].index_select(0, rows_d),
+                           max(longest - 1, 0), longest)
+
+    def cross_query_lens(self, rows) -> list[int]:
+        ids = np.array(check_rows(rows, self._is_admitted, "cross_query_lens"), dtype=np.int64)
+        return (self._cross_length[ids] > 0).astype(np.int64).tolist()
+
+    def gather_self(self, row: int) -> torch.Tensor:
+        r = self._row(row)
+        return self.pool.gather_kv_blocks(self._self_table[r, : self._held[r]], 0, int(self._length[r]))
+
+    def gather_cross(self, row: int) -> torch.Tensor:
+        r = self._row(row)
+        return self.pool.gather_kv_blocks(self._cross_table[r, : self._cross_held[r]], 0, int(self._cross_length[r]))
+
+    # ---- writes -------------------------------------------------------------------
+    def _write_row(self, table: torch.Tensor, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens ``[start, start + T)`` of one row's region: one append_kv (quantize-and-scatter) per layer."""
+        (rows_d,) = self._cohort_stager.stage(np.array([row], dtype=np.int64))
+        seqlen = torch.full((1,), start, dtype=_I32, device=self.config.device)
+        for layer, view in enumerate(self._views(table.index_select(0, rows_d), seqlen, start, start)):
+            append_kv(view, k[layer][None], v[layer][None], backend=self.backend)
+
+    def fill_cross(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the row's cross K/V once (see the reference for the rules and why the dtype converts)."""
+        r = self._row(row)
+        T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
+        if T > self._cross_ceiling[r]:
+            raise ValueError(f"fill_cross: row {r} declared cross_len={int(self._cross_ceiling[r])}, got T={T} frames")
+        if self._cross_length[r] and T != self._cross_length[r]:
+            raise ValueError(f"fill_cross: row {r} already holds {int(self._cross_length[r])} cross frames; a "
+                             f"refill must have the same length, got T={T} (finish the row first)")
+        dtype = self.config.dtype
+        self._write_row(self.cross_table, r, 0, k.to(dtype), v.to(dtype))
+        self._cross_length[r] = T
+        self._sync(np.array([r], dtype=np.int64))
+
+    def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        r = self._row(row)
+        T = check_kv(self.config, k, v, "prefill", (), convert=False)
+        if self._length[r]:
+            raise ValueError(f"prefill: row {r} already holds {int(self._length[r])} tokens; prefill an empty row")
+        if T > self._ceiling[r]:
+            raise ValueError(f"prefill: row {r} declared {int(self._ceiling[r])} tokens, got a prompt of {T}")
+        need = max(0, -(-T // self.config.page_size) - int(self._held[r]))
+        new = self._take(need)
+        held = int(self._held[r])
+        self._bind(self._self_table, np.full(need, r), np.arange(held, held + need), new)
+        self._held[r] += need
+        self._sync(np.array([r], dtype=np.int64))
+        self._write_row(self.self_table, r, 0, k, v)
+        self._length[r] = T
+        self._sync(np.array([r], dtype=np.int64))
+
+    def _step_needs(self, ids: np.ndarray) -> np.ndarray:
+        full = self._length[ids] >= self._ceiling[ids]
+        if full.any():
+            r = int(ids[np.argmax(full)])
+            req = self._requests[r]
+            raise ValueError(f"row {r} is at its ceiling of {int(self._ceiling[r])} tokens (prompt_len="
+                             f"{req.prompt_len} + max_new_tokens={req.max_new_tokens})")
+        page = self.config.page_size
+        return np.maximum(0, -(-(self._length[ids] + 1) // page) - self._held[ids])
+
+    def _prepare(self, ids: np.ndarray) -> None:
+        needs = self._step_needs(ids)
+        new = self._take(int(needs.sum()))  # inside the rows' reservations: cannot run dry
+        owners = np.repeat(ids, needs)
+        cols = self._held[owners] + (np.arange(new.size) - np.repeat(np.cumsum(needs) - needs, needs))
+        self._bind(self._self_table, owners, cols, new)
+        self._held[ids] += needs
+
+    def prepare_step(self, rows) -> None:
+        ids = np.array(check_rows(rows, self._is_admitted, "prepare_step"), dtype=np.int64)
+        self._prepare(ids)
+        self._sync(ids)
+
+    def _check_prepared(self, ids: np.ndarray) -> None:
+        bad = (self._length[ids] + 1 > self._held[ids] * self.config.page_size) | (self._length[ids] >= self._ceiling[ids])
+        if bad.any():
+            r = int(ids[np.argmax(bad)])
+            raise ValueError(f"commit_step: row {r} has no prepared slot for token {int(self._length[r])} "
+                             f"(call prepare_step first)")
+
+    def commit_step(self, rows) -> None:
+        ids = np.array(check_rows(rows, self._is_admitted, "commit_step"), dtype=np.int64)
+        self._check_prepared(ids)
+        self._length[ids] += 1
+        self._sync(ids)
+
+    def append(self, rows, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One decode step for many rows, ``k, v (L, B, H, D)``: one staged copy, one append_kv per layer."""
+        ids = np.array(check_rows(rows, self._is_admitted, "append"), dtype=np.int64)
+        check_step_kv(self.config, k, v, ids.size)
+        self._step_needs(ids)  # validate before the allocation
+        self._prepare(ids)
+        rows_d = self._sync(ids)
+        for layer, view in enumerate(self._self_views(ids, rows_d)):
+            append_kv(view, k[layer][:, None], v[layer][:, None], backend=self.backend)
+        self._length[ids] += 1
+        self._meta[0].index_add_(0, rows_d, self._ones[: ids.size])
+
+    # ---- beams ----------------------------------------------------------------------
+    def select(self, rows, idx) -> list[int]:
+        """See the reference: unique indices keep and reorder rows (the rest finish); repeats raise."""
+        ids = check_rows(rows, self._is_admitted, "select")
+        picks = [int(i) for i in idx]
+        bad = [i for i in picks if not 0 <= i < len(ids)]
+        if bad:
+            raise ValueError(f"select: index {bad[0]} outside [0, {len(ids)})")
+        if len(set(picks)) != len(picks):
+            repeated = sorted({i for i in picks if picks.count(i) > 1})
+            raise ValueError(f"select: repeated indices {repeated} would alias paged rows' pages; paged rows "
+                             f"cannot be duplicated (use kv_storage='dense' for beam expansion)")
+        kept = [ids[i] for i in picks]
+        for row in ids:
+            if row not in kept:
+                self.finish(row)
+        return kept

@@ -1,0 +1,323 @@
+"""Reference ``DecoderKVCacheManager``: an autoregressive decoder's K/V rows on their own pool.
+
+Readable oracle; its fast twin is ``oasr.fast.decoder_cache``. Geometry, regions
+and storage modes are drawn in ``oasr.decoder_config``; the admission rule is
+``oasr.decoder_common.judge``.
+
+Per row a plain Python record: its declared request, its self-attention pages
+(logical order), its cross-attention pages, ``length`` (tokens written to the
+self region) and ``cross_length``. Rows are handed out lowest id first.
+
+Lifecycle of a row::
+
+    can_admit([req, ...])  ->  admit([req, ...]) -> rows   (ceilings reserved; cross pages mapped)
+    fill_cross(row, k, v)                                  (once, from the encoder output)
+    prefill(row, k, v)                                     (the prompt; the row must be empty)
+    prepare_step(rows) -> self_caches(rows) -> append_kv per layer -> commit_step(rows)
+        or, in one call, append(rows, k, v)                (one token for each row)
+    finish(row)                                            (every page back to the pool)
+
+Block ownership. Every page a table maps is taken by ``_take`` and given back
+by ``_drop``, and ``_bind`` / ``_unbind`` are the only writers of table entries.
+Reference-counted, copy-on-write pages (the next issue) change those four
+places: ``_take`` sets a count, a shared bind raises it, ``_drop`` lowers it and
+frees at zero; no other method touches the pool's free list.
+
+Invariants (tests check them after every operation):
+  * held + free == max_num_blocks; no block is held by two rows;
+  * free - reserved >= 0, where reserved is what admitted rows may still take;
+  * a row holds ``ceil(length / page)`` or one more (prepared) self pages and
+    exactly ``ceil(cross_len / page)`` cross pages;
+  * every public method validates everything before it changes anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from oasr.decoder_common import (
+    Admission, AdmissionError, DecoderRowInfo, check_kv, check_requests, check_rows, check_step_kv, judge,
+)
+from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.paged import PagedKVCache
+from oasr.reference.block_pool import BlockPool
+from oasr.reference.paged_ops import append_kv
+
+
+@dataclass
+class _Row:
+    request: DecoderRequest
+    self_blocks: list = field(default_factory=list)
+    cross_blocks: list = field(default_factory=list)
+    length: int = 0
+    cross_length: int = 0
+
+
+class DecoderKVCacheManager:
+    def __init__(self, config: DecoderCacheConfig, pool: BlockPool | None = None):
+        if not isinstance(config, DecoderCacheConfig):
+            raise ValueError(f"DecoderKVCacheManager: config must be a DecoderCacheConfig, got {type(config).__name__}")
+        self.config = config
+        if pool is None:
+            pool = BlockPool(config.pool_config(), scratch_blocks=1)
+        pc = pool.config
+        if pc.kv_cache_dtype != config.kv_cache_dtype or pc.dtype != config.dtype:
+            raise ValueError(
+                f"DecoderKVCacheManager: the pool stores kv_cache_dtype={pc.kv_cache_dtype!r} (model dtype "
+                f"{pc.dtype}) but the decoder declares kv_cache_dtype={config.kv_cache_dtype!r} ({config.dtype}); "
+                f"the pool's format must equal the decoder's"
+            )
+        geometry = (pc.num_layers, pc.n_kv_head, pc.head_dim, pc.block_size_frames)
+        want = (config.num_layers, config.n_kv_head, config.head_dim, config.page_size)
+        if geometry != want or pool.scratch_blocks < 1:
+            raise ValueError(
+                f"DecoderKVCacheManager: pool geometry (layers, kv heads, head_dim, page) = {geometry} with "
+                f"{pool.scratch_blocks} scratch blocks; the decoder needs {want} and >= 1 scratch block"
+            )
+        self.pool = pool
+        self._rows: dict[int, _Row] = {}
+        self._free_rows = list(range(config.max_rows))
+
+    # ---- block ownership (the only places that touch the pool's free list or a table entry) ----
+    def _take(self, n: int) -> list[int]:
+        return self.pool.allocate(n)
+
+    def _drop(self, ids: list[int]) -> None:
+        self.pool.free(ids)
+
+    def _bind(self, blocks: list, ids: list[int]) -> None:
+        blocks.extend(ids)
+
+    def _unbind(self, blocks: list) -> list[int]:
+        ids = list(blocks)
+        blocks.clear()
+        return ids
+
+    # ---- counts ---------------------------------------------------------------
+    def _row(self, row: int) -> _Row:
+        if row not in self._rows:
+            raise KeyError(f"row {row!r} is not admitted (never admitted, or finished)")
+        return self._rows[row]
+
+    def _admitted(self, row) -> bool:
+        return row in self._rows
+
+    @property
+    def rows(self) -> list[int]:
+        """Admitted rows, lowest first."""
+        return sorted(self._rows)
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Self pages admitted rows may still take (their ceilings minus what they hold)."""
+        cfg = self.config
+        return sum(cfg.pages_for(r.request.self_tokens) - len(r.self_blocks) for r in self._rows.values())
+
+    @property
+    def available_blocks(self) -> int:
+        """Free blocks no admitted row has reserved: what the next admission may claim."""
+        return self.pool.num_free_blocks - self.reserved_blocks
+
+    def describe(self, row: int) -> DecoderRowInfo:
+        r = self._row(row)
+        return DecoderRowInfo(row, tuple(r.self_blocks), tuple(r.cross_blocks), r.length, r.cross_length,
+                              r.request.self_tokens, r.request.cross_len)
+
+    def length(self, row: int) -> int:
+        return self._row(row).length
+
+    # ---- admission --------------------------------------------------------------
+    def can_admit(self, requests) -> Admission:
+        """Would ``admit(requests)`` succeed? Never mutates."""
+        reqs = check_requests(requests)
+        return judge(self.config, reqs, len(self._free_rows), self.pool.num_free_blocks, self.reserved_blocks)
+
+    def admit(self, requests) -> list[int]:
+        """Reserve every request's ceiling and map its cross pages, all or nothing; returns the rows."""
+        reqs = check_requests(requests)
+        answer = self.can_admit(reqs)
+        if not answer:
+            raise AdmissionError(answer.reason)
+        cfg = self.config
+        cross = self._take(sum(cfg.pages_for(r.cross_len) for r in reqs))  # one allocation for the batch
+        rows, cursor = [], 0
+        for req in reqs:
+            row = self._free_rows.pop(0)
+            record = _Row(req)
+            n = cfg.pages_for(req.cross_len)
+            self._bind(record.cross_blocks, cross[cursor : cursor + n])
+            cursor += n
+            self._rows[row] = record
+            rows.append(row)
+        return rows
+
+    def finish(self, row: int) -> None:
+        """Free the whole row: its self and cross pages go back to the pool, the row id to the free rows."""
+        r = self._row(row)
+        self._drop(self._unbind(r.self_blocks) + self._unbind(r.cross_blocks))
+        del self._rows[row]
+        self._free_rows.append(row)
+        self._free_rows.sort()
+
+    # ---- views ------------------------------------------------------------------
+    def _table(self, blocks: list, width: int) -> list[int]:
+        return list(blocks) + [self.pool.null_block] * (width - len(blocks))
+
+    def _views(self, tables: list, seqlens: list, width: int, spans: list) -> list[PagedKVCache]:
+        device = self.config.device
+        table = torch.tensor(tables, dtype=torch.int32, device=device).view(len(tables), width)
+        lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+        starts = torch.zeros(len(tables), dtype=torch.int32, device=device)
+        views = []
+        for layer in range(self.config.num_layers):
+            k, v = self.pool.get_kv_view(layer)
+            ks, vs = self.pool.get_kv_scale_view(layer)
+            views.append(PagedKVCache(k, v, table, lens, starts, self.config.page_size, max(seqlens, default=0),
+                                      max(spans, default=0), layer, ks, vs))
+        return views
+
+    def self_caches(self, rows) -> list[PagedKVCache]:
+        """One view per layer of the rows' self regions; ``cache_seqlens`` = tokens written so far."""
+        ids = check_rows(rows, self._admitted, "self_caches")
+        width = max(self.config.self_pages, 1)
+        lens = [self._rows[r].length for r in ids]
+        return self._views([self._table(self._rows[r].self_blocks, width) for r in ids], lens, width, lens)
+
+    def cross_caches(self, rows) -> list[PagedKVCache]:
+        """One view per layer of the rows' cross regions, read by ``paged_attention`` with one query per row
+        and ``chunk_lens=cross_query_lens(rows)``.
+
+        A query attends to ``[0, cache_seqlens + chunk_len)``, so the view reports ``cross_length - 1``
+        and the query length 1: the query sees exactly the cross extent (an unfilled row: 0 and 0, zeros).
+        """
+        ids = check_rows(rows, self._admitted, "cross_caches")
+        width = max(self.config.cross_pages, 1)
+        lens = [max(self._rows[r].cross_length - 1, 0) for r in ids]
+        spans = [self._rows[r].cross_length for r in ids]
+        return self._views([self._table(self._rows[r].cross_blocks, width) for r in ids], lens, width, spans)
+
+    def cross_query_lens(self, rows) -> list[int]:
+        ids = check_rows(rows, self._admitted, "cross_query_lens")
+        return [1 if self._rows[r].cross_length else 0 for r in ids]
+
+    def gather_self(self, row: int) -> torch.Tensor:
+        """The row's self K/V as packed ``(L, H, length, 2D)`` in the model dtype (dequantized for fp8)."""
+        r = self._row(row)
+        return self.pool.gather_kv_blocks(r.self_blocks, 0, r.length)
+
+    def gather_cross(self, row: int) -> torch.Tensor:
+        r = self._row(row)
+        return self.pool.gather_kv_blocks(r.cross_blocks, 0, r.cross_length)
+
+    # ---- writes -------------------------------------------------------------------
+    def _write(self, blocks: list, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens ``[start, start + T)`` of one region, ``k, v (L, T, H, D)``: one append_kv per layer."""
+        width = max(len(blocks), 1)
+        views = self._views([self._table(blocks, width)], [start], width, [start])
+        for layer, view in enumerate(views):
+            append_kv(view, k[layer][None], v[layer][None])
+
+    def fill_cross(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the row's cross K/V ``(L, T, H, D)`` once, from the encoder output.
+
+        A refill of the same ``T`` overwrites in place (idempotent); another ``T`` on a filled row, or
+        ``T`` above the declared ``cross_len``, raises. The dtype is converted to the decoder's: the
+        encoder is another model whose output may come in its own precision, the fill is one copy per
+        request, and converting there costs nothing that a caller-side copy would not (self writes,
+        made every step by the decoder's own projections, keep the strict rule).
+        """
+        r = self._row(row)
+        T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
+        if T > r.request.cross_len:
+            raise ValueError(f"fill_cross: row {row} declared cross_len={r.request.cross_len}, got T={T} frames")
+        if r.cross_length and T != r.cross_length:
+            raise ValueError(f"fill_cross: row {row} already holds {r.cross_length} cross frames; a refill must "
+                             f"have the same length, got T={T} (finish the row first)")
+        dtype = self.config.dtype
+        self._write(r.cross_blocks, 0, k.to(dtype), v.to(dtype))
+        r.cross_length = T
+
+    def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the prompt's K/V ``(L, T, H, D)`` into an empty row (its pages come from its reservation)."""
+        r = self._row(row)
+        T = check_kv(self.config, k, v, "prefill", (), convert=False)
+        if r.length:
+            raise ValueError(f"prefill: row {row} already holds {r.length} tokens; prefill an empty row")
+        if T > r.request.self_tokens:
+            raise ValueError(f"prefill: row {row} declared {r.request.self_tokens} tokens, got a prompt of {T}")
+        need = max(0, math.ceil(T / self.config.page_size) - len(r.self_blocks))
+        self._bind(r.self_blocks, self._take(need))
+        self._write(r.self_blocks, 0, k, v)
+        r.length = T
+
+    def _step_needs(self, ids: list[int]) -> list[int]:
+        page = self.config.page_size
+        needs = []
+        for row in ids:
+            r = self._rows[row]
+            if r.length >= r.request.self_tokens:
+                raise ValueError(f"row {row} is at its ceiling of {r.request.self_tokens} tokens (prompt_len="
+                                 f"{r.request.prompt_len} + max_new_tokens={r.request.max_new_tokens})")
+            needs.append(max(0, (r.length + 1 + page - 1) // page - len(r.self_blocks)))
+        return needs
+
+    def prepare_step(self, rows) -> None:
+        """Make sure each row holds the page its next token lands in; one allocation for all rows."""
+        ids = check_rows(rows, self._admitted, "prepare_step")
+        needs = self._step_needs(ids)
+        new = self._take(sum(needs))  # inside the rows' reservations: cannot run dry
+        cursor = 0
+        for row, n in zip(ids, needs, strict=True):
+            self._bind(self._rows[row].self_blocks, new[cursor : cursor + n])
+            cursor += n
+
+    def commit_step(self, rows) -> None:
+        """Advance each row by the one token written through ``self_caches`` (after ``prepare_step``)."""
+        ids = check_rows(rows, self._admitted, "commit_step")
+        page = self.config.page_size
+        for row in ids:
+            r = self._rows[row]
+            if r.length + 1 > len(r.self_blocks) * page or r.length >= r.request.self_tokens:
+                raise ValueError(f"commit_step: row {row} has no prepared slot for token {r.length} "
+                                 f"(call prepare_step first)")
+        for row in ids:
+            self._rows[row].length += 1
+
+    def append(self, rows, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One decode step for many rows: ``k, v (L, B, H, D)``, row ``b`` gets token ``length[b]``."""
+        ids = check_rows(rows, self._admitted, "append")
+        check_step_kv(self.config, k, v, len(ids))
+        self._step_needs(ids)  # validate before the allocation
+        self.prepare_step(ids)
+        for layer, view in enumerate(self.self_caches(ids)):
+            append_kv(view, k[layer][:, None], v[layer][:, None])
+        self.commit_step(ids)
+
+    # ---- beams ----------------------------------------------------------------------
+    def select(self, rows, idx) -> list[int]:
+        """Keep ``rows[i]`` for ``i`` in ``idx`` (in that order) and finish the others; returns the new rows.
+
+        Paged rows own their pages, so a repeated index would alias one page from two rows: it raises
+        and changes nothing (beam expansion runs on dense storage; copy-on-write pages are the next issue).
+        """
+        ids = check_rows(rows, self._admitted, "select")
+        picks = [int(i) for i in idx]
+        bad = [i for i in picks if not 0 <= i < len(ids)]
+        if bad:
+            raise ValueError(f"select: index {bad[0]} outside [0, {len(ids)})")
+        if len(set(picks)) != len(picks):
+            repeated = sorted({i for i in picks if picks.count(i) > 1})
+            raise ValueError(f"select: repeated indices {repeated} would alias paged rows' pages; paged rows "
+                             f"cannot be duplicated (use kv_storage='dense' for beam expansion)")
+        kept = [ids[i] for i in picks]
+        for row in ids:
+            if row not in kept:
+                self.finish(row)
+        return kept
