@@ -10,6 +10,7 @@ from oasr.fast.attention_cache import AttentionCacheManager, StreamKVInfo
 from oasr.fast.block_pool import BlockPool
 from oasr.fast.ctc_decoder import CtcBeamState, StreamingCtcDecoder
 from oasr.fast.ctc_state import CtcStateCacheManager, StreamHandle
+from oasr.fast.decoder_cache import DecoderKVCacheManager, DenseDecoderKV
 from oasr.fast.paged_ops import append_kv, paged_attention
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.slot_state import CnnCacheManager, SlotStateCache, StateView
@@ -24,6 +25,8 @@ __all__ = [
     "CnnCacheManager",
     "CtcBeamState",
     "CtcStateCacheManager",
+    "DecoderKVCacheManager",
+    "DenseDecoderKV",
     "SlotStateCache",
     "StateView",
     "StreamContext",

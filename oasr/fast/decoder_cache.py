@@ -33,11 +33,19 @@ import numpy as np
 import torch
 
 from oasr.decoder_common import (
-    Admission, AdmissionError, DecoderRowInfo, check_kv, check_requests, check_rows, check_step_kv, judge,
+    Admission,
+    AdmissionError,
+    DecoderRowInfo,
+    check_kv,
+    check_requests,
+    check_rows,
+    check_step_kv,
+    judge,
 )
 from oasr.decoder_config import DecoderCacheConfig
+from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
 from oasr.fast.block_pool import BlockPool
-from oasr.fast.paged_ops import append_kv
+from oasr.fast.paged_ops import append_kv, quantize_fp8
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache
 
@@ -302,7 +310,8 @@ class DecoderKVCacheManager:
         self._sync(ids)
 
     def _check_prepared(self, ids: np.ndarray) -> None:
-        bad = (self._length[ids] + 1 > self._held[ids] * self.config.page_size) | (self._length[ids] >= self._ceiling[ids])
+        length = self._length[ids]
+        bad = (length + 1 > self._held[ids] * self.config.page_size) | (length >= self._ceiling[ids])
         if bad.any():
             r = int(ids[np.argmax(bad)])
             raise ValueError(f"commit_step: row {r} has no prepared slot for token {int(self._length[r])} "
@@ -343,3 +352,9 @@ class DecoderKVCacheManager:
             if row not in kept:
                 self.finish(row)
         return kept
+
+
+class DenseDecoderKV(DenseDecoderKVBase):
+    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the fast twin's fp8 rule."""
+
+    quantize = staticmethod(quantize_fp8)

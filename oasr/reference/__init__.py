@@ -8,6 +8,7 @@ from oasr.reference.attention_cache import AttentionCacheManager, StreamKVInfo
 from oasr.reference.block_pool import BlockPool
 from oasr.reference.ctc_decoder import CtcBeamState, StreamingCtcDecoder
 from oasr.reference.ctc_state import CtcStateCacheManager, StreamHandle
+from oasr.reference.decoder_cache import DecoderKVCacheManager, DenseDecoderKV
 from oasr.reference.paged_ops import append_kv, paged_attention
 from oasr.reference.slot_pool import StreamSlotPool
 from oasr.reference.slot_state import CnnCacheManager, SlotStateCache, StateView
@@ -20,6 +21,8 @@ __all__ = [
     "CnnCacheManager",
     "CtcBeamState",
     "CtcStateCacheManager",
+    "DecoderKVCacheManager",
+    "DenseDecoderKV",
     "SlotStateCache",
     "StateView",
     "StreamContext",

@@ -39,11 +39,20 @@ from dataclasses import dataclass, field
 import torch
 
 from oasr.decoder_common import (
-    Admission, AdmissionError, DecoderRowInfo, check_kv, check_requests, check_rows, check_step_kv, judge,
+    Admission,
+    AdmissionError,
+    DecoderRowInfo,
+    check_kv,
+    check_requests,
+    check_rows,
+    check_step_kv,
+    judge,
 )
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
 from oasr.paged import PagedKVCache
 from oasr.reference.block_pool import BlockPool
+from oasr.reference.fp8 import quantize
 from oasr.reference.paged_ops import append_kv
 
 
@@ -321,3 +330,9 @@ class DecoderKVCacheManager:
             if row not in kept:
                 self.finish(row)
         return kept
+
+
+class DenseDecoderKV(DenseDecoderKVBase):
+    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the reference fp8 rule."""
+
+    quantize = staticmethod(quantize)

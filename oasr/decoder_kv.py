@@ -1,0 +1,296 @@
+"""A decode group's K/V, in either storage: dense per-group buffers, or rows of the paged pool.
+
+A *group* is the rows one decode call advances together (a batch of requests,
+or the beams of one request). The model talks to a group through five verbs,
+whatever the storage::
+
+    prefill(b, k, v)          row b's prompt K/V, (L, T, H, D)      (the prompt itself attends fresh)
+    fill_cross(b, k, v)       row b's cross K/V from the encoder, (L, S, H, D), converted to the model dtype
+    begin_step()              before a step of one token per row
+    write(layer, k, v)        this step's (B, 1, H, D) at each row's length
+    attend_self(layer, q)     q (B, n_head, 1, D) over [0, length + 1), causal
+    attend_cross(layer, q)    q (B, n_head, T, D) over each row's cross extent
+    end_step()                every row's length + 1
+
+``DenseDecoderKV`` (``kv_storage="dense"``): per layer ``(B, H, cap, D)`` K and V
+(and ``(B, H, cap)`` fp32 scales with fp8), rows by position in the group.
+``select(idx)`` gathers rows, repeats allowed (beam expansion); ``merge`` stacks
+two groups. The buffers move with every ``select``, so a captured graph cannot
+hold their addresses.
+
+``PagedDecoderKV`` (``kv_storage="paged"``): rows of a ``DecoderKVCacheManager``
+read and written through ``PagedKVCache`` views by the twin's ``append_kv`` /
+``paged_attention``; graph-stable addresses. ``select`` with repeated indices
+refuses (a page has one owner), unique indices keep and reorder rows.
+
+fp8 (``kv_cache_dtype="fp8_e4m3"``): each written (token, head) vector is
+quantized by the twin's own rule (``oasr.reference.fp8.quantize`` /
+``oasr.fast.paged_ops.quantize_fp8``), one call per layer, and read
+dequantized; select and merge move the scales with their rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q (B, nH, T, D), k/v (B, Hkv, S, D) fp32, allowed (B, T, S) -> (B, nH, T, D); no key: zeros."""
+    B, nH, T, D = q.shape
+    G = nH // k.shape[1]
+    kh = k.repeat_interleave(G, dim=1)
+    vh = v.repeat_interleave(G, dim=1)
+    scores = (q.float() @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(D))
+    mask = allowed[:, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
+    return (probs @ vh).to(q.dtype)
+
+
+class DenseDecoderKV:
+    """Per-group dense buffers (module docstring). Subclassed by each twin with its fp8 ``quantize``."""
+
+    quantize = None  # (x (..., D)) -> (fp8 data, fp32 scales (...)); set by the twin's subclass
+
+    def __init__(self, config: DecoderCacheConfig, batch: int, capacity: int, cross_capacity: int = 0):
+        self.config = config
+        L, H, D = config.num_layers, config.n_kv_head, config.head_dim
+        dev, st = config.device, config.kv_storage_dtype
+        self.capacity, self.cross_capacity = int(capacity), int(cross_capacity)
+        shape, cross = (batch, H, self.capacity, D), (batch, H, self.cross_capacity, D)
+        self.k = [torch.zeros(shape, dtype=st, device=dev) for _ in range(L)]
+        self.v = [torch.zeros(shape, dtype=st, device=dev) for _ in range(L)]
+        self.cross_k = [torch.zeros(cross, dtype=st, device=dev) for _ in range(L)]
+        self.cross_v = [torch.zeros(cross, dtype=st, device=dev) for _ in range(L)]
+        q = config.kv_quantized
+        self.k_scale = [torch.zeros(shape[:-1], device=dev) for _ in range(L)] if q else None
+        self.v_scale = [torch.zeros(shape[:-1], device=dev) for _ in range(L)] if q else None
+        self.cross_k_scale = [torch.zeros(cross[:-1], device=dev) for _ in range(L)] if q else None
+        self.cross_v_scale = [torch.zeros(cross[:-1], device=dev) for _ in range(L)] if q else None
+        self.lengths = [0] * batch
+        self.cross_lengths = [0] * batch
+
+    # ---- storage helpers ----------------------------------------------------------
+    _TENSORS = ("k", "v", "cross_k", "cross_v", "k_scale", "v_scale", "cross_k_scale", "cross_v_scale")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def _store(self, data: list, scales, layer: int, rows, positions, x: torch.Tensor) -> None:
+        """x (N, H, D) into data[layer][rows, :, positions] (quantized with the twin's rule for fp8)."""
+        if scales is None:
+            data[layer][rows, :, positions] = x.to(data[layer].dtype)
+        else:
+            stored, scale = type(self).quantize(x)
+            data[layer][rows, :, positions] = stored
+            scales[layer][rows, :, positions] = scale
+
+    def _load(self, data: list, scales, layer: int, end: int) -> torch.Tensor:
+        x = data[layer][:, :, :end]
+        if scales is None:
+            return x.float()
+        return x.float() * scales[layer][:, :, :end, None]
+
+    # ---- writes ---------------------------------------------------------------------
+    def _check_row(self, b: int, op: str) -> None:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise KeyError(f"{op}: row {b!r} outside the group's [0, {self.batch_size})")
+
+    def prefill(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        from oasr.decoder_common import check_kv
+
+        self._check_row(b, "prefill")
+        T = check_kv(self.config, k, v, "prefill", (), convert=False)
+        if self.lengths[b]:
+            raise ValueError(f"prefill: row {b} already holds {self.lengths[b]} tokens; prefill an empty row")
+        if T > self.capacity:
+            raise ValueError(f"prefill: a prompt of {T} tokens exceeds the group's capacity={self.capacity}")
+        for layer in range(self.config.num_layers):
+            self._store(self.k, self.k_scale, layer, b, slice(0, T), k[layer].transpose(0, 1))
+            self._store(self.v, self.v_scale, layer, b, slice(0, T), v[layer].transpose(0, 1))
+        self.lengths[b] = T
+
+    def fill_cross(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Same rules as the manager's: idempotent same-length refill, converted dtype."""
+        from oasr.decoder_common import check_kv
+
+        self._check_row(b, "fill_cross")
+        T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
+        if T > self.cross_capacity:
+            raise ValueError(f"fill_cross: row {b} declared cross_len={self.cross_capacity}, got T={T} frames")
+        if self.cross_lengths[b] and T != self.cross_lengths[b]:
+            raise ValueError(f"fill_cross: row {b} already holds {self.cross_lengths[b]} cross frames; a refill "
+                             f"must have the same length, got T={T} (finish the row first)")
+        dtype = self.config.dtype
+        for layer in range(self.config.num_layers):
+            self._store(self.cross_k, self.cross_k_scale, layer, b, slice(0, T), k[layer].to(dtype).transpose(0, 1))
+            self._store(self.cross_v, self.cross_v_scale, layer, b, slice(0, T), v[layer].to(dtype).transpose(0, 1))
+        self.cross_lengths[b] = T
+
+    def begin_step(self) -> None:
+        full = [b for b, n in enumerate(self.lengths) if n >= self.capacity]
+        if full:
+            raise ValueError(f"row {full[0]} is at the group's capacity of {self.capacity} tokens")
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's ``k, v (B, 1, H, D)`` at each row's length (one quantize-and-scatter per layer)."""
+        rows = torch.arange(self.batch_size, device=k.device)
+        pos = torch.tensor(self.lengths, device=k.device)
+        self._store(self.k, self.k_scale, layer, rows, pos, k[:, 0])
+        self._store(self.v, self.v_scale, layer, rows, pos, v[:, 0])
+
+    def end_step(self) -> None:
+        self.lengths = [n + 1 for n in self.lengths]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One token for every row, ``k, v (L, B, H, D)``."""
+        self.begin_step()
+        for layer in range(self.config.num_layers):
+            self.write(layer, k[layer][:, None], v[layer][:, None])
+        self.end_step()
+
+    # ---- reads ----------------------------------------------------------------------
+    def attend_self(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        T = q.shape[2]
+        lens = torch.tensor(self.lengths, device=q.device)
+        end = max(self.lengths) + T
+        k = self._load(self.k, self.k_scale, layer, end)
+        v = self._load(self.v, self.v_scale, layer, end)
+        key = torch.arange(end, device=q.device)
+        query = lens[:, None] + torch.arange(T, device=q.device)[None, :]
+        allowed = key[None, None, :] <= query[:, :, None]
+        return _attend(q, k, v, allowed)
+
+    def attend_cross(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        T = q.shape[2]
+        end = max(self.cross_lengths, default=0)
+        k = self._load(self.cross_k, self.cross_k_scale, layer, end)
+        v = self._load(self.cross_v, self.cross_v_scale, layer, end)
+        lens = torch.tensor(self.cross_lengths, device=q.device)
+        allowed = (torch.arange(end, device=q.device)[None, :] < lens[:, None])[:, None, :].expand(-1, T, -1)
+        return _attend(q, k, v, allowed)
+
+    def gather_self(self, b: int) -> torch.Tensor:
+        """Row b's self K/V as packed ``(L, H, length, 2D)`` in the model dtype (the manager's format)."""
+        n = self.lengths[b]
+        out = []
+        for layer in range(self.config.num_layers):
+            k = self._load(self.k, self.k_scale, layer, n)[b]
+            v = self._load(self.v, self.v_scale, layer, n)[b]
+            out.append(torch.cat([k, v], dim=-1).to(self.config.dtype))
+        return torch.stack(out)
+
+    # ---- beams ------------------------------------------------------------------------
+    def _like(self, tensors: dict, lengths: list, cross_lengths: list) -> DenseDecoderKV:
+        new = object.__new__(type(self))
+        new.config, new.capacity, new.cross_capacity = self.config, self.capacity, self.cross_capacity
+        for name in self._TENSORS:
+            setattr(new, name, tensors.get(name))
+        new.lengths, new.cross_lengths = list(lengths), list(cross_lengths)
+        return new
+
+    def select(self, idx) -> DenseDecoderKV:
+        """A new group of rows ``idx`` (repeats allowed: beam expansion); data and scales move together."""
+        picks = [int(i) for i in idx]
+        bad = [i for i in picks if not 0 <= i < self.batch_size]
+        if bad:
+            raise ValueError(f"select: index {bad[0]} outside [0, {self.batch_size})")
+        index = torch.tensor(picks, dtype=torch.long, device=self.config.device)
+        tensors = {}
+        for name in self._TENSORS:
+            layers = getattr(self, name)
+            if layers is not None:
+                tensors[name] = [t.index_select(0, index) for t in layers]
+        return self._like(tensors, [self.lengths[i] for i in picks], [self.cross_lengths[i] for i in picks])
+
+    def merge(self, other: DenseDecoderKV) -> DenseDecoderKV:
+        """This group's rows then ``other``'s, in one group (same config and capacities)."""
+        if other.config is not self.config and other.config != self.config:
+            raise ValueError("merge: the groups have different DecoderCacheConfigs")
+        if (other.capacity, other.cross_capacity) != (self.capacity, self.cross_capacity):
+            raise ValueError(f"merge: capacities differ: ({self.capacity}, {self.cross_capacity}) vs "
+                             f"({other.capacity}, {other.cross_capacity})")
+        tensors = {}
+        for name in self._TENSORS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None:
+                tensors[name] = [torch.cat([a, b]) for a, b in zip(mine, theirs, strict=True)]
+        return self._like(tensors, self.lengths + other.lengths, self.cross_lengths + other.cross_lengths)
+
+
+class PagedDecoderKV:
+    """A group of rows of a ``DecoderKVCacheManager`` (module docstring); ``ops`` is the twin module."""
+
+    def __init__(self, manager, rows: list[int], ops, backend: str | None = None):
+        self.manager, self.rows, self.ops, self.backend = manager, list(rows), ops, backend
+        self.config = manager.config
+        self._self = self._cross = None
+
+    @classmethod
+    def admit(cls, manager, requests: list[DecoderRequest], ops, backend: str | None = None) -> PagedDecoderKV:
+        return cls(manager, manager.admit(requests), ops, backend)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.manager.length(r) for r in self.rows]
+
+    def _kw(self) -> dict:
+        return {} if self.backend is None else {"backend": self.backend}
+
+    def prefill(self, b: int, k, v) -> None:
+        self.manager.prefill(self.rows[b], k, v)
+
+    def fill_cross(self, b: int, k, v) -> None:
+        self.manager.fill_cross(self.rows[b], k, v)
+        self._cross = None
+
+    def begin_step(self) -> None:
+        self.manager.prepare_step(self.rows)
+        self._self = self.manager.self_caches(self.rows)
+
+    def write(self, layer: int, k, v) -> None:
+        self.ops.append_kv(self._self[layer], k, v, **self._kw())
+
+    def attend_self(self, layer: int, q):
+        return self.ops.paged_attention(q, self._self[layer], causal=True, **self._kw())
+
+    def end_step(self) -> None:
+        self.manager.commit_step(self.rows)
+        self._self = None
+
+    def attend_cross(self, layer: int, q):
+        """q (B, nH, T, D): the T queries ride as extra heads (head h*T + t still reads KV head h // G),
+        so each row presents one query and the paged kernel attends it to exactly the cross extent."""
+        if self._cross is None:
+            self._cross = (self.manager.cross_caches(self.rows), self.manager.cross_query_lens(self.rows))
+        views, lens = self._cross
+        B, nH, T, D = q.shape
+        packed = q.reshape(B, nH * T, 1, D)
+        out = self.ops.paged_attention(packed, views[layer], chunk_lens=lens, **self._kw())
+        return out.reshape(B, nH, T, D)
+
+    def gather_self(self, b: int) -> torch.Tensor:
+        return self.manager.gather_self(self.rows[b])
+
+    def select(self, idx) -> PagedDecoderKV:
+        """Unique indices keep and reorder rows (the others finish); repeated ones raise, changing nothing."""
+        return PagedDecoderKV(self.manager, self.manager.select(self.rows, idx), self.ops, self.backend)
+
+    def merge(self, other: PagedDecoderKV) -> PagedDecoderKV:
+        if other.manager is not self.manager:
+            raise ValueError("merge: paged groups must share one DecoderKVCacheManager")
+        return PagedDecoderKV(self.manager, self.rows + other.rows, self.ops, self.backend)
+
+    def finish(self) -> None:
+        for r in self.rows:
+            self.manager.finish(r)
+        self.rows = []
