@@ -45,7 +45,7 @@ from oasr.decoder_common import (
 from oasr.decoder_config import DecoderCacheConfig
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
 from oasr.fast.block_pool import BlockPool
-from oasr.fast.paged_ops import append_kv, quantize_fp8
+from oasr.fast.paged_ops import append_kv, check_fp8_supported, quantize_fp8
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache
 
@@ -58,6 +58,8 @@ class DecoderKVCacheManager:
             raise ValueError(f"DecoderKVCacheManager: config must be a DecoderCacheConfig, got {type(config).__name__}")
         self.config = config
         self.backend = backend
+        if config.kv_quantized:  # refuse now, by name, what the chosen backend's fp8 path cannot serve
+            check_fp8_supported(config.head_dim, config.device, dtype=config.dtype, backend=backend)
         if pool is None:
             pool = BlockPool(config.pool_config(), scratch_blocks=1)
         pc = pool.config
