@@ -95,7 +95,8 @@ def test_admission_reserves_ceilings_and_refuses_atomically(ops):
     before = snap(m)
     answer = m.can_admit([DecoderRequest(1, 4, 0), DecoderRequest(1, 4, 0)])
     assert not answer
-    assert "the batch's ceilings need 4 blocks (4 self + 0 cross, page_size=4), only 2 are available (6 free minus 4 reserved by admitted rows)" in answer.reason
+    assert ("the batch's ceilings need 4 blocks (4 self + 0 cross, page_size=4), only 2 are available "
+            "(6 free minus 4 reserved by admitted rows)") in answer.reason
     with pytest.raises(AdmissionError, match="only 2 are available"):
         m.admit([DecoderRequest(1, 4, 0), DecoderRequest(1, 4, 0)])
     assert_same(before, snap(m))
@@ -239,7 +240,7 @@ def test_cross_views_attend_exactly_the_extent(ops, kv_cache_dtype):
     q = torch.randn(2, 4, 3, 8)
     for layer in range(2):
         out = group.attend_cross(layer, q)
-        for b, n in enumerate(lens):
+        for b in range(len(lens)):
             packed = m.gather_cross(group.rows[b])[layer]  # (H, n, 2D)
             k, v = packed[..., :8].repeat_interleave(2, 0), packed[..., 8:].repeat_interleave(2, 0)
             want = torch.softmax(q[b] @ k.transpose(1, 2) / math.sqrt(8), -1) @ v
