@@ -64,10 +64,13 @@ def test_incremental_equals_full_forward(decoder, twin, storage, kv_cache_dtype)
     enc = torch.stack(encs)
     rnd = fp8_round(ops) if kv_cache_dtype else None
     full = decoder.forward_full(tokens, enc, kv_round=rnd, fresh=prompt_len)[:, prompt_len - 1:]
-    # fp32: equal up to summation order. fp8: the same rounded K/V, except that a vector computed in a
-    # different order may round to the neighbouring e4m3 value (one ulp, 2**-3 relative) -- rare; bound it.
-    tol = 1e-5 if kv_cache_dtype is None else 5e-2
-    torch.testing.assert_close(got, full, atol=tol, rtol=tol)
+    # Equal up to summation order, fp8 included: the oracle rounds K/V by the same per-vector rule (a
+    # neighbouring-e4m3 flip would show as ~1e-2; the seeded case has none). fp8 itself moves the logits
+    # by ~0.2 here, so the fp8 comparison is not vacuous.
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+    if kv_cache_dtype:
+        plain = decoder.forward_full(tokens, enc)[:, prompt_len - 1:]
+        assert (plain - full).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("twin", list(TWINS))
