@@ -9,7 +9,8 @@ a 4-byte fp32 scale: ``head_dim + 4`` bytes instead of ``2 * head_dim`` at fp16,
 1.88x more blocks in the same budget at head_dim 64 (1.94x at 128).
 
 ``footprint(config)`` adds the rest (scratch blocks, block tables, the two
-int32 length vectors, the conv cache) and ``max_num_blocks_for_budget`` turns a
+int32 length vectors, the conv cache; with ``decoder=DecoderCacheConfig(...)``
+the autoregressive decoder's own pool and tables too: ``decoder_pool_bytes``) and ``max_num_blocks_for_budget`` turns a
 byte budget into a block count. ``tests/test_memory.py`` pins every figure
 against real allocations, so the formula and the allocators cannot drift.
 """
@@ -46,10 +47,13 @@ class Footprint:
     block_tables: int
     seq_meta: int
     conv_cache: int
+    decoder_pool: int = 0  # the decoder K/V pool: data, fp8 scales and its scratch block
+    decoder_tables: int = 0  # its self and cross tables and its two length vectors (fast twin layout)
 
     @property
     def total(self) -> int:
-        return self.kv_pool + self.scratch + self.block_tables + self.seq_meta + self.conv_cache
+        return (self.kv_pool + self.scratch + self.block_tables + self.seq_meta + self.conv_cache
+                + self.decoder_pool + self.decoder_tables)
 
     def as_dict(self) -> dict:
         return {
@@ -58,6 +62,8 @@ class Footprint:
             "block_tables": self.block_tables,
             "seq_meta": self.seq_meta,
             "conv_cache": self.conv_cache,
+            "decoder_pool": self.decoder_pool,
+            "decoder_tables": self.decoder_tables,
             "total": self.total,
         }
 
@@ -66,8 +72,22 @@ class Footprint:
         return "\n".join(rows)
 
 
-def footprint(config: CacheConfig, scratch_blocks: int = 1, pad_lanes: int = 0) -> Footprint:
-    """Bytes by component of one engine's caches (the fast twin's persistent layout)."""
+def decoder_pool_bytes(decoder, scratch_blocks: int = 1) -> int:
+    """A ``DecoderCacheConfig``'s pool: ``bytes_per_token * page_size`` per block, scratch included
+    (``2 * L * H * (D + 4)`` bytes per token with fp8, ``2 * L * H * D * elem`` otherwise)."""
+    return decoder.bytes_per_block * (decoder.max_num_blocks + scratch_blocks)
+
+
+def decoder_table_bytes(decoder) -> int:
+    """The fast decoder manager's persistent tables: ``(R, self_pages)`` and ``(R, cross_pages)`` int32
+    block tables and a ``(2, R)`` int32 length pair (``R = max_rows``)."""
+    R = decoder.max_rows
+    return 4 * R * (max(decoder.self_pages, 1) + max(decoder.cross_pages, 1) + 2)
+
+
+def footprint(config: CacheConfig, scratch_blocks: int = 1, pad_lanes: int = 0, decoder=None) -> Footprint:
+    """Bytes by component of one engine's caches (the fast twin's persistent layout); ``decoder``, a
+    ``DecoderCacheConfig``, adds the autoregressive decoder's pool and tables."""
     rows = config.max_batch_size + pad_lanes
     return Footprint(
         kv_pool=bytes_per_kv_block(config) * config.max_num_blocks,
@@ -76,6 +96,8 @@ def footprint(config: CacheConfig, scratch_blocks: int = 1, pad_lanes: int = 0) 
         seq_meta=2 * rows * 4,
         conv_cache=config.num_layers * rows * config.cnn_cache_frames * config.hidden_dim
         * element_size(config.dtype),
+        decoder_pool=0 if decoder is None else decoder_pool_bytes(decoder),
+        decoder_tables=0 if decoder is None else decoder_table_bytes(decoder),
     )
 
 

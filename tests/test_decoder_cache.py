@@ -361,3 +361,26 @@ def test_twins_identical(kv_cache_dtype):
         assert torch.equal(ms[0].gather_self(r), ms[1].gather_self(r))
         for x, y in zip(ms[0].self_caches([r]), ms[1].self_caches([r]), strict=True):
             assert torch.equal(x.block_table, y.block_table) and torch.equal(x.cache_seqlens, y.cache_seqlens)
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+def test_footprint_reports_the_decoder_pool_pinned_to_allocations(ops, kv_cache_dtype):
+    from oasr import memory
+    from tests.conftest import small_config
+
+    c = dcfg(kv_cache_dtype=kv_cache_dtype, dtype=torch.float16)
+    m = ops.DecoderKVCacheManager(c)
+    pool = m.pool
+    real = pool.k_pool.nbytes + pool.v_pool.nbytes
+    if kv_cache_dtype:
+        real += pool.k_scale.nbytes + pool.v_scale.nbytes
+    fp = memory.footprint(small_config(), decoder=c)
+    assert fp.decoder_pool == memory.decoder_pool_bytes(c) == real
+    per_vector = c.head_dim + 4 if kv_cache_dtype else 2 * c.head_dim
+    assert c.bytes_per_token == 2 * c.num_layers * c.n_kv_head * per_vector
+    assert fp.total == memory.footprint(small_config()).total + fp.decoder_pool + fp.decoder_tables
+    if ops is fast:
+        assert fp.decoder_tables == m.self_table.nbytes + m.cross_table.nbytes + m._meta.nbytes
