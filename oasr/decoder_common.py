@@ -137,3 +137,26 @@ def check_step_kv(config: DecoderCacheConfig, k, v, batch: int) -> None:
             raise ValueError(f"append: {name} must be (L={config.num_layers}, B={batch}, "
                              f"H={config.n_kv_head}, D={config.head_dim}), got {got}")
     check_kv(config, k[:, :, None], v[:, :, None], "append", (batch,), convert=False)
+
+
+def paged_select(ids: list[int], idx) -> list[int]:
+    """The rows a paged ``select(rows, idx)`` keeps, in order; refuses an index out of range or repeated
+    (two rows cannot own one page) before anything changes."""
+    picks = [int(i) for i in idx]
+    bad = [i for i in picks if not 0 <= i < len(ids)]
+    if bad:
+        raise ValueError(f"select: index {bad[0]} outside [0, {len(ids)})")
+    if len(set(picks)) != len(picks):
+        repeated = sorted({i for i in picks if picks.count(i) > 1})
+        raise ValueError(f"select: repeated indices {repeated} would alias paged rows' pages; paged rows "
+                         f"cannot be duplicated (use kv_storage='dense' for beam expansion)")
+    return [ids[i] for i in picks]
+
+
+def check_cross_fill(row: int, T: int, declared: int, held: int) -> None:
+    """``fill_cross``'s rules: at most the declared extent; a refill must keep the length it has."""
+    if T > declared:
+        raise ValueError(f"fill_cross: row {row} declared cross_len={declared}, got T={T} frames")
+    if held and T != held:
+        raise ValueError(f"fill_cross: row {row} already holds {held} cross frames; a refill must have the "
+                         f"same length, got T={T} (finish the row first)")

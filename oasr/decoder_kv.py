@@ -117,15 +117,11 @@ class DenseDecoderKV:
 
     def fill_cross(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Same rules as the manager's: idempotent same-length refill, converted dtype."""
-        from oasr.decoder_common import check_kv
+        from oasr.decoder_common import check_cross_fill, check_kv
 
         self._check_row(b, "fill_cross")
         T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
-        if T > self.cross_capacity:
-            raise ValueError(f"fill_cross: row {b} declared cross_len={self.cross_capacity}, got T={T} frames")
-        if self.cross_lengths[b] and T != self.cross_lengths[b]:
-            raise ValueError(f"fill_cross: row {b} already holds {self.cross_lengths[b]} cross frames; a refill "
-                             f"must have the same length, got T={T} (finish the row first)")
+        check_cross_fill(b, T, self.cross_capacity, self.cross_lengths[b])
         dtype = self.config.dtype
         for layer in range(self.config.num_layers):
             self._store(self.cross_k, self.cross_k_scale, layer, b, slice(0, T), k[layer].to(dtype).transpose(0, 1))

@@ -36,11 +36,13 @@ from oasr.decoder_common import (
     Admission,
     AdmissionError,
     DecoderRowInfo,
+    check_cross_fill,
     check_kv,
     check_requests,
     check_rows,
     check_step_kv,
     judge,
+    paged_select,
 )
 from oasr.decoder_config import DecoderCacheConfig
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
@@ -261,11 +263,7 @@ class DecoderKVCacheManager:
         """Write the row's cross K/V once (see the reference for the rules and why the dtype converts)."""
         r = self._row(row)
         T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
-        if T > self._cross_ceiling[r]:
-            raise ValueError(f"fill_cross: row {r} declared cross_len={int(self._cross_ceiling[r])}, got T={T} frames")
-        if self._cross_length[r] and T != self._cross_length[r]:
-            raise ValueError(f"fill_cross: row {r} already holds {int(self._cross_length[r])} cross frames; a "
-                             f"refill must have the same length, got T={T} (finish the row first)")
+        check_cross_fill(r, T, int(self._cross_ceiling[r]), int(self._cross_length[r]))
         dtype = self.config.dtype
         self._write_row(self.cross_table, r, 0, k.to(dtype), v.to(dtype))
         self._cross_length[r] = T
@@ -341,15 +339,7 @@ class DecoderKVCacheManager:
     def select(self, rows, idx) -> list[int]:
         """See the reference: unique indices keep and reorder rows (the rest finish); repeats raise."""
         ids = check_rows(rows, self._is_admitted, "select")
-        picks = [int(i) for i in idx]
-        bad = [i for i in picks if not 0 <= i < len(ids)]
-        if bad:
-            raise ValueError(f"select: index {bad[0]} outside [0, {len(ids)})")
-        if len(set(picks)) != len(picks):
-            repeated = sorted({i for i in picks if picks.count(i) > 1})
-            raise ValueError(f"select: repeated indices {repeated} would alias paged rows' pages; paged rows "
-                             f"cannot be duplicated (use kv_storage='dense' for beam expansion)")
-        kept = [ids[i] for i in picks]
+        kept = paged_select(ids, idx)
         for row in ids:
             if row not in kept:
                 self.finish(row)

@@ -42,11 +42,13 @@ from oasr.decoder_common import (
     Admission,
     AdmissionError,
     DecoderRowInfo,
+    check_cross_fill,
     check_kv,
     check_requests,
     check_rows,
     check_step_kv,
     judge,
+    paged_select,
 )
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
@@ -244,11 +246,7 @@ class DecoderKVCacheManager:
         """
         r = self._row(row)
         T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
-        if T > r.request.cross_len:
-            raise ValueError(f"fill_cross: row {row} declared cross_len={r.request.cross_len}, got T={T} frames")
-        if r.cross_length and T != r.cross_length:
-            raise ValueError(f"fill_cross: row {row} already holds {r.cross_length} cross frames; a refill must "
-                             f"have the same length, got T={T} (finish the row first)")
+        check_cross_fill(row, T, r.request.cross_len, r.cross_length)
         dtype = self.config.dtype
         self._write(r.cross_blocks, 0, k.to(dtype), v.to(dtype))
         r.cross_length = T
@@ -317,15 +315,7 @@ class DecoderKVCacheManager:
         and changes nothing (beam expansion runs on dense storage; copy-on-write pages are the next issue).
         """
         ids = check_rows(rows, self._admitted, "select")
-        picks = [int(i) for i in idx]
-        bad = [i for i in picks if not 0 <= i < len(ids)]
-        if bad:
-            raise ValueError(f"select: index {bad[0]} outside [0, {len(ids)})")
-        if len(set(picks)) != len(picks):
-            repeated = sorted({i for i in picks if picks.count(i) > 1})
-            raise ValueError(f"select: repeated indices {repeated} would alias paged rows' pages; paged rows "
-                             f"cannot be duplicated (use kv_storage='dense' for beam expansion)")
-        kept = [ids[i] for i in picks]
+        kept = paged_select(ids, idx)
         for row in ids:
             if row not in kept:
                 self.finish(row)
