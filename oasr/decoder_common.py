@@ -160,3 +160,23 @@ def check_cross_fill(row: int, T: int, declared: int, held: int) -> None:
     if held and T != held:
         raise ValueError(f"fill_cross: row {row} already holds {held} cross frames; a refill must have the "
                          f"same length, got T={T} (finish the row first)")
+
+
+def check_pool(config: DecoderCacheConfig, pool) -> None:
+    """A decoder's pool must store its format (fp8 or not, model dtype) and its geometry, with a scratch block."""
+    if not isinstance(config, DecoderCacheConfig):
+        raise ValueError(f"DecoderKVCacheManager: config must be a DecoderCacheConfig, got {type(config).__name__}")
+    pc = pool.config
+    if pc.kv_cache_dtype != config.kv_cache_dtype or pc.dtype != config.dtype:
+        raise ValueError(
+            f"DecoderKVCacheManager: the pool stores kv_cache_dtype={pc.kv_cache_dtype!r} (model dtype "
+            f"{pc.dtype}) but the decoder declares kv_cache_dtype={config.kv_cache_dtype!r} ({config.dtype}); "
+            f"the pool's format must equal the decoder's"
+        )
+    geometry = (pc.num_layers, pc.n_kv_head, pc.head_dim, pc.block_size_frames)
+    want = (config.num_layers, config.n_kv_head, config.head_dim, config.page_size)
+    if geometry != want or pool.scratch_blocks < 1:
+        raise ValueError(
+            f"DecoderKVCacheManager: pool geometry (layers, kv heads, head_dim, page) = {geometry} with "
+            f"{pool.scratch_blocks} scratch blocks; the decoder needs {want} and >= 1 scratch block"
+        )

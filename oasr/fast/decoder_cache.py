@@ -38,6 +38,7 @@ from oasr.decoder_common import (
     DecoderRowInfo,
     check_cross_fill,
     check_kv,
+    check_pool,
     check_requests,
     check_rows,
     check_step_kv,
@@ -57,27 +58,14 @@ _I32, _I64 = torch.int32, torch.int64
 class DecoderKVCacheManager:
     def __init__(self, config: DecoderCacheConfig, pool: BlockPool | None = None, *, backend: str | None = None):
         if not isinstance(config, DecoderCacheConfig):
-            raise ValueError(f"DecoderKVCacheManager: config must be a DecoderCacheConfig, got {type(config).__name__}")
+            check_pool(config, None)  # raises: not a DecoderCacheConfig
         self.config = config
         self.backend = backend
         if config.kv_quantized:  # refuse now, by name, what the chosen backend's fp8 path cannot serve
             check_fp8_supported(config.head_dim, config.device, dtype=config.dtype, backend=backend)
         if pool is None:
             pool = BlockPool(config.pool_config(), scratch_blocks=1)
-        pc = pool.config
-        if pc.kv_cache_dtype != config.kv_cache_dtype or pc.dtype != config.dtype:
-            raise ValueError(
-                f"DecoderKVCacheManager: the pool stores kv_cache_dtype={pc.kv_cache_dtype!r} (model dtype "
-                f"{pc.dtype}) but the decoder declares kv_cache_dtype={config.kv_cache_dtype!r} ({config.dtype}); "
-                f"the pool's format must equal the decoder's"
-            )
-        geometry = (pc.num_layers, pc.n_kv_head, pc.head_dim, pc.block_size_frames)
-        want = (config.num_layers, config.n_kv_head, config.head_dim, config.page_size)
-        if geometry != want or pool.scratch_blocks < 1:
-            raise ValueError(
-                f"DecoderKVCacheManager: pool geometry (layers, kv heads, head_dim, page) = {geometry} with "
-                f"{pool.scratch_blocks} scratch blocks; the decoder needs {want} and >= 1 scratch block"
-            )
+        check_pool(config, pool)
         self.pool = pool
         R, SW, CW = config.max_rows, max(config.self_pages, 1), max(config.cross_pages, 1)
         null, device = pool.null_block, config.device

@@ -44,6 +44,7 @@ from oasr.decoder_common import (
     DecoderRowInfo,
     check_cross_fill,
     check_kv,
+    check_pool,
     check_requests,
     check_rows,
     check_step_kv,
@@ -70,24 +71,11 @@ class _Row:
 class DecoderKVCacheManager:
     def __init__(self, config: DecoderCacheConfig, pool: BlockPool | None = None):
         if not isinstance(config, DecoderCacheConfig):
-            raise ValueError(f"DecoderKVCacheManager: config must be a DecoderCacheConfig, got {type(config).__name__}")
+            check_pool(config, None)  # raises: not a DecoderCacheConfig
         self.config = config
         if pool is None:
             pool = BlockPool(config.pool_config(), scratch_blocks=1)
-        pc = pool.config
-        if pc.kv_cache_dtype != config.kv_cache_dtype or pc.dtype != config.dtype:
-            raise ValueError(
-                f"DecoderKVCacheManager: the pool stores kv_cache_dtype={pc.kv_cache_dtype!r} (model dtype "
-                f"{pc.dtype}) but the decoder declares kv_cache_dtype={config.kv_cache_dtype!r} ({config.dtype}); "
-                f"the pool's format must equal the decoder's"
-            )
-        geometry = (pc.num_layers, pc.n_kv_head, pc.head_dim, pc.block_size_frames)
-        want = (config.num_layers, config.n_kv_head, config.head_dim, config.page_size)
-        if geometry != want or pool.scratch_blocks < 1:
-            raise ValueError(
-                f"DecoderKVCacheManager: pool geometry (layers, kv heads, head_dim, page) = {geometry} with "
-                f"{pool.scratch_blocks} scratch blocks; the decoder needs {want} and >= 1 scratch block"
-            )
+        check_pool(config, pool)
         self.pool = pool
         self._rows: dict[int, _Row] = {}
         self._free_rows = list(range(config.max_rows))
