@@ -104,6 +104,7 @@ class StreamResult:
     admitted_tick: int | None
     finished_tick: int
     nbest: list = field(default_factory=list)  # CtcHypothesis records, best first (beam search)
+    first_pass: list | None = None  # with rescore=True: the CTC best before attention rescoring
 
 
 @dataclass
@@ -139,6 +140,8 @@ class _Stream:
     max_extent: int = 0  # most K/V frames a chunk of this stream ever attended to
     session: object = None  # a resumed stream's StreamSession until admission restores it (see resume)
     arrival_tick: int = 0  # engine.tick when add_stream ran (the admission clock)
+    encoder_out: list = field(default_factory=list)  # with rescore=True: the encoder's chunks, for the 2nd pass
+    first_pass: list | None = None
 
 
 class StreamingEngine:
@@ -166,7 +169,7 @@ class StreamingEngine:
     def __init__(self, model, config: CacheConfig, twin="fast", decoder: str = "beam",
                  ctc_config: CtcDecoderConfig | None = None, keep_log_probs: bool = False,
                  cuda_graphs: bool | None = None, admission: str = "length", max_wait_time: int = 8,
-                 graph_capture=None):
+                 graph_capture=None, rescore: bool = False, rescorer=None, ctc_weight: float = 0.5):
         if decoder not in ("beam", "greedy"):
             raise ValueError(f"StreamingEngine: decoder must be 'beam' or 'greedy', got {decoder!r}")
         if admission not in ADMISSION_POLICIES:
@@ -186,7 +189,8 @@ class StreamingEngine:
         self.decoder = decoder
         self.ctc = self.ctc_config = None
         if decoder == "beam":
-            self.ctc_config = ctc_config or CtcDecoderConfig(beam_size=4)
+            # the second pass rescores an n-best list; the first pass alone needs only its best
+            self.ctc_config = ctc_config or CtcDecoderConfig(beam_size=4, nbest=4 if rescore else 1)
             self.ctc = self.ops.CtcStateCacheManager(self.ops.StreamingCtcDecoder(self.ctc_config))
         self.keep_log_probs = keep_log_probs
         self.chunk_input_frames = model.config.chunk_input_frames
@@ -212,6 +216,7 @@ class StreamingEngine:
         self.tick_monitor = None  # e.g. a CaptureSafetyChecker: its region(label) wraps each model step
         self.model_tick = None
         self._setup_model_tick(cuda_graphs, graph_capture)
+        self._setup_rescoring(rescore, rescorer, ctc_weight)
 
     def _setup_model_tick(self, cuda_graphs, capture) -> None:
         """Pick the eager or graphed model step (fast twin) and report the choice once."""
@@ -382,6 +387,7 @@ class StreamingEngine:
         if s.state == ACTIVE and self.ctc is not None:
             nbest = self._contexts[s.stream_id].get_decoder().finalize_stream()[0]
             tokens = list(nbest[0].tokens) if nbest else []
+            tokens = self._rescore(s, nbest, tokens)
         elif s.greedy is not None:
             tokens = s.greedy.finalize()
         if s.state == ACTIVE:
@@ -398,6 +404,7 @@ class StreamingEngine:
             log_probs = torch.cat(s.log_probs) if s.log_probs else torch.zeros(0, V)
         self.results[s.stream_id] = StreamResult(
             s.stream_id, tokens, s.offset, s.input_frames, reason, log_probs, s.admitted_tick, self.tick, nbest,
+            first_pass=s.first_pass if self.rescore else None,
         )
         out = outputs.setdefault(s.stream_id, StepOutput(s.stream_id, [], 0))
         out.finished, out.finish_reason = True, reason
@@ -454,6 +461,7 @@ class StreamingEngine:
             log_probs = self._model_step_fast(cohort, frames_in, enc, width)
         else:
             log_probs = self._model_step_reference(cohort, frames_in, enc, width)
+        self._keep_encoder_out(cohort, enc)
         chunks = [log_probs[row, : enc[row]] for row in range(len(cohort))]
         partials = self._decode(cohort, chunks)
         for row, sid in enumerate(cohort):
@@ -671,3 +679,53 @@ class StreamingEngine:
         self._streams[stream_id] = s
         self._waiting.append(stream_id)
         return stream_id
+
+    # ---- attention rescoring (U2/WeNet two-pass) ------------------------------------------------------
+    def _setup_rescoring(self, rescore: bool, rescorer, ctc_weight: float) -> None:
+        """With ``rescore=True`` a finished stream's CTC n-best is rescored by an attention decoder
+        (``rescorer``, default a seeded ``AttentionDecoder`` over this encoder's hidden size):
+        score = decoder log-likelihood + ``ctc_weight`` * CTC log-score. The encoder output reaches it
+        through a forward hook on the CTC head's input, so the encoder's forward is unchanged."""
+        self.rescore, self.rescorer, self.ctc_weight = bool(rescore), None, float(ctc_weight)
+        self._hidden = None
+        if not self.rescore:
+            return
+        if self.decoder != "beam":
+            raise ValueError("StreamingEngine: rescore=True rescores the CTC n-best; it needs decoder='beam'")
+        if self.execution == "graphed":
+            raise ValueError("StreamingEngine: rescore=True reads the encoder output through a forward hook, which "
+                             "a CUDA graph replay does not run; use cuda_graphs=False")
+        from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
+
+        cfg = self.model.config
+        self.rescorer = rescorer or AttentionDecoder(DecoderConfig(vocab_size=cfg.vocab_size,
+                                                                   encoder_dim=cfg.hidden_dim, seed=cfg.seed))
+        if self.rescorer.config.vocab_size != cfg.vocab_size or self.rescorer.config.encoder_dim != cfg.hidden_dim:
+            raise ValueError(
+                f"StreamingEngine: the rescorer (vocab_size={self.rescorer.config.vocab_size}, encoder_dim="
+                f"{self.rescorer.config.encoder_dim}) does not match the encoder (vocab_size={cfg.vocab_size}, "
+                f"hidden_dim={cfg.hidden_dim})"
+            )
+        self.model.ctc.register_forward_hook(self._capture_hidden)
+
+    def _capture_hidden(self, module, inputs, output) -> None:
+        self._hidden = inputs[0]
+
+    def _keep_encoder_out(self, cohort: list, enc: list) -> None:
+        if not self.rescore:
+            return
+        hidden = self._hidden.detach().float().cpu()
+        for row, sid in enumerate(cohort):
+            self._streams[sid].encoder_out.append(hidden[row, : enc[row]].clone())
+
+    def _rescore(self, s: _Stream, nbest: list, tokens: list) -> list:
+        """The second pass: the n-best hypothesis with the best combined score; ``first_pass`` keeps the CTC best."""
+        s.first_pass = list(tokens)
+        if not self.rescore or not nbest:
+            return tokens
+        from oasr.models.attention_decoder import attention_rescore
+
+        enc = torch.cat(s.encoder_out) if s.encoder_out else torch.zeros(0, self.model.config.hidden_dim)
+        s.encoder_out = []
+        best, _ = attention_rescore(self.rescorer, enc, nbest, self.ctc_weight)
+        return best
