@@ -26,6 +26,15 @@ def test_demo_runs_and_reports(tmp_path, capsys, extra):
         assert "fp8 saves" in out
 
 
+def test_demo_rescore_prints_both_passes(capsys):
+    code = oasr_main(["demo", "--streams", "4", "--check-sample", "1", "--quiet", "--plot", "", "--rescore"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "attention rescoring" in out and "first pass [" in out and "rescored   [" in out and "-> OK" in out
+    line = _refuses(capsys, ["demo", "--streams", "2", "--quiet", "--plot", "", "--rescore", "--decoder", "greedy"])
+    assert "--rescore rescores the CTC beam search's n-best; it needs --decoder beam" in line
+
+
 def test_bench_quick_section_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert oasr_main(["bench", "--quick", "--sections", "bookkeeping", "--json", str(path)]) == 0

@@ -131,7 +131,10 @@ def configs(args) -> tuple[ConformerConfig, CacheConfig]:
 
 def decoder_config(args) -> CtcDecoderConfig | None:
     """The CTC prefix beam search's config, or None for greedy decoding (raises ``ValueError``)."""
-    return CtcDecoderConfig(beam_size=args.beam, token_topk=args.beam) if args.decoder == "beam" else None
+    if args.decoder != "beam":
+        return None
+    # --rescore: the second pass rescores the beam's n-best, so keep all of it
+    return CtcDecoderConfig(beam_size=args.beam, token_topk=args.beam, nbest=args.beam if args.rescore else 1)
 
 
 def build(args) -> tuple[StreamingConformer, CacheConfig]:
@@ -169,7 +172,8 @@ def check_sample(model, cache_config, engine, workload, count: int) -> tuple[boo
                                     kv_transform=fp8_round_trip if fp8 else None)[0][0].float().cpu()
         worst_ref = max(worst_ref, (got.log_probs - ref.log_probs).abs().max().item())
         worst_off = max(worst_off, (got.log_probs - off).abs().max().item())
-        same_tokens += got.tokens == ref.tokens == decode_utterance(off, engine.decoder, engine.ctc_config)
+        first = got.tokens if got.first_pass is None else got.first_pass  # --rescore: check the CTC pass
+        same_tokens += first == ref.tokens == decode_utterance(off, engine.decoder, engine.ctc_config)
     ok = worst_ref <= bound and worst_off <= bound and (fp8 or same_tokens == len(sample))
     verdict = "OK" if ok else "MISMATCH"
     return ok, (f"sample check: {len(sample)} streams rerun alone on the reference twin and offline"
@@ -297,6 +301,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.cuda_graphs and (torch.device(args.device).type != "cuda" or args.twin != "fast"):
         parser.error(f"--cuda-graphs needs --device cuda and --twin fast (got --device {args.device}, --twin "
                      f"{args.twin}): graphs capture the fast twin's model step on a GPU; the CPU runs eager")
+    if args.rescore and args.decoder != "beam":
+        parser.error("--rescore rescores the CTC beam search's n-best; it needs --decoder beam")
+    if args.rescore and args.cuda_graphs:
+        parser.error("--rescore reads the encoder output through a hook that a CUDA graph replay skips; "
+                     "drop --cuda-graphs")
     if args.plot:
         check_output_path(parser, args.plot, "--plot")
     try:
@@ -307,6 +316,23 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     copies = 2 if args.check_sample else 1  # the sample check builds a second engine of the same size
     check_fits(parser, copies * footprint(cache_config, scratch_blocks=1, pad_lanes=1).total, args.device,
                f"--max-batch-size {args.max_batch_size}: the caches" + (" (twice, with --check-sample)" * (copies > 1)))
+
+
+def rescoring_lines(engine, workload, sample: int = 4, limit: int = 12) -> list[str]:
+    """First-pass (CTC) and rescored (decoder log-likelihood + ctc_weight * CTC score) tokens for a sample."""
+    changed = sum(engine.result(s.stream_id).tokens != engine.result(s.stream_id).first_pass for s in workload)
+    lines = [f"attention rescoring (seeded {engine.rescorer.config.num_layers}-layer attention decoder, "
+             f"ctc_weight {engine.ctc_weight}, n-best {engine.ctc_config.nbest}): the second pass changed "
+             f"{changed} of {len(workload)} streams"]
+
+    def shown(tokens):
+        return " ".join(map(str, tokens[:limit])) + (" ..." if len(tokens) > limit else "")
+
+    for s in workload[:sample]:
+        r = engine.result(s.stream_id)
+        lines.append(f"  {s.stream_id}  first pass [{shown(r.first_pass)}]")
+        lines.append(f"  {' ' * len(s.stream_id)}  rescored   [{shown(r.tokens)}]")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                              "twin on CUDA; the CPU always runs eager)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the model's weights")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--rescore", action="store_true",
+                        help="attention rescoring of each stream's CTC n-best when it ends (U2/WeNet two-pass)")
     args = parser.parse_args(argv)
     _check_args(parser, args)
 
@@ -349,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = make_workload(args.streams, model.config.input_dim, args.seed)
     ctc_config = decoder_config(args)
     engine = StreamingEngine(model, cache_config, twin=args.twin, decoder=args.decoder, ctc_config=ctc_config,
-                             keep_log_probs=args.check_sample > 0, cuda_graphs=args.cuda_graphs)
+                             keep_log_probs=args.check_sample > 0, rescore=args.rescore,
+                             cuda_graphs=False if args.rescore else args.cuda_graphs)
     total = sum(s.features.shape[0] for s in workload)
     progress = tqdm(total=total, unit="frame", unit_scale=True, desc="demo", disable=args.quiet, file=sys.stderr)
     start = time.perf_counter()
@@ -363,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         mean = sum(sessions) / len(sessions) if sessions else 0
         print(f"sessions: {len(sessions)} suspensions and resumes (every {args.suspend_every} ticks, deferred while a "
               f"stream waited for admission), {format_bytes(mean)} per session on average")
+    if args.rescore:
+        for line in rescoring_lines(engine, workload):
+            print(line)
     ok = True
     if args.check_sample > 0:
         ok, line = check_sample(model, cache_config, engine, workload, args.check_sample)
