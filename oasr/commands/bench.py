@@ -21,6 +21,7 @@ SECTIONS = {
     "ctc": ("oasr.bench.ctc", "section", False),
     "fp8": ("oasr.bench.fp8", "section", True),
     "graphs": ("oasr.bench.graphs", "section", True),  # CUDA only: one "skipped" row on the CPU
+    "decoder": ("oasr.bench.decoder", "section", True),
 }
 
 
