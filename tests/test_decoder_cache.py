@@ -384,3 +384,9 @@ def test_footprint_reports_the_decoder_pool_pinned_to_allocations(ops, kv_cache_
     assert fp.total == memory.footprint(small_config()).total + fp.decoder_pool + fp.decoder_tables
     if ops is fast:
         assert fp.decoder_tables == m.self_table.nbytes + m.cross_table.nbytes + m._meta.nbytes
+
+
+def test_fast_fp8_refusal_names_the_model_dtype():
+    c = dcfg(kv_cache_dtype="fp8_e4m3", head_dim=64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="take a model dtype in .* got torch.float64"):
+        fast.DecoderKVCacheManager(c, backend="emulated")

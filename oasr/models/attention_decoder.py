@@ -247,7 +247,7 @@ class AttentionDecoder(nn.Module):
         """Greedy decoding of every row of ``kv`` (empty rows, one encoder output each) until eos."""
         B = len(encs)
         self.fill_cross(kv, encs)
-        sos = torch.full((B, 1), self.config.sos, dtype=torch.long)
+        sos = torch.full((B, 1), self.config.sos, dtype=torch.long, device=self.out.weight.device)
         logits = self.prefill(kv, sos)
         hyps, done = [[] for _ in range(B)], [False] * B
         for n in range(max_new_tokens):
@@ -272,7 +272,9 @@ class AttentionDecoder(nn.Module):
         """
         eos = self.config.eos
         self.fill_cross(kv, [enc])
-        logp = F.log_softmax(self.prefill(kv, torch.full((1, 1), self.config.sos, dtype=torch.long)).float(), -1)
+        device = self.out.weight.device
+        sos = torch.full((1, 1), self.config.sos, dtype=torch.long, device=device)
+        logp = F.log_softmax(self.prefill(kv, sos).float(), -1).cpu()
         alive, scores = [[]], torch.zeros(1)
         finished = []
         for n in range(max_new_tokens):
@@ -297,7 +299,7 @@ class AttentionDecoder(nn.Module):
                 return max(pool, key=lambda hs: hs[1])
             kv = kv.select(parents)
             alive, scores = new_alive, torch.tensor(new_scores)
-            logp = F.log_softmax(self.step(kv, torch.tensor(tokens)).float(), -1)
+            logp = F.log_softmax(self.step(kv, torch.tensor(tokens, device=device)).float(), -1).cpu()
         return [], -math.inf
 
     # ---- rescoring ------------------------------------------------------------------------
@@ -314,7 +316,9 @@ class AttentionDecoder(nn.Module):
             inputs[i, 1 : len(h) + 1] = torch.tensor(h, dtype=torch.long)
             inputs[i, 0] = cfg.sos
             targets[i, : len(h)] = torch.tensor(h, dtype=torch.long)
-        logp = F.log_softmax(self.forward_full(inputs, enc[None].expand(len(hyps), -1, -1)).float(), -1)
+        device = self.out.weight.device
+        logp = F.log_softmax(self.forward_full(inputs.to(device), enc[None].expand(len(hyps), -1, -1).to(device))
+                             .float(), -1).cpu()
         picked = logp.gather(2, targets[..., None])[..., 0]
         valid = torch.arange(T)[None, :] <= torch.tensor([len(h) for h in hyps])[:, None]
         return (picked * valid).sum(dim=1).tolist()
