@@ -290,3 +290,17 @@ class PagedDecoderKV:
         for r in self.rows:
             self.manager.finish(r)
         self.rows = []
+
+
+def decode_group(config: DecoderCacheConfig, ops, requests: list[DecoderRequest], manager=None,
+                 backend: str | None = None):
+    """A group for ``requests`` in the storage ``config.storage`` resolves to (``kv_storage="auto"``: paged
+    when steps are graph-captured, dense otherwise). Paged rows are admitted into ``manager`` (refused
+    with ``AdmissionError`` when the ceilings do not fit); dense buffers are sized to the largest ceiling."""
+    if config.storage == "paged":
+        if manager is None:
+            raise ValueError("decode_group: paged storage needs the DecoderKVCacheManager to admit the rows into")
+        return PagedDecoderKV.admit(manager, requests, ops, backend)
+    capacity = max((r.self_tokens for r in requests), default=0)
+    cross = max((r.cross_len for r in requests), default=0)
+    return ops.DenseDecoderKV(config, len(requests), capacity, cross)

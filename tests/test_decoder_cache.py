@@ -390,3 +390,18 @@ def test_fast_fp8_refusal_names_the_model_dtype():
     c = dcfg(kv_cache_dtype="fp8_e4m3", head_dim=64, dtype=torch.float64)
     with pytest.raises(ValueError, match="take a model dtype in .* got torch.float64"):
         fast.DecoderKVCacheManager(c, backend="emulated")
+
+
+@pytest.mark.parametrize("captured", [True, False])
+def test_auto_storage_builds_paged_groups_for_captured_steps(ops, captured):
+    from oasr.decoder_kv import DenseDecoderKV, PagedDecoderKV, decode_group
+
+    c = dcfg(kv_storage="auto", graph_captured=captured)
+    reqs = [DecoderRequest(2, 5, 4), DecoderRequest(1, 9, 3)]
+    group = decode_group(c, ops, reqs, ops.DecoderKVCacheManager(c))
+    if captured:
+        assert isinstance(group, PagedDecoderKV) and group.rows == [0, 1]
+        with pytest.raises(ValueError, match="needs the DecoderKVCacheManager"):
+            decode_group(c, ops, reqs)
+    else:
+        assert isinstance(group, DenseDecoderKV) and (group.capacity, group.cross_capacity) == (10, 4)
