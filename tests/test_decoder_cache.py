@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -39,6 +40,13 @@ def snap(m) -> dict:
 def assert_same(a: dict, b: dict) -> None:
     assert a["free"] == b["free"] and a["rows"] == b["rows"] and a["reserved"] == b["reserved"]
     assert torch.equal(a["k"], b["k"]) and torch.equal(a["v"], b["v"])
+
+
+def shuffle_free_list(pool, seed: int) -> None:
+    """Allocate every block and free them in a random order: later pages land anywhere in the pool."""
+    ids = pool.allocate(pool.num_free_blocks)
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
+    pool.free([ids[i] for i in order])
 
 
 def kv(*shape, dtype=torch.float32, seed=0):
@@ -288,6 +296,9 @@ def test_dense_select_repeats_and_merge_move_scales(ops, kv_cache_dtype):
 def test_paged_equals_dense_storage(ops, kv_cache_dtype):
     c = dcfg(kv_cache_dtype=kv_cache_dtype)
     m = ops.DecoderKVCacheManager(c)
+    shuffle_free_list(m.pool, seed=4)
+    for pages in (m.pool.k_pool, m.pool.v_pool):  # NaN wherever nothing should be read
+        pages.copy_(torch.full_like(pages, float("nan"), dtype=torch.float32).to(pages.dtype))
     rows = m.admit([DecoderRequest(3, 5, 0)] * 2)
     dense = ops.DenseDecoderKV(c, 2, capacity=8)
     for b, r in enumerate(rows):
@@ -300,6 +311,15 @@ def test_paged_equals_dense_storage(ops, kv_cache_dtype):
         dense.append(k, v)
     for b, r in enumerate(rows):
         assert torch.equal(m.gather_self(r), dense.gather_self(b))
+    assert m.describe(rows[0]).self_blocks != (0, 2)  # the shuffled free list put the pages anywhere
+    q = torch.randn(2, 4, 1, 8)
+    for layer, view in enumerate(m.self_caches(rows)):  # attention over NaN-poisoned, shuffled pages
+        m_len = view.cache_seqlens.clone()
+        got = ops.paged_attention(q, dataclasses.replace(view, cache_seqlens=m_len - 1), causal=True)
+        dense.lengths = [n - 1 for n in dense.lengths]
+        want = dense.attend_self(layer, q)
+        dense.lengths = [n + 1 for n in dense.lengths]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # ---- fp8 --------------------------------------------------------------------------------------------
