@@ -147,7 +147,7 @@ def test_admitted_rows_reach_their_ceilings_in_any_interleaving(data):
     ms = [reference.DecoderKVCacheManager(cfg), fast.DecoderKVCacheManager(cfg)]
     live: dict[int, int] = {}  # row -> tokens still allowed
     for _ in range(data.draw(st.integers(1, 40))):
-        op = data.draw(st.sampled_from(["admit", "step", "step", "step", "finish"]))
+        op = data.draw(st.sampled_from(["admit", "step", "step", "step", "finish", "select", "cross"]))
         if op == "admit":
             reqs = data.draw(st.lists(st.builds(DecoderRequest, st.integers(0, 5), st.integers(0, 10),
                                                 st.integers(0, 8)), min_size=1, max_size=3))
@@ -173,6 +173,21 @@ def test_admitted_rows_reach_their_ceilings_in_any_interleaving(data):
                     m.append(rows, k, v)  # must never raise PoolExhaustedError
                 for r in rows:
                     live[r] -= 1
+        elif op == "select" and live:
+            group = data.draw(st.permutations(sorted(live)))
+            picks = data.draw(st.lists(st.integers(0, len(group) - 1), unique=True))
+            kept = [m.select(group, picks) for m in ms]
+            assert kept[0] == kept[1] == [group[i] for i in picks]
+            for r in group:
+                if r not in kept[0]:
+                    del live[r]
+        elif op == "cross" and live:
+            r = data.draw(st.sampled_from(sorted(live)))
+            n = ms[0].describe(r).cross_ceiling
+            k, v = kv(2, n, 2, 8, seed=r)
+            for m in ms:
+                m.fill_cross(r, k, v)
+            assert torch.equal(ms[0].gather_cross(r), ms[1].gather_cross(r))
         elif op == "finish" and live:
             r = data.draw(st.sampled_from(sorted(live)))
             for m in ms:
