@@ -86,7 +86,7 @@ class DenseDecoderKV:
         if scales is None:
             data[layer][rows, :, positions] = x.to(data[layer].dtype)
         else:
-            stored, scale = type(self).quantize(x)
+            stored, scale = type(self).quantize(x, self.config.dtype)  # the twin's rule, the served dtype's bound
             data[layer][rows, :, positions] = stored
             scales[layer][rows, :, positions] = scale
 

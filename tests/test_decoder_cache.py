@@ -329,8 +329,8 @@ def test_paged_equals_dense_storage(ops, kv_cache_dtype):
     assert m.describe(rows[0]).self_blocks != (0, 2)  # the shuffled free list put the pages anywhere
     q = torch.randn(2, 4, 1, 8)
     for layer, view in enumerate(m.self_caches(rows)):  # attention over NaN-poisoned, shuffled pages
-        m_len = view.cache_seqlens.clone()
-        got = ops.paged_attention(q, dataclasses.replace(view, cache_seqlens=m_len - 1), causal=True)
+        last = dataclasses.replace(view, cache_seqlens=view.cache_seqlens - 1, prepared_frames=None)
+        got = ops.paged_attention(q, last, causal=True)  # the last token's query over the row
         dense.lengths = [n - 1 for n in dense.lengths]
         want = dense.attend_self(layer, q)
         dense.lengths = [n + 1 for n in dense.lengths]
@@ -440,3 +440,14 @@ def test_auto_storage_builds_paged_groups_for_captured_steps(ops, captured):
             decode_group(c, ops, reqs)
     else:
         assert isinstance(group, DenseDecoderKV) and (group.capacity, group.cross_capacity) == (10, 4)
+
+
+def test_the_pool_refuses_to_free_a_rows_pages_from_outside(ops):
+    m = ops.DecoderKVCacheManager(dcfg())
+    (row,) = m.admit([DecoderRequest(2, 2, 3)])
+    block = m.describe(row).cross_blocks[0]
+    assert m.pool.owner_of(block).startswith("DecoderKVCacheManager")
+    with pytest.raises(ValueError, match=f"block {block} is owned by DecoderKVCacheManager"):
+        m.pool.free([block])
+    m.finish(row)
+    assert m.pool.num_free_blocks == m.pool.num_blocks

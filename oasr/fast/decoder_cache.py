@@ -67,6 +67,7 @@ class DecoderKVCacheManager:
             pool = BlockPool(config.pool_config(), scratch_blocks=1)
         check_pool(config, pool)
         self.pool = pool
+        self._owner = pool.new_owner(type(self).__name__)  # the pool refuses to free our pages for others
         R, SW, CW = config.max_rows, max(config.self_pages, 1), max(config.cross_pages, 1)
         null, device = pool.null_block, config.device
         self._self_table = np.full((R, SW), null, dtype=np.int32)
@@ -91,10 +92,10 @@ class DecoderKVCacheManager:
 
     # ---- block ownership (the only places that touch the pool's free list or a table entry) ----
     def _take(self, n: int) -> np.ndarray:
-        return self.pool.allocate_array(n)
+        return self.pool.allocate_array(n, self._owner)
 
     def _drop(self, ids: np.ndarray) -> None:
-        self.pool.free_array(ids)
+        self.pool.free_array(ids, owner=self._owner)
 
     def _bind(self, table: np.ndarray, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         table[rows, cols] = ids
@@ -202,18 +203,21 @@ class DecoderKVCacheManager:
         (rows_d,) = self._cohort_stager.stage(ids)
         return ids, rows_d
 
-    def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int) -> list:
+    def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int, prepared) -> list:
         starts = self._zeros[: table.shape[0]]
+        prepared = tuple(int(n) for n in prepared)
         return [
-            PagedKVCache(k, v, table, seqlens, starts, self.config.page_size, max_len, max_span, layer, ks, vs)
+            PagedKVCache(k, v, table, seqlens, starts, self.config.page_size, max_len, max_span, layer, ks, vs,
+                         prepared, self.config.dtype)
             for layer, ((k, v), (ks, vs)) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
         ]
 
     def _self_views(self, ids: np.ndarray, rows_d: torch.Tensor) -> list:
         lens = self._length[ids]
         longest = int(lens.max()) if ids.size else 0
+        prepared = self._held[ids] * self.config.page_size - lens
         return self._views(self.self_table.index_select(0, rows_d), self._meta[0].index_select(0, rows_d),
-                           longest, longest)
+                           longest, longest, prepared)
 
     def self_caches(self, rows) -> list[PagedKVCache]:
         ids, rows_d = self._rows_index(rows, "self_caches")
@@ -225,7 +229,7 @@ class DecoderKVCacheManager:
         lens = self._cross_length[ids]
         longest = int(lens.max()) if ids.size else 0
         return self._views(self.cross_table.index_select(0, rows_d), self._meta[1].index_select(0, rows_d),
-                           max(longest - 1, 0), longest)
+                           max(longest - 1, 0), longest, lens > 0)
 
     def cross_query_lens(self, rows) -> list[int]:
         ids = np.array(check_rows(rows, self._is_admitted, "cross_query_lens"), dtype=np.int64)
@@ -244,7 +248,9 @@ class DecoderKVCacheManager:
         """Tokens ``[start, start + T)`` of one row's region: one append_kv (quantize-and-scatter) per layer."""
         (rows_d,) = self._cohort_stager.stage(np.array([row], dtype=np.int64))
         seqlen = torch.full((1,), start, dtype=_I32, device=self.config.device)
-        for layer, view in enumerate(self._views(table.index_select(0, rows_d), seqlen, start, start)):
+        held = self._held[row] if table is self.self_table else self._cross_held[row]
+        views = self._views(table.index_select(0, rows_d), seqlen, start, start, [held * self.config.page_size - start])
+        for layer, view in enumerate(views):
             append_kv(view, k[layer][None], v[layer][None], backend=self.backend)
 
     def fill_cross(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -77,15 +77,16 @@ class DecoderKVCacheManager:
             pool = BlockPool(config.pool_config(), scratch_blocks=1)
         check_pool(config, pool)
         self.pool = pool
+        self._owner = pool.new_owner(type(self).__name__)  # the pool refuses to free our pages for others
         self._rows: dict[int, _Row] = {}
         self._free_rows = list(range(config.max_rows))
 
     # ---- block ownership (the only places that touch the pool's free list or a table entry) ----
     def _take(self, n: int) -> list[int]:
-        return self.pool.allocate(n)
+        return self.pool.allocate(n, self._owner)
 
     def _drop(self, ids: list[int]) -> None:
-        self.pool.free(ids)
+        self.pool.free(ids, self._owner)
 
     def _bind(self, blocks: list, ids: list[int]) -> None:
         blocks.extend(ids)
@@ -169,7 +170,7 @@ class DecoderKVCacheManager:
     def _table(self, blocks: list, width: int) -> list[int]:
         return list(blocks) + [self.pool.null_block] * (width - len(blocks))
 
-    def _views(self, tables: list, seqlens: list, width: int, spans: list) -> list[PagedKVCache]:
+    def _views(self, tables: list, seqlens: list, width: int, spans: list, prepared: list) -> list[PagedKVCache]:
         device = self.config.device
         table = torch.tensor(tables, dtype=torch.int32, device=device).view(len(tables), width)
         lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
@@ -179,7 +180,7 @@ class DecoderKVCacheManager:
             k, v = self.pool.get_kv_view(layer)
             ks, vs = self.pool.get_kv_scale_view(layer)
             views.append(PagedKVCache(k, v, table, lens, starts, self.config.page_size, max(seqlens, default=0),
-                                      max(spans, default=0), layer, ks, vs))
+                                      max(spans, default=0), layer, ks, vs, tuple(prepared), self.config.dtype))
         return views
 
     def self_caches(self, rows) -> list[PagedKVCache]:
@@ -187,7 +188,8 @@ class DecoderKVCacheManager:
         ids = check_rows(rows, self._admitted, "self_caches")
         width = max(self.config.self_pages, 1)
         lens = [self._rows[r].length for r in ids]
-        return self._views([self._table(self._rows[r].self_blocks, width) for r in ids], lens, width, lens)
+        prepared = [len(self._rows[r].self_blocks) * self.config.page_size - n for r, n in zip(ids, lens, strict=True)]
+        return self._views([self._table(self._rows[r].self_blocks, width) for r in ids], lens, width, lens, prepared)
 
     def cross_caches(self, rows) -> list[PagedKVCache]:
         """One view per layer of the rows' cross regions, read by ``paged_attention`` with one query per row
@@ -200,7 +202,8 @@ class DecoderKVCacheManager:
         width = max(self.config.cross_pages, 1)
         lens = [max(self._rows[r].cross_length - 1, 0) for r in ids]
         spans = [self._rows[r].cross_length for r in ids]
-        return self._views([self._table(self._rows[r].cross_blocks, width) for r in ids], lens, width, spans)
+        reads = [1 if n else 0 for n in spans]  # the one query each filled row presents
+        return self._views([self._table(self._rows[r].cross_blocks, width) for r in ids], lens, width, spans, reads)
 
     def cross_query_lens(self, rows) -> list[int]:
         ids = check_rows(rows, self._admitted, "cross_query_lens")
@@ -219,7 +222,8 @@ class DecoderKVCacheManager:
     def _write(self, blocks: list, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Tokens ``[start, start + T)`` of one region, ``k, v (L, T, H, D)``: one append_kv per layer."""
         width = max(len(blocks), 1)
-        views = self._views([self._table(blocks, width)], [start], width, [start])
+        views = self._views([self._table(blocks, width)], [start], width, [start],
+                            [len(blocks) * self.config.page_size - start])
         for layer, view in enumerate(views):
             append_kv(view, k[layer][None], v[layer][None])
 
