@@ -153,6 +153,15 @@ def paged_select(ids: list[int], idx) -> list[int]:
     return [ids[i] for i in picks]
 
 
+def select_rows(manager, ids: list[int], idx) -> list[int]:
+    """A paged ``select``: keep ``ids[i]`` for ``i`` in ``idx`` and finish the other rows (validated first)."""
+    kept = paged_select(ids, idx)
+    for row in ids:
+        if row not in kept:
+            manager.finish(row)
+    return kept
+
+
 def check_cross_fill(row: int, T: int, declared: int, held: int) -> None:
     """``fill_cross``'s rules: at most the declared extent; a refill must keep the length it has."""
     if T > declared:

@@ -43,7 +43,7 @@ from oasr.decoder_common import (
     check_rows,
     check_step_kv,
     judge,
-    paged_select,
+    select_rows,
 )
 from oasr.decoder_config import DecoderCacheConfig
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
@@ -333,11 +333,7 @@ class DecoderKVCacheManager:
     def select(self, rows, idx) -> list[int]:
         """See the reference: unique indices keep and reorder rows (the rest finish); repeats raise."""
         ids = check_rows(rows, self._is_admitted, "select")
-        kept = paged_select(ids, idx)
-        for row in ids:
-            if row not in kept:
-                self.finish(row)
-        return kept
+        return select_rows(self, ids, idx)
 
 
 class DenseDecoderKV(DenseDecoderKVBase):

@@ -49,7 +49,7 @@ from oasr.decoder_common import (
     check_rows,
     check_step_kv,
     judge,
-    paged_select,
+    select_rows,
 )
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
@@ -307,11 +307,7 @@ class DecoderKVCacheManager:
         and changes nothing (beam expansion runs on dense storage; copy-on-write pages are the next issue).
         """
         ids = check_rows(rows, self._admitted, "select")
-        kept = paged_select(ids, idx)
-        for row in ids:
-            if row not in kept:
-                self.finish(row)
-        return kept
+        return select_rows(self, ids, idx)
 
 
 class DenseDecoderKV(DenseDecoderKVBase):
