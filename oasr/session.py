@@ -24,7 +24,9 @@ Layout (little-endian; ``docs/sessions.md`` has every field with its offset)::
 Sections: 1 attention (lengths, then K, V and, for fp8, their scales, of the visible
 window only), 2 slot states (named tensors), 3 CTC beam (flag bit 0), 4 engine
 stream (flag bit 1), 5 decoder rows (flag bit 2: reserved for the autoregressive
-decoder's K/V rows; this build refuses a file that carries them).
+decoder's K/V rows; this build refuses a file that carries them), 6 encoder output
+(flag bit 3: the fp32 encoder frames a rescoring engine keeps for its second pass;
+only with section 4, one row per encoder frame the stream produced).
 
 Reading verifies everything before anything is applied: magic, version (only 1),
 size, checksum, flags, section structure, every length, every value a manager
@@ -70,11 +72,14 @@ CHECKSUM_BYTES = 32
 FLAG_CTC_BEAM = 1 << 0
 FLAG_ENGINE = 1 << 1
 FLAG_DECODER_ROWS = 1 << 2  # reserved: the autoregressive decoder's K/V rows (not implemented)
-KNOWN_FLAGS = FLAG_CTC_BEAM | FLAG_ENGINE | FLAG_DECODER_ROWS
+FLAG_ENCODER_OUT = 1 << 3  # the encoder output a rescoring engine keeps (StreamingEngine(rescore=True))
+KNOWN_FLAGS = FLAG_CTC_BEAM | FLAG_ENGINE | FLAG_DECODER_ROWS | FLAG_ENCODER_OUT
 
-SEC_ATTENTION, SEC_SLOT_STATES, SEC_CTC_BEAM, SEC_ENGINE, SEC_DECODER_ROWS = 1, 2, 3, 4, 5
-SECTION_NAMES = {1: "attention", 2: "slot states", 3: "CTC beam", 4: "engine stream", 5: "decoder rows"}
-_FLAG_OF_SECTION = {SEC_CTC_BEAM: FLAG_CTC_BEAM, SEC_ENGINE: FLAG_ENGINE, SEC_DECODER_ROWS: FLAG_DECODER_ROWS}
+SEC_ATTENTION, SEC_SLOT_STATES, SEC_CTC_BEAM, SEC_ENGINE, SEC_DECODER_ROWS, SEC_ENCODER_OUT = 1, 2, 3, 4, 5, 6
+SECTION_NAMES = {1: "attention", 2: "slot states", 3: "CTC beam", 4: "engine stream", 5: "decoder rows",
+                 6: "encoder output"}
+_FLAG_OF_SECTION = {SEC_CTC_BEAM: FLAG_CTC_BEAM, SEC_ENGINE: FLAG_ENGINE, SEC_DECODER_ROWS: FLAG_DECODER_ROWS,
+                    SEC_ENCODER_OUT: FLAG_ENCODER_OUT}
 
 DTYPE_CODES = {
     torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
@@ -178,10 +183,14 @@ class StreamSession:
     ctc_config: CtcDecoderConfig | None = None
     beam: BeamSnapshot | None = None
     engine: EngineStream | None = None
+    # (frames, hidden_dim) fp32: what a rescoring engine kept of the encoder output, one row per encoder
+    # frame produced (``engine.offset`` rows); only with ``engine``
+    encoder_out: torch.Tensor | None = None
 
     @property
     def flags(self) -> int:
-        return (FLAG_CTC_BEAM if self.beam is not None else 0) | (FLAG_ENGINE if self.engine is not None else 0)
+        return ((FLAG_CTC_BEAM if self.beam is not None else 0) | (FLAG_ENGINE if self.engine is not None else 0)
+                | (FLAG_ENCODER_OUT if self.encoder_out is not None else 0))
 
 
 # ---- byte helpers -------------------------------------------------------------------------------------
@@ -300,6 +309,13 @@ def _encode_engine(e: EngineStream) -> bytes:
     return b"".join(parts)
 
 
+def _encode_encoder_out(t: torch.Tensor) -> bytes:
+    if t.dtype != torch.float32 or t.dim() != 2:
+        raise ValueError(f"session: the kept encoder output must be (frames, hidden_dim) float32, got "
+                         f"{tuple(t.shape)} {t.dtype}")
+    return struct.pack("<qI", t.shape[0], t.shape[1]) + _tensor_bytes(t)
+
+
 def _check_host() -> None:
     if sys.byteorder != "little":  # tensor bytes are written in the host's order; the format is little-endian
         raise RuntimeError(f"oasr sessions are little-endian; this host is {sys.byteorder}-endian")
@@ -314,6 +330,8 @@ def encode_session(session: StreamSession) -> bytes:
         sections.append((SEC_CTC_BEAM, _encode_beam(session.ctc_config, session.beam)))
     if session.engine is not None:
         sections.append((SEC_ENGINE, _encode_engine(session.engine)))
+    if session.encoder_out is not None:
+        sections.append((SEC_ENCODER_OUT, _encode_encoder_out(session.encoder_out)))
     body = b"".join(SECTION.pack(kind, len(payload)) + payload for kind, payload in sections)
     header = HEADER.pack(
         MAGIC, VERSION, HEADER_BYTES, session.flags, g.num_layers, g.n_kv_head, g.head_dim, g.hidden_dim,
@@ -527,6 +545,19 @@ def _decode_engine(raw: bytes) -> EngineStream:
                         max_extent, partial, pending, log_probs, greedy_tokens, greedy_last)
 
 
+def _decode_encoder_out(raw: bytes, g: SessionGeometry) -> torch.Tensor:
+    r = _Reader(raw, "encoder output")
+    frames, width = r.unpack("qI")
+    if frames < 0 or width != g.hidden_dim:
+        raise SessionError(f"encoder output section: {frames} frames of width {width}, expected frames >= 0 of "
+                           f"hidden_dim {g.hidden_dim}")
+    out = _tensor_from(r.take(frames * width * 4), torch.float32, (frames, width))
+    r.done()
+    if not bool(torch.isfinite(out).all()):
+        raise SessionError("encoder output section: the kept encoder output holds NaN or infinite values")
+    return out
+
+
 def _geometry_config(g: SessionGeometry) -> CacheConfig:
     """A minimal CPU ``CacheConfig`` of the session's geometry, for the shared length arithmetic."""
     try:
@@ -559,6 +590,14 @@ def read_session(data, expect: SessionGeometry | None = None) -> StreamSession:
         session.ctc_config, session.beam = _decode_beam(sections[SEC_CTC_BEAM])
     if SEC_ENGINE in sections:
         session.engine = _decode_engine(sections[SEC_ENGINE])
+    if SEC_ENCODER_OUT in sections:
+        if session.engine is None:
+            raise SessionError("encoder output section (flag bit 3) without the engine stream section: only an "
+                               "engine keeps encoder output")
+        session.encoder_out = _decode_encoder_out(sections[SEC_ENCODER_OUT], geometry)
+        if session.encoder_out.shape[0] != session.engine.offset:
+            raise SessionError(f"encoder output section: {session.encoder_out.shape[0]} frames kept, the stream "
+                               f"produced {session.engine.offset} encoder frames")
     return session
 
 

@@ -594,9 +594,10 @@ class StreamingEngine:
         """Take a stream out of the engine as session bytes (``oasr.session``); its blocks and slot are freed.
 
         The session holds the stream's caches and what the engine keeps of it: unconsumed
-        input, whether it ended, its counters, its partial hypothesis and (with
-        ``keep_log_probs``) its log-probs so far. ``resume`` on any engine of the same
-        model and geometry, either twin, continues it exactly. An active stream, or a resumed
+        input, whether it ended, its counters, its partial hypothesis, (with
+        ``keep_log_probs``) its log-probs so far and (with ``rescore``) the encoder output kept
+        for the second pass. ``resume`` on any engine of the same model and geometry, and the
+        same ``rescore`` setting, either twin, continues it exactly. An active stream, or a resumed
         one still waiting for admission, can be suspended; a stream never admitted holds no
         state yet and a finished one has nothing to continue (``ValueError``; nothing changes).
         """
@@ -619,6 +620,7 @@ class StreamingEngine:
         else:
             session = s.session
             session.engine = extra
+        session.encoder_out = self._kept_encoder_out(s) if self.rescore else None
         data = encode_session(session)
         if s.state == ACTIVE:
             self._contexts.pop(stream_id).free()
@@ -635,7 +637,10 @@ class StreamingEngine:
         ``data`` is verified whole first (``oasr.session.read_session``: truncated, corrupt or
         foreign bytes raise ``SessionError`` naming what differs), then against this engine:
         geometry, K/V format, declared states, decoder and its configuration, the model's
-        weights. ``stream_id`` None takes the id the session was saved under (or a fresh one if
+        weights, and rescoring: a session carries the kept encoder output exactly when it was
+        saved by an engine with ``rescore=True``, and only such an engine takes it (the second
+        pass needs every encoder frame; the rescorer and ``ctc_weight`` are this engine's own).
+        ``stream_id`` None takes the id the session was saved under (or a fresh one if
         that was neither an int nor a str); an id in use raises ``ValueError``. Nothing changes
         on an error. Admission then restores the caches (``oasr.session.restore_stream``) in
         new slots and blocks; the stream goes on exactly as if it had never left. Returns its id.
@@ -645,6 +650,9 @@ class StreamingEngine:
         if e is None:
             raise SessionError("session has no engine stream section: it was saved from caches, not an engine "
                                "(use oasr.session.load_stream)")
+        rescoring = self._rescoring_difference(session)  # first: it also explains a differing n-best size
+        if rescoring:
+            raise SessionError(f"foreign session for this engine: {rescoring}")
         check_session(session, self.att, [self.cnn, self.states], self.ctc)
         mcfg = self.model.config
         wrong = [f"{name}: session {a!r}, here {b!r}" for name, a, b in (
@@ -676,6 +684,8 @@ class StreamingEngine:
             s.pending, s.num_pending = [e.pending], e.pending.shape[0]
         if self.keep_log_probs and e.log_probs.shape[0]:
             s.log_probs = [e.log_probs]
+        if self.rescore and session.encoder_out.shape[0]:
+            s.encoder_out = [session.encoder_out]
         self._streams[stream_id] = s
         self._waiting.append(stream_id)
         return stream_id
@@ -707,6 +717,22 @@ class StreamingEngine:
                 f"hidden_dim={cfg.hidden_dim})"
             )
         self.model.ctc.register_forward_hook(self._capture_hidden)
+
+    def _kept_encoder_out(self, s: _Stream) -> torch.Tensor:
+        """The stream's kept encoder output so far, ``(offset, hidden_dim)`` fp32, for its session."""
+        if s.encoder_out:
+            return torch.cat(s.encoder_out)
+        return torch.zeros(0, self.model.config.hidden_dim)
+
+    def _rescoring_difference(self, session) -> str:
+        """Why ``session``'s rescoring state does not fit this engine ("" if it does)."""
+        if session.encoder_out is None and self.rescore:
+            return ("rescoring: this engine rescores (rescore=True), the session carries no kept encoder output "
+                    "(it was saved with rescore=False), so the second pass would see part of the utterance")
+        if session.encoder_out is not None and not self.rescore:
+            return ("rescoring: the session carries the encoder output kept for attention rescoring (saved with "
+                    "rescore=True), this engine does not rescore (rescore=False)")
+        return ""
 
     def _capture_hidden(self, module, inputs, output) -> None:
         self._hidden = inputs[0]
