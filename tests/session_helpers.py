@@ -28,11 +28,12 @@ def make_model(fmt: str = "fp32", num_left_chunks: int = 2, seed: int = 3) -> St
     return StreamingConformer(ConformerConfig(num_left_chunks=num_left_chunks, chunk_size=4, seed=seed)).to(dtype)
 
 
-def make_engine(model, twin: str, fmt: str = "fp32", decoder: str = "beam", **overrides) -> StreamingEngine:
+def make_engine(model, twin: str, fmt: str = "fp32", decoder: str = "beam", rescore: bool = False,
+                **overrides) -> StreamingEngine:
     dtype, kv = FORMATS[fmt]
     cfg = model.config.cache_config(**{"block_size_frames": 3, "max_batch_size": 4, "dtype": dtype,
                                        "kv_cache_dtype": kv, **overrides})
-    return StreamingEngine(model, cfg, twin=twin, decoder=decoder, keep_log_probs=True)
+    return StreamingEngine(model, cfg, twin=twin, decoder=decoder, keep_log_probs=True, rescore=rescore)
 
 
 def features(num_frames: int = TOTAL, seed: int = 1) -> torch.Tensor:

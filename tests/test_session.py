@@ -129,11 +129,10 @@ def test_a_session_loads_into_the_other_twin_and_saves_back_to_the_same_bytes(fm
 # ---- the fuzz ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def small():
-    """A small session (one stream, a few chunks in) and a fresh engine of the same kind to load it into."""
+def small_session(rescore: bool = False):
+    """A small session (one stream, a few chunks in) and the model that made it."""
     model = make_model("fp32", num_left_chunks=1)
-    src = make_engine(model, "fast", "fp32")
+    src = make_engine(model, "fast", "fp32", rescore=rescore)
     src.add_stream("a")
     src.push("a", features()[:40])
     src.step()
@@ -142,8 +141,20 @@ def small():
     return model, data
 
 
-def target(model, twin="fast"):
-    engine = make_engine(model, twin, "fp32")
+@pytest.fixture(scope="module")
+def small():
+    return small_session()
+
+
+@pytest.fixture(scope="module")
+def small_rescoring():
+    """The same with ``rescore=True``: it also carries the kept encoder output (section 6, flag bit 3)."""
+    return small_session(rescore=True)
+
+
+def target(model, twin="fast", rescore=False):
+    """A fresh engine of the session's kind (one other stream busy) to load it into."""
+    engine = make_engine(model, twin, "fp32", rescore=rescore)
     engine.add_stream("busy")
     engine.push("busy", features(30, seed=5))
     engine.step()
@@ -210,6 +221,7 @@ HEADER_FIELDS = [  # (name, struct field index, a wrong value, what the error mu
     ("flags: CTC bit cleared", 3, None, "CTC beam"),
     ("flags: engine bit cleared", 3, None, "engine stream"),
     ("flags: decoder rows", 3, None, "decoder rows"),
+    ("flags: encoder output bit flipped", 3, None, "encoder output"),
     ("num_layers", 4, 3, "num_layers"),
     ("n_kv_head", 5, 4, "n_kv_head"),
     ("head_dim", 6, 8, "head_dim"),
@@ -229,9 +241,10 @@ HEADER_FIELDS = [  # (name, struct field index, a wrong value, what the error mu
 ]
 
 
+@pytest.mark.parametrize("rescore", [False, True], ids=["plain", "rescoring"])
 @pytest.mark.parametrize("name,index,value,words", HEADER_FIELDS, ids=[f[0] for f in HEADER_FIELDS])
-def test_every_header_field_is_checked(small, name, index, value, words):
-    model, data = small
+def test_every_header_field_is_checked(request, rescore, name, index, value, words):
+    model, data = request.getfixturevalue("small_rescoring" if rescore else "small")
     fields = list(S.HEADER.unpack_from(data, 0))
     flags = fields[3]
     value = {
@@ -239,13 +252,21 @@ def test_every_header_field_is_checked(small, name, index, value, words):
         "flags: CTC bit cleared": flags & ~S.FLAG_CTC_BEAM,
         "flags: engine bit cleared": flags & ~S.FLAG_ENGINE,
         "flags: decoder rows": flags | S.FLAG_DECODER_ROWS,
+        "flags: encoder output bit flipped": flags ^ S.FLAG_ENCODER_OUT,  # set without the section, or cleared
         "body size": fields[17] + 8,
     }.get(name, value)
     assert fields[index] != value
     fields[index] = value
     raw = bytearray(data)
     raw[: S.HEADER_BYTES] = S.HEADER.pack(*fields)
-    assert words.lower() in refused(target(model), with_checksum(raw)).lower()
+    assert words.lower() in refused(target(model, rescore=rescore), with_checksum(raw)).lower()
+
+
+def test_the_flag_bits_are_the_documented_ones():
+    assert (S.FLAG_CTC_BEAM, S.FLAG_ENGINE, S.FLAG_DECODER_ROWS, S.FLAG_ENCODER_OUT) == (1, 2, 4, 8)
+    assert S.KNOWN_FLAGS == 0b1111
+    assert S.SECTION_NAMES == {1: "attention", 2: "slot states", 3: "CTC beam", 4: "engine stream",
+                               5: "decoder rows", 6: "encoder output"}
 
 
 def foreign_sessions():

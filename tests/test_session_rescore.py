@@ -22,16 +22,24 @@ import struct
 
 import pytest
 import torch
-from session_helpers import SPLIT, engine_snapshot, features, finish, hold_decoy, make_model, same_snapshot, start
+from session_helpers import (
+    SPLIT,
+    engine_snapshot,
+    features,
+    finish,
+    hold_decoy,
+    make_engine,
+    make_model,
+    same_snapshot,
+    start,
+)
 
 from oasr import session as S
-from oasr.engine import StreamingEngine
 from oasr.models import attention_decoder
 
 
-def rescoring_engine(model, twin: str, rescore: bool = True) -> StreamingEngine:
-    cfg = model.config.cache_config(block_size_frames=3, max_batch_size=4)
-    return StreamingEngine(model, cfg, twin=twin, keep_log_probs=True, rescore=rescore)
+def rescoring_engine(model, twin: str, rescore: bool = True):
+    return make_engine(model, twin, rescore=rescore)
 
 
 @pytest.fixture
@@ -154,7 +162,7 @@ def encoder_section_offset(data: bytes) -> int:
     raise AssertionError("no encoder output section")
 
 
-def target(model) -> StreamingEngine:
+def target(model):
     engine = rescoring_engine(model, "fast")
     engine.add_stream("busy")
     engine.push("busy", features(30, seed=5))
