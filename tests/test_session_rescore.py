@@ -276,3 +276,26 @@ def test_demo_rescored_text_is_the_same_with_suspensions(capsys):
     plain, suspended_run = rescoring_block([]), rescoring_block(["--suspend-every", "3"])
     assert sum("rescored   [" in line for line in plain) == 4
     assert suspended_run == plain
+
+
+def test_demo_drive_rescores_every_stream_the_same_with_suspensions(second_pass):
+    """Every stream of the demo's workload, not only the printed sample: tokens, first pass, n-best, scores."""
+    from argparse import Namespace
+
+    from oasr.commands.demo import build, drive, make_workload
+    from oasr.engine import StreamingEngine
+
+    args = Namespace(num_left_chunks=-1, eviction=True, prefill=False, layers=1, seed=0, device="cpu",
+                     max_batch_size=8, kv_cache_dtype=None)
+    model, cfg = build(args)
+    workload = make_workload(6, model.config.input_dim, seed=0, max_seconds=3.0, spread_ticks=6)
+    runs = []
+    for every in (0, 3):
+        second_pass.clear()
+        engine = StreamingEngine(model, cfg, twin="fast", keep_log_probs=True, rescore=True)
+        sizes = drive(engine, workload, 0, model.config.chunk_input_frames, suspend_every=every)
+        scores = sorted(scores for _, scores in second_pass)  # finishing order is the same; sorted to be safe
+        runs.append(({s.stream_id: record(engine.result(s.stream_id)) for s in workload}, scores, sizes))
+    (plain, plain_scores, none), (suspended_run, suspended_scores, sizes) = runs
+    assert none == [] and len(sizes) >= 3
+    assert suspended_run == plain and suspended_scores == plain_scores
