@@ -9,8 +9,12 @@ the cohort is the same one-stream forward as the uninterrupted run's, and the id
 
 from __future__ import annotations
 
+import hashlib
+
+import pytest
 import torch
 
+from oasr import session as S
 from oasr.engine import StreamingEngine
 from oasr.models import ConformerConfig, StreamingConformer
 
@@ -118,3 +122,38 @@ def same_snapshot(a: dict, b: dict) -> bool:
         elif x != y:
             return False
     return True
+
+
+def refused(engine: StreamingEngine, data: bytes, match=None, error=ValueError) -> str:
+    """``engine.resume(data)`` raises ``error`` and changes nothing; returns the message."""
+    before = engine_snapshot(engine)
+    with pytest.raises(error, match=match) as info:
+        engine.resume(data)
+    assert same_snapshot(before, engine_snapshot(engine))
+    return str(info.value)
+
+
+def with_checksum(raw) -> bytes:
+    """``raw`` with its checksum recomputed, so only the changed field's own check can refuse it."""
+    body = bytes(raw[: -S.CHECKSUM_BYTES])
+    return body + hashlib.blake2b(body, digest_size=S.CHECKSUM_BYTES).digest()
+
+
+def small_session(rescore: bool = False):
+    """A small session (one stream, a few chunks in, window of one chunk) and the model that made it."""
+    model = make_model("fp32", num_left_chunks=1)
+    src = make_engine(model, "fast", "fp32", rescore=rescore)
+    src.add_stream("a")
+    src.push("a", features()[:40])
+    src.step()
+    src.step()
+    return model, src.suspend("a")
+
+
+def target(model, twin: str = "fast", rescore: bool = False) -> StreamingEngine:
+    """A fresh engine of a small session's kind (one other stream busy) to load it into."""
+    engine = make_engine(model, twin, "fp32", rescore=rescore)
+    engine.add_stream("busy")
+    engine.push("busy", features(30, seed=5))
+    engine.step()
+    return engine

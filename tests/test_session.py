@@ -11,7 +11,6 @@ Bit-identical resume in a fresh process is tests/test_session_resume.py. Here:
 * the demo's output with ``--suspend-every`` equals the output without.
 """
 
-import hashlib
 import random
 import struct
 
@@ -25,8 +24,12 @@ from session_helpers import (
     hold_decoy,
     make_engine,
     make_model,
+    refused,
     same_snapshot,
+    small_session,
     start,
+    target,
+    with_checksum,
 )
 
 from oasr import session as S
@@ -129,18 +132,6 @@ def test_a_session_loads_into_the_other_twin_and_saves_back_to_the_same_bytes(fm
 # ---- the fuzz ---------------------------------------------------------------------------------------
 
 
-def small_session(rescore: bool = False):
-    """A small session (one stream, a few chunks in) and the model that made it."""
-    model = make_model("fp32", num_left_chunks=1)
-    src = make_engine(model, "fast", "fp32", rescore=rescore)
-    src.add_stream("a")
-    src.push("a", features()[:40])
-    src.step()
-    src.step()
-    data = src.suspend("a")
-    return model, data
-
-
 @pytest.fixture(scope="module")
 def small():
     return small_session()
@@ -150,29 +141,6 @@ def small():
 def small_rescoring():
     """The same with ``rescore=True``: it also carries the kept encoder output (section 6, flag bit 3)."""
     return small_session(rescore=True)
-
-
-def target(model, twin="fast", rescore=False):
-    """A fresh engine of the session's kind (one other stream busy) to load it into."""
-    engine = make_engine(model, twin, "fp32", rescore=rescore)
-    engine.add_stream("busy")
-    engine.push("busy", features(30, seed=5))
-    engine.step()
-    return engine
-
-
-def refused(engine, data, match=None):
-    before = engine_snapshot(engine)
-    with pytest.raises(ValueError, match=match) as info:
-        engine.resume(data)
-    assert same_snapshot(before, engine_snapshot(engine))
-    return str(info.value)
-
-
-def with_checksum(raw: bytearray) -> bytes:
-    """``raw`` with its checksum recomputed, so only the changed field's own check can refuse it."""
-    body = bytes(raw[: -S.CHECKSUM_BYTES])
-    return body + hashlib.blake2b(body, digest_size=S.CHECKSUM_BYTES).digest()
 
 
 def test_the_small_session_loads(small):

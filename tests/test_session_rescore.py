@@ -15,7 +15,6 @@ produced. A suspended stream's frames so far live in the session's encoder outpu
   without suspension.
 """
 
-import hashlib
 import random
 import re
 import struct
@@ -30,8 +29,12 @@ from session_helpers import (
     hold_decoy,
     make_engine,
     make_model,
+    refused,
     same_snapshot,
+    small_session,
     start,
+    target,
+    with_checksum,
 )
 
 from oasr import session as S
@@ -110,14 +113,6 @@ def test_a_waiting_resumed_stream_suspends_again_with_its_encoder_output():
     assert torch.equal(S.read_session(again).encoder_out, S.read_session(data).encoder_out)
 
 
-def refused(engine, data) -> str:
-    before = engine_snapshot(engine)
-    with pytest.raises(S.SessionError) as info:
-        engine.resume(data)
-    assert same_snapshot(before, engine_snapshot(engine))
-    return str(info.value)
-
-
 def suspended(model, rescore: bool) -> bytes:
     engine = rescoring_engine(model, "fast", rescore=rescore)
     start(engine)
@@ -128,9 +123,9 @@ def test_rescoring_state_and_rescoring_engines_must_match():
     model = make_model()
     with_state, without = suspended(model, True), suspended(model, False)
     assert S.read_session(without).encoder_out is None
-    why = refused(rescoring_engine(model, "reference", rescore=False), with_state)
+    why = refused(rescoring_engine(model, "reference", rescore=False), with_state, error=S.SessionError)
     assert "rescoring" in why and "rescore=True" in why and "rescore=False" in why
-    why = refused(rescoring_engine(model, "reference", rescore=True), without)
+    why = refused(rescoring_engine(model, "reference", rescore=True), without, error=S.SessionError)
     assert "rescoring" in why and "no kept encoder output" in why
     for rescore, data in ((True, with_state), (False, without)):  # the matching pairs load
         assert rescoring_engine(model, "reference", rescore=rescore).resume(data) == "a"
@@ -141,13 +136,7 @@ def test_rescoring_state_and_rescoring_engines_must_match():
 
 @pytest.fixture(scope="module")
 def small():
-    model = make_model(num_left_chunks=1)
-    engine = rescoring_engine(model, "fast")
-    engine.add_stream("a")
-    engine.push("a", features()[:40])
-    engine.step()
-    engine.step()
-    data = engine.suspend("a")
+    model, data = small_session(rescore=True)
     return model, data, encoder_section_offset(data)
 
 
@@ -162,22 +151,9 @@ def encoder_section_offset(data: bytes) -> int:
     raise AssertionError("no encoder output section")
 
 
-def target(model):
-    engine = rescoring_engine(model, "fast")
-    engine.add_stream("busy")
-    engine.push("busy", features(30, seed=5))
-    engine.step()
-    return engine
-
-
-def with_checksum(raw) -> bytes:
-    body = bytes(raw[: -S.CHECKSUM_BYTES])
-    return body + hashlib.blake2b(body, digest_size=S.CHECKSUM_BYTES).digest()
-
-
 def test_the_small_rescoring_session_loads(small):
     model, data, at = small
-    assert target(model).resume(data) == "a"
+    assert target(model, rescore=True).resume(data) == "a"
     kind, length = S.SECTION.unpack_from(data, at)
     assert kind == 6 and at + S.SECTION.size + length == len(data) - S.CHECKSUM_BYTES  # the last section
     frames, width = struct.unpack_from("<qI", data, at + S.SECTION.size)
@@ -186,7 +162,7 @@ def test_the_small_rescoring_session_loads(small):
 
 def test_every_truncation_of_a_rescoring_session_is_refused(small):
     model, data, _ = small
-    engine = target(model)
+    engine = target(model, rescore=True)
     before = engine_snapshot(engine)
     for n in range(len(data)):
         with pytest.raises(S.SessionError):
@@ -196,7 +172,7 @@ def test_every_truncation_of_a_rescoring_session_is_refused(small):
 
 def test_bit_flips_in_the_encoder_output_are_refused(small):
     model, data, at = small
-    engine = target(model)
+    engine = target(model, rescore=True)
     before = engine_snapshot(engine)
     rng = random.Random(99)
     for _ in range(300):
@@ -245,7 +221,7 @@ def test_each_wrong_field_of_the_section_is_refused(small, index):
     model, data, at = small
     name, bad, words = list(section_mutations(data, at))[index]
     assert name == MUTATIONS[index]
-    assert words in refused(target(model), bad), name
+    assert words in refused(target(model, rescore=True), bad, error=S.SessionError), name
 
 
 def test_an_encoder_output_section_needs_the_engine_section(small):
