@@ -137,13 +137,17 @@ def check_state_shape(where: str, config: CtcDecoderConfig, batch, vocab_size) -
         raise ValueError(f"{where}: blank_id={config.blank_id} is outside a vocabulary of {vocab_size}")
 
 
-def check_log_probs(where: str, log_probs, batch: int, vocab_size: int, frame_dim: bool = True) -> None:
+def check_log_probs(
+    where: str, log_probs, batch: int, vocab_size: int, frame_dim: bool = True, check_values: bool = True
+) -> None:
     """Validate a chunk ``(batch, T, vocab)`` (or a frame ``(batch, vocab)``) of log-probabilities.
 
     Raises ``TypeError`` for a non-tensor and ``ValueError`` naming expected
     and actual shape, for a non-floating dtype, and for NaN or ``+inf``
-    entries (``-inf``, an impossible token, is allowed). Reads the values, so
-    it costs one host synchronisation per call.
+    entries (``-inf``, an impossible token, is allowed). Reading the values
+    costs one host synchronisation; ``check_values=False`` skips that part,
+    for a caller that checks the values later itself (``values_error`` gives
+    the same error) and commits nothing before it has.
     """
     if not isinstance(log_probs, torch.Tensor):
         raise TypeError(f"{where}: log_probs must be a torch.Tensor, got {type(log_probs).__name__}")
@@ -158,14 +162,20 @@ def check_log_probs(where: str, log_probs, batch: int, vocab_size: int, frame_di
     if not log_probs.is_floating_point():
         raise ValueError(f"{where}: log_probs must be a floating dtype, got {log_probs.dtype}")
     # one reduction: the max is NaN if any entry is NaN, +inf if any is +inf
-    if log_probs.numel() and not bool(log_probs.amax() < math.inf):
-        raise ValueError(f"{where}: log_probs contains NaN or +inf")
+    if check_values and log_probs.numel() and not bool(log_probs.amax() < math.inf):
+        raise values_error(where)
 
 
-def check_cohort(states: list, log_probs_list: list, check_state) -> None:
+def values_error(where: str) -> ValueError:
+    """The error for log-probabilities holding NaN or ``+inf``."""
+    return ValueError(f"{where}: log_probs contains NaN or +inf")
+
+
+def check_cohort(states: list, log_probs_list: list, check_state, check_values: bool = True) -> None:
     """Validation both twins' ``decode_chunks`` share: one chunk per distinct state, each valid for it.
 
-    ``check_state(state, where)`` is the twin's own check that ``state`` is one of its states.
+    ``check_state(state, where)`` is the twin's own check that ``state`` is one of its states;
+    ``check_values`` as in :func:`check_log_probs`.
     """
     if len(states) != len(log_probs_list):
         raise ValueError(f"decode_chunks: {len(states)} states but {len(log_probs_list)} log-probability chunks")
@@ -173,7 +183,7 @@ def check_cohort(states: list, log_probs_list: list, check_state) -> None:
         raise ValueError("decode_chunks: the same state appears twice in one cohort")
     for state, log_probs in zip(states, log_probs_list, strict=True):
         check_state(state, "decode_chunk")
-        check_log_probs("decode_chunk", log_probs, state.batch, state.vocab_size)
+        check_log_probs("decode_chunk", log_probs, state.batch, state.vocab_size, check_values=check_values)
 
 
 class BeamEntry(NamedTuple):

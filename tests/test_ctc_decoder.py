@@ -17,6 +17,7 @@ vectorised kernels, a few ulp per operation over at most ~40 frames), so
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -25,12 +26,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from oasr.ctc_config import CtcDecoderConfig, CtcHypothesis
 from oasr.fast import ctc_decoder as fast_mod
 from oasr.reference import ctc_decoder as ref_mod
 
-TWINS = {"reference": ref_mod.StreamingCtcDecoder, "fast": fast_mod.StreamingCtcDecoder}
+# "fast" dispatches by size (small CPU cohorts take its host loop); "fast_batched" forces the
+# tensor search at every size, so each test body checks both paths of the fast twin.
+TWINS = {
+    "reference": ref_mod.StreamingCtcDecoder,
+    "fast": fast_mod.StreamingCtcDecoder,
+    "fast_batched": functools.partial(fast_mod.StreamingCtcDecoder, host_loop_max_work=0),
+}
+FAST_PATHS = ["fast", "fast_batched"]
 SCORE_TOL = 1e-9
 
 
@@ -249,13 +258,14 @@ CONFIGS = [
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("seed", range(4))
-def test_fast_matches_reference(cfg, seed):
+@pytest.mark.parametrize("fast_path", FAST_PATHS)
+def test_fast_matches_reference(cfg, seed, fast_path):
     rng = random.Random(seed)
     B, T, V = rng.randint(1, 4), rng.randint(1, 25), rng.randint(3, 12)
     lp = random_log_probs(B, T, V, seed, scale=rng.choice([1.0, 3.0]))
     config = CtcDecoderConfig(max_prefix_len=T, **cfg)
     ref = decode(TWINS["reference"], config, lp)
-    fast = decode(TWINS["fast"], config, lp, chunks=random_chunks(T, rng))
+    fast = decode(TWINS[fast_path], config, lp, chunks=random_chunks(T, rng))
     assert_same_nbest(ref, fast)
 
 
@@ -277,7 +287,8 @@ def test_chunking_is_invisible(seed, beam, topk, chunk_seed):
         assert_same_nbest(whole[name], decode(D, config, lp, chunks=random_chunks(T, rng)), exact=True)
         frames = decode(D, config, lp, chunks=[1] * T)
         assert_same_nbest(whole[name], frames, exact=True)
-    assert_same_nbest(whole["reference"], whole["fast"])
+    for name in FAST_PATHS:
+        assert_same_nbest(whole["reference"], whole[name])
 
 
 @pytest.mark.parametrize("beam", [1, 3, 10])
@@ -472,8 +483,9 @@ def test_prefix_length_limit(Decoder):
 # ---- fast-twin internals -------------------------------------------------------------------------
 
 
-def test_fast_padding_invariant_and_window():
-    dec = fast_mod.StreamingCtcDecoder(CtcDecoderConfig(beam_size=4, max_prefix_len=40))
+@pytest.mark.parametrize("fast_path", FAST_PATHS)
+def test_fast_padding_invariant_and_window(fast_path):
+    dec = TWINS[fast_path](CtcDecoderConfig(beam_size=4, max_prefix_len=40))
     state = dec.create_state(3, 6)
     lp = random_log_probs(3, 30, 6, seed=4)
     for start in range(0, 30, 7):
@@ -515,7 +527,7 @@ def test_fast_hash_hint_is_verified(monkeypatch):
     truth = {tuple(labels): logp for labels, logp in exhaustive_ctc(lp[0], blank=0)}
     monkeypatch.setattr(fast_mod, "_extend_keys", lambda keys, tokens: torch.zeros_like(keys))
     config = CtcDecoderConfig(beam_size=V**T, nbest=V**T, max_prefix_len=T)
-    nbest = decode(TWINS["fast"], config, lp)[0]
+    nbest = decode(TWINS["fast_batched"], config, lp)[0]
     mass: dict[tuple[int, ...], float] = {}
     for h in nbest:
         mass[tuple(h.tokens)] = mass.get(tuple(h.tokens), 0.0) + math.exp(h.log_score)
@@ -523,3 +535,140 @@ def test_fast_hash_hint_is_verified(monkeypatch):
     assert mass.keys() == truth.keys()
     for labels, p in mass.items():
         assert math.log(p) == pytest.approx(truth[labels], abs=1e-12)
+
+
+# ---- mixed chunk lengths, one host read per call, dispatch by size ------------------------------
+
+
+@pytest.mark.parametrize("name", list(TWINS))
+@pytest.mark.parametrize("beam, topk", [(1, None), (4, 3), (10, 4)])
+def test_mixed_chunk_lengths_equal_streams_decoded_alone(name, beam, topk):
+    # one decode_chunks call per round over streams whose chunks differ in length (0 included),
+    # against each stream decoded alone in the same chunks
+    rng = random.Random(beam)
+    V, streams, rounds = 9, 7, 4
+    config = CtcDecoderConfig(beam_size=beam, nbest=beam, token_topk=topk)
+    dec = TWINS[name](config)
+    batches = [1 + s % 2 for s in range(streams)]
+    plans = [[rng.choice([0, 1, 3, 5, 8]) for _ in range(rounds)] for _ in range(streams)]
+    lps = [random_log_probs(batches[s], sum(plans[s]), V, seed=s, dtype=torch.float64) for s in range(streams)]
+    states = [dec.create_state(batches[s], V) for s in range(streams)]
+    starts = [0] * streams
+    for r in range(rounds):
+        chunks = [lps[s][:, starts[s] : starts[s] + plans[s][r]] for s in range(streams)]
+        dec.decode_chunks(states, chunks)
+        starts = [starts[s] + plans[s][r] for s in range(streams)]
+    for s in range(streams):
+        alone = decode(TWINS[name], config, lps[s], chunks=plans[s])
+        assert_same_nbest(dec.finalize_stream(states[s]), alone, exact=True)
+        assert states[s].frames_decoded == sum(plans[s])
+        assert_same_nbest(alone, decode(TWINS["reference"], config, lps[s]))
+
+
+@pytest.mark.parametrize("name", FAST_PATHS)
+def test_mixed_lengths_fail_atomically(name):
+    config = CtcDecoderConfig(beam_size=2, max_prefix_len=4)
+    dec = TWINS[name](config)
+    a, b = dec.create_state(1, 3), dec.create_state(1, 3)
+    certain = torch.full((1, 6, 3), -30.0)
+    certain[0, torch.arange(6), torch.tensor([1, 2] * 3)] = 0.0  # one new token per frame
+    dec.decode_chunks([a, b], [certain[:, :4], certain[:, :1]])
+    before = snapshot(dec, a), snapshot(dec, b)
+    with pytest.raises(RuntimeError, match="max_prefix_len=4"):
+        dec.decode_chunks([a, b], [certain[:, :0], certain[:, :5]])  # b outgrows; a has no frames
+    nan = certain[:, :2].clone()
+    nan[0, 1, 0] = math.nan
+    with pytest.raises(ValueError, match="NaN"):
+        dec.decode_chunks([a, b], [certain[:, :1], nan])
+    assert (snapshot(dec, a), snapshot(dec, b)) == before
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts reads of tensor data into Python: aten ``item`` / ``_local_scalar_dense`` and
+    ``Tensor.tolist`` / ``Tensor.numpy`` (those two bypass the dispatcher, so they are spied on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, self._spy(name, method))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def _spy(self, name, method):
+        def wrapper(tensor, *args, **kwargs):
+            self.reads.append(name)
+            return method(tensor, *args, **kwargs)
+
+        return wrapper
+
+
+@pytest.mark.parametrize("topk", [None, 3])
+def test_batched_decode_reads_back_once_per_call(topk):
+    """The batched path's frame loop is torch ops only: one read per call, for 2 frames or 40."""
+    config = CtcDecoderConfig(beam_size=4, nbest=2, token_topk=topk)
+    dec = TWINS["fast_batched"](config)
+    counts = {}
+    for T in (2, 40):
+        states = [dec.create_state(1, 6) for _ in range(3)]
+        lps = [random_log_probs(1, T - s, 6, seed=s) for s in range(3)]  # mixed lengths too
+        dec.decode_chunks(states, lps)  # warm (the all-token table is built once)
+        with _HostReads() as spy:
+            dec.decode_chunks(states, lps)
+        counts[T] = spy.reads
+    assert counts[2] == counts[40] == ["tolist"]
+
+
+def test_host_loop_reads_do_not_grow_with_frames():
+    config = CtcDecoderConfig(beam_size=4, token_topk=3)
+    dec = TWINS["fast"](config)
+    assert dec.uses_host_loop(1, 6)
+    counts = {}
+    for T in (2, 40):
+        state = dec.create_state(1, 6)
+        with _HostReads() as spy:
+            dec.decode_chunk(state, random_log_probs(1, T, 6, seed=T))
+        counts[T] = spy.reads
+    assert counts[2] == counts[40]
+
+
+def test_peek_and_finalize_read_back_once():
+    dec = TWINS["fast_batched"](CtcDecoderConfig(beam_size=4, nbest=3))
+    state = dec.create_state(2, 6)
+    dec.decode_chunk(state, random_log_probs(2, 12, 6, seed=1))
+    for call in (dec.peek, dec.finalize_stream):
+        with _HostReads() as spy:
+            call(state)
+        # one device-to-host copy (.cpu()); the tolist calls then read that host copy
+        assert spy.reads == ["tolist"] * 4
+
+
+def test_dispatch_by_size():
+    config = CtcDecoderConfig(beam_size=4, token_topk=4)  # 4 * (1 + 4) = 20 updates per row
+    dec = fast_mod.StreamingCtcDecoder(config, host_loop_max_work=100)
+    assert [dec.uses_host_loop(rows, 500) for rows in (1, 5, 6)] == [True, True, False]
+    assert not dec.uses_host_loop(1, 500, device="cuda")  # never on a GPU: it would read back per frame
+    assert not fast_mod.StreamingCtcDecoder(config, host_loop_max_work=0).uses_host_loop(1, 500)
+    with pytest.raises(ValueError, match="host_loop_max_work"):
+        fast_mod.StreamingCtcDecoder(config, host_loop_max_work=-1)
+
+
+def test_top_set_breaks_ties_by_lower_index():
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 3.0], [0.0, -math.inf, 5.0, 5.0, -math.inf, 1.0]])
+    assert fast_mod._top_set(x, 3).tolist() == [[1, 2, 4], [2, 3, 5]]
+    assert fast_mod._top_set(x, 4).tolist() == [[1, 2, 4, 5], [0, 2, 3, 5]]
+    wide = torch.zeros(2, 3000, dtype=torch.float64)
+    wide[0, 2999] = 1.0
+    assert fast_mod._ranked_top(wide, 3).tolist() == [[2999, 0, 1], [0, 1, 2]]

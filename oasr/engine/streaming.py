@@ -526,11 +526,8 @@ class StreamingEngine:
             for sid, lp in zip(cohort, chunks, strict=True):
                 self._streams[sid].greedy.decode_chunk(lp)
             return [self._streams[sid].greedy.finalize() for sid in cohort]
-        by_length: dict = {}  # the batched decoder takes one chunk length per call: full chunks, then short ones
-        for sid, lp in zip(cohort, chunks, strict=True):
-            by_length.setdefault(lp.shape[0], []).append((sid, lp))
-        for group in by_length.values():
-            self.ctc.decode_cohort([sid for sid, _ in group], [lp.unsqueeze(0) for _, lp in group])
+        # one batched decoder call for the whole cohort; short last chunks are masked per row
+        self.ctc.decode_cohort(list(cohort), [lp.unsqueeze(0) for lp in chunks])
         return [list(self._contexts[sid].get_decoder().peek()[0].tokens) for sid in cohort]
 
     def run(self, max_ticks: int | None = None) -> dict:

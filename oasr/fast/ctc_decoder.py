@@ -52,15 +52,32 @@ merge is never wrong. A merge could be *missed* only if a prefix of the same
 length ranked before the true parent collided in all 62 bits (about
 ``W^2 / 2^62`` per frame), which we accept.
 
-Host synchronisations: three per chunk (input validation, the token window,
-the prefix-length check) and one per frame, where ``_ranked_top`` asks whether
-the beam cut falls inside an exact score tie (``topk`` cannot break ties by
-position, so a stable sort then decides). On a CPU these cost nothing; on a GPU
-they are the first thing a kernel or a graph-captured variant would remove.
+Host reads: one per ``decode_chunks`` call, whatever its number of frames. The
+frame loop is torch ops only: the beam cut is taken without asking the host
+about ties (``_ranked_top``), and the input check (NaN / ``+inf``), the
+prefix-length check and each row's longest prefix (the next call's token
+window, kept on the host as ``CtcBeamState.longest``) come back together in
+one small read after the last frame, before anything is committed, so a
+failed call still changes nothing. ``peek`` and ``finalize_stream`` read the
+hypotheses back in one copy each.
+
+Two paths, chosen by size (``StreamingCtcDecoder(host_loop_max_work=...)``)::
+
+    batched    the tensor search above; any device; its cost per frame is a fixed ~80 torch ops,
+               nearly independent of the cohort
+    host loop  CPU states only, when rows * beam_size * (1 + candidates) <= host_loop_max_work
+               (default HOST_LOOP_MAX_WORK): the candidates come from the same torch top-k per
+               chunk, then a Python loop over rows x beams x candidates per frame, merging by
+               token tuple. On a CPU it beats ~80 torch ops per frame for tiny cohorts (1 stream
+               at beam 4: several times faster), and loses to them for large ones.
+
+Both paths keep the same state layout and the same results; the choice is
+made per call from host-known sizes, and reported once (INFO, ``oasr.fast``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -76,9 +93,19 @@ from oasr.ctc_config import (
     check_log_probs,
     check_snapshot,
     check_state_shape,
+    values_error,
 )
 
 NEG_INF = -math.inf
+# Per-frame beam cut over W * S slots: one stable sort of the row when it is at most this wide,
+# else the threshold top-k of ``_top_set`` (a few more ops, linear in the width).
+_SORT_WIDTH = 1024
+# Default of ``StreamingCtcDecoder(host_loop_max_work=)``: on a CPU, a cohort doing at most this
+# many (row, beam, candidate) updates per frame runs the host loop (measured on a 2-core CPU:
+# 1 stream at beam 4 or 10, and up to 4 streams at beam 4, with top-k = beam).
+HOST_LOOP_MAX_WORK = 110
+_logger = logging.getLogger("oasr.fast")
+_reported: set[int] = set()
 _HASH_MOD = 2**31 - 1
 _HASH_MUL = (911_382_323, 972_663_749)
 
@@ -102,7 +129,8 @@ class CtcBeamState:
 
     ``reset_state`` to a batch no larger than ``capacity`` reuses the buffers;
     a larger batch reallocates them. ``frames_decoded`` is the absolute index
-    of the stream's next frame.
+    of the stream's next frame. ``longest`` is the longest prefix any row
+    holds, a host copy kept by the decoder (so the token window needs no read).
     """
 
     config: CtcDecoderConfig
@@ -110,6 +138,7 @@ class CtcBeamState:
     vocab_size: int
     frames_decoded: int
     buffers: _Beams
+    longest: int = 0
 
     @property
     def capacity(self) -> int:
@@ -169,22 +198,32 @@ def _key_of(tokens) -> int:
     return (h1 << 31) | h2
 
 
-def _ranked_top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` best entries per row, ordered by (score desc, index asc).
+def _top_set(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending indices of the ``k`` best entries per row of ``x`` (N, n) by (value desc, index asc).
 
-    ``topk`` finds the set; an exact tie between the k-th and (k+1)-th live
-    score makes the set ambiguous, and then a stable sort of the whole row
-    decides (a rare, data-dependent branch). The chosen ``k`` are then put in
-    order by a stable sort of ``k`` elements.
+    No host read: ``t``, the k-th largest value, comes from ``topk``; every entry above ``t``
+    is in, and of the entries equal to ``t`` the lowest indices fill the rest. An int key
+    (above ``t``: n + 1, equal: n - index, below: 0) puts exactly that set first, and a second
+    ``topk`` over the key picks it whatever order ``topk`` gives equal keys.
     """
-    n = scores.shape[1]
+    n = x.shape[1]
     if n <= k:
-        return torch.sort(scores, dim=1, descending=True, stable=True).indices
-    vals, idx = torch.topk(scores, k + 1, dim=1, sorted=True)
-    tie = (vals[:, k - 1] == vals[:, k]) & (vals[:, k - 1] > NEG_INF)
-    if bool(tie.any()):
+        return torch.arange(n, device=x.device).expand(x.shape[0], n)
+    t = x.topk(k, dim=1).values[:, k - 1 :]
+    rank = torch.arange(n, 0, -1, dtype=torch.int32, device=x.device)
+    key = torch.where(x > t, n + 1, torch.where(x == t, rank, 0))
+    return key.topk(k, dim=1).indices.sort(dim=1).values
+
+
+def _ranked_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` best entries per row, ordered by (score desc, index asc); no host read.
+
+    A narrow row is sorted whole (stable: ties keep index order); a wide one takes the
+    set from ``_top_set`` and orders those ``k`` by a stable sort.
+    """
+    if scores.shape[1] <= _SORT_WIDTH:
         return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    idx = idx[:, :k].sort(dim=1).values
+    idx = _top_set(scores, k)
     order = scores.gather(1, idx).sort(dim=1, descending=True, stable=True).indices
     return idx.gather(1, order)
 
@@ -213,7 +252,7 @@ def _chunk_candidates(lp: torch.Tensor, config: CtcDecoderConfig, all_tokens) ->
     else:
         masked = lp.clone()
         masked[:, :, blank] = NEG_INF
-        tokens = _ranked_top(masked.reshape(R * T, V), K).sort(dim=1).values.reshape(R, T, K)
+        tokens = _top_set(masked.reshape(R * T, V), K).reshape(R, T, K)
         # from `masked`: if fewer than K tokens are possible the blank may be picked, and must stay -inf
         lp_tokens = masked.gather(2, tokens).to(torch.float64)
     lp_blank = lp[:, :, blank].to(torch.float64)
@@ -222,12 +261,14 @@ def _chunk_candidates(lp: torch.Tensor, config: CtcDecoderConfig, all_tokens) ->
     return _Candidates(lp, lp_blank, tokens, lp_tokens)
 
 
-def _advance(beams: _Beams, cand: _Candidates, t: int, frame: torch.Tensor, beam_size: int):
+def _advance(beams: _Beams, cand: _Candidates, t: int, frame: torch.Tensor, beam_size: int, active=None):
     """Frame ``t`` of the chunk for every row; ``frame`` (R,) holds its absolute frame index.
 
     ``beams`` may be a window of the first ``Lw <= max_prefix_len`` token
-    positions (see ``decode_chunks``). Returns the new beams and a 0-d bool
-    tensor that is True when a live prefix outgrew the window.
+    positions (see ``decode_chunks``). ``active`` (R,) bool, if given, marks
+    the rows whose chunk has a frame ``t``; the others keep their beams. Returns
+    the new beams and a 0-d bool tensor that is True when a live prefix of an
+    active row outgrew the window.
     """
     R, W, Lw = beams.tokens.shape
     K = cand.tokens.shape[2]
@@ -303,7 +344,10 @@ def _advance(beams: _Beams, cand: _Candidates, t: int, frame: torch.Tensor, beam
     grow = (add >= 0) & new_live
 
     src_len = beams.lengths.gather(1, src)
-    overflow = (grow & (src_len >= Lw)).any()
+    overflow = grow & (src_len >= Lw)
+    if active is not None:
+        overflow &= active[:, None]
+    overflow = overflow.any()
     pos = src_len.clamp(max=Lw - 1)[:, :, None]
     src3 = src[:, :, None].expand(R, W, Lw)
     tokens = beams.tokens.gather(1, src3)
@@ -322,6 +366,11 @@ def _advance(beams: _Beams, cand: _Candidates, t: int, frame: torch.Tensor, beam
         log_pb=new_pb,
         log_pnb=new_pnb,
     )
+    if active is not None:  # rows past their chunk's length keep what they had
+        new_beams = _Beams(
+            *(torch.where(active.view(-1, *[1] * (new.dim() - 1)), new, old)
+              for new, old in zip(new_beams, beams, strict=True))
+        )
     return new_beams, overflow
 
 
@@ -341,20 +390,93 @@ def _clear_dead(beams: _Beams) -> _Beams:
     )
 
 
+def _logaddexp(a: float, b: float) -> float:
+    """``log(exp(a) + exp(b))`` for Python floats (the host loop's arithmetic), exact at ``-inf``."""
+    if a == NEG_INF:
+        return b
+    if b == NEG_INF:
+        return a
+    return max(a, b) + math.log1p(math.exp(-abs(a - b)))
+
+
+def _extend_key(key: int, token: int) -> int:
+    """``_extend_keys`` for one Python int (same hash, so both paths store the same keys)."""
+    c = token + 1
+    h1 = ((key >> 31) * _HASH_MUL[0] + c) % _HASH_MOD
+    h2 = ((key & _HASH_MOD) * _HASH_MUL[1] + c) % _HASH_MOD
+    return (h1 << 31) | h2
+
+
+# A host-loop prefix: (tokens, frames, log_pb, log_pnb, key, parent_key), tokens and frames as tuples.
+def _advance_host(beam: list, lp_row, lp_blank: float, cands: list, lp_cands: list, frame: int, beam_size: int):
+    """One frame of one row on the host: the rule of ``oasr.ctc_config``, merging by token tuple."""
+    entries: dict = {}  # tokens -> [stay_pb, stay_pnb, stay_frames, ext_pnb, ext_frames, key, parent_key]
+    for tokens, frames, pb, pnb, key, parent_key in beam:
+        score = _logaddexp(pb, pnb)
+        last = tokens[-1] if tokens else -1
+        stay_pb = score + lp_blank
+        stay_pnb = pnb + float(lp_row[last]) if tokens else NEG_INF
+        if _logaddexp(stay_pb, stay_pnb) > NEG_INF:
+            entry = entries.get(tokens)
+            if entry is None:
+                entry = entries[tokens] = [NEG_INF, NEG_INF, None, NEG_INF, None, key, parent_key]
+            entry[0], entry[1], entry[2] = stay_pb, stay_pnb, frames
+        for c, lp_c in zip(cands, lp_cands, strict=True):
+            ext_pnb = (pb if c == last else score) + lp_c
+            if ext_pnb == NEG_INF:
+                continue
+            child = tokens + (c,)
+            entry = entries.get(child)
+            if entry is None:
+                entry = entries[child] = [NEG_INF, NEG_INF, None, NEG_INF, None, _extend_key(key, c), key]
+            entry[3], entry[4] = ext_pnb, frames + (frame,)
+    finished = []
+    for tokens, (stay_pb, stay_pnb, stay_frames, ext_pnb, ext_frames, key, parent_key) in entries.items():
+        pnb = _logaddexp(stay_pnb, ext_pnb)
+        score = _logaddexp(stay_pb, pnb)
+        if score == NEG_INF:
+            continue
+        keep_stay = stay_frames is not None and (ext_frames is None or _logaddexp(stay_pb, stay_pnb) >= ext_pnb)
+        finished.append((score, (tokens, stay_frames if keep_stay else ext_frames, stay_pb, pnb, key, parent_key)))
+    finished.sort(key=lambda e: -e[0])  # stable: ties keep generation order
+    return [prefix for _, prefix in finished[:beam_size]]
+
+
 class StreamingCtcDecoder:
     """Fast CTC prefix beam search; same API as the reference, states are tensors on ``device``.
 
     ``decode_chunks`` is the cohort entry point: the rows of several states
     are stacked and decoded in one pass per frame (one copy in and out per
-    chunk), which is how an engine should step many streams at once.
+    call), which is how an engine should step many streams at once. The chunks
+    may have different lengths: they are padded to the longest, and a row past
+    its own length keeps its beams (a per-row length mask).
+
+    ``host_loop_max_work`` picks the path by size (module docstring): CPU
+    cohorts with ``rows * beam_size * (1 + candidates)`` at most this run the
+    host loop, larger ones (and every CUDA cohort) the batched search; 0 turns
+    the host loop off. Both give the same results.
     """
 
-    def __init__(self, config: CtcDecoderConfig | None = None, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: CtcDecoderConfig | None = None,
+        device: torch.device | str = "cpu",
+        host_loop_max_work: int = HOST_LOOP_MAX_WORK,
+    ):
         self.config = config if config is not None else CtcDecoderConfig()
         if not isinstance(self.config, CtcDecoderConfig):
             raise TypeError(f"StreamingCtcDecoder: config must be a CtcDecoderConfig, got {self.config!r}")
+        if isinstance(host_loop_max_work, bool) or not isinstance(host_loop_max_work, int) or host_loop_max_work < 0:
+            raise ValueError(f"StreamingCtcDecoder: host_loop_max_work must be an int >= 0, got {host_loop_max_work!r}")
         self.device = torch.device(device)
+        self.host_loop_max_work = host_loop_max_work
         self._all_tokens: dict[tuple[int, str], torch.Tensor] = {}
+        if host_loop_max_work not in _reported:
+            _reported.add(host_loop_max_work)
+            _logger.info(
+                "oasr.fast: CTC decoder: CPU cohorts with rows*beam*(1+candidates) <= %d use the host loop, "
+                "larger ones (and CUDA) the batched torch search", host_loop_max_work,
+            )
 
     # ---- state lifecycle ----------------------------------------------------
     def create_state(self, batch: int, vocab_size: int) -> CtcBeamState:
@@ -374,7 +496,7 @@ class StreamingCtcDecoder:
         check_state_shape("reset_state", self.config, batch, vocab_size)
         if batch > state.capacity:
             state.buffers = _allocate(batch, self.config, state.device)
-        state.batch, state.vocab_size, state.frames_decoded = batch, vocab_size, 0
+        state.batch, state.vocab_size, state.frames_decoded, state.longest = batch, vocab_size, 0, 0
         _fill_initial(state.rows())
 
     def snapshot_state(self, state: CtcBeamState) -> BeamSnapshot:
@@ -421,6 +543,7 @@ class StreamingCtcDecoder:
         if R > state.capacity:
             state.buffers = _allocate(R, self.config, state.device)
         state.batch, state.vocab_size, state.frames_decoded = R, snapshot.vocab_size, snapshot.frames_decoded
+        state.longest = max((len(e.tokens) for row in snapshot.rows for e in row), default=0)
         for buf, new in zip(state.rows(), host, strict=True):
             buf.copy_(new)
 
@@ -432,52 +555,110 @@ class StreamingCtcDecoder:
     def decode_chunks(self, states: list[CtcBeamState], log_probs_list: list[torch.Tensor]) -> None:
         """Consume one chunk per state in a single batched pass; all states commit or none do.
 
-        Every chunk must have the same ``T`` and vocabulary (the rows are
-        stacked). Inputs are converted to float64 on the states' device.
+        Chunks may differ in length ``T`` (0 included) but share the vocabulary
+        and the device; inputs are moved to the states' device. One host read
+        per call (module docstring).
         """
-        self._check_cohort(states, log_probs_list)
-        if not states:
-            return
-        T = log_probs_list[0].shape[1]
-        if T == 0:
-            return
-        device = states[0].device
-        lp = torch.cat([x.detach().to(device) for x in log_probs_list], 0)
-        rows = [s.rows() for s in states]
-        # Token window: every position at or past the longest stored prefix is padding, and a
-        # frame adds at most one token, so this chunk touches only the first `window` positions.
-        longest = max(int(r.lengths.amax()) for r in rows)
-        window = min(self.config.max_prefix_len, longest + T)
-        parts = [_Beams(r.tokens[:, :, :window], r.frames[:, :, :window], *r[2:]) for r in rows]
-        beams = parts[0] if len(parts) == 1 else _Beams(*(torch.cat(p, 0) for p in zip(*parts, strict=True)))
-        first_frame = torch.cat(
-            [torch.full((s.batch,), s.frames_decoded, dtype=torch.int64, device=device) for s in states]
-        )
-        V = lp.shape[2]
-        all_tokens = self._all_tokens_for(V, device) if self.config.num_candidates(V) == V - 1 else None
-        cand = _chunk_candidates(lp, self.config, all_tokens)
-        overflow = torch.zeros((), dtype=torch.bool, device=device)
-        for t in range(T):
-            beams, over = _advance(beams, cand, t, first_frame + t, self.config.beam_size)
-            overflow |= over
-        if bool(overflow):
-            raise RuntimeError(
-                "decode_chunk: a kept prefix would hold more than "
-                f"CtcDecoderConfig.max_prefix_len={self.config.max_prefix_len} tokens; the state is unchanged"
-            )
-        beams = _clear_dead(beams)
-        start = 0
-        for state, part in zip(states, parts, strict=True):
-            for buf, new in zip(part, beams, strict=True):
-                buf.copy_(new[start : start + state.batch])
-            start += state.batch
-            state.frames_decoded += T
+        self._decode(states, log_probs_list, "decode_chunk")
 
     def step(self, state: CtcBeamState, log_probs_frame: torch.Tensor) -> None:
         """Consume one frame ``(batch, vocab)``: ``decode_chunk`` with ``T = 1``."""
         self._check_state(state, "step")
-        check_log_probs("step", log_probs_frame, state.batch, state.vocab_size, frame_dim=False)
-        self.decode_chunk(state, log_probs_frame.unsqueeze(1))
+        check_log_probs("step", log_probs_frame, state.batch, state.vocab_size, frame_dim=False, check_values=False)
+        self._decode([state], [log_probs_frame.unsqueeze(1)], "step")
+
+    def uses_host_loop(self, rows: int, vocab_size: int, device: torch.device | str | None = None) -> bool:
+        """Whether a cohort of ``rows`` rows over ``vocab_size`` tokens on ``device`` takes the host loop."""
+        device = torch.device(device) if device is not None else self.device
+        work = rows * self.config.beam_size * (1 + self.config.num_candidates(vocab_size))
+        return device.type == "cpu" and work <= self.host_loop_max_work
+
+    def _decode(self, states: list[CtcBeamState], log_probs_list: list[torch.Tensor], where: str) -> None:
+        self._check_cohort(states, log_probs_list)
+        lengths = [x.shape[1] for x in log_probs_list]
+        if max(lengths, default=0) == 0:
+            return
+        device = states[0].device
+        lp = _stack_padded(log_probs_list, lengths, device)
+        row_lengths = [n for state, n in zip(states, lengths, strict=True) for _ in range(state.batch)]
+        if self.uses_host_loop(lp.shape[0], lp.shape[2], device):
+            self._decode_host(states, lp, row_lengths, where)
+        else:
+            self._decode_batched(states, lp, row_lengths, where)
+        for state, n in zip(states, lengths, strict=True):
+            state.frames_decoded += n
+
+    def _candidates(self, lp: torch.Tensor) -> _Candidates:
+        V = lp.shape[2]
+        all_tokens = self._all_tokens_for(V, lp.device) if self.config.num_candidates(V) == V - 1 else None
+        return _chunk_candidates(lp, self.config, all_tokens)
+
+    def _prefix_len_error(self) -> RuntimeError:
+        return RuntimeError(
+            "decode_chunk: a kept prefix would hold more than "
+            f"CtcDecoderConfig.max_prefix_len={self.config.max_prefix_len} tokens; the state is unchanged"
+        )
+
+    def _decode_batched(self, states, lp: torch.Tensor, row_lengths: list[int], where: str) -> None:
+        """The tensor search: torch ops per frame, one host read at the end, then commit."""
+        device, T = lp.device, lp.shape[1]
+        rows = [s.rows() for s in states]
+        # Token window: every position at or past the longest stored prefix is padding, and a
+        # frame adds at most one token, so this call touches only the first `window` positions.
+        window = min(self.config.max_prefix_len, max(s.longest for s in states) + T)
+        parts = [_Beams(r.tokens[:, :, :window], r.frames[:, :, :window], *r[2:]) for r in rows]
+        beams = parts[0] if len(parts) == 1 else _Beams(*(torch.cat(p, 0) for p in zip(*parts, strict=True)))
+        first_frame = torch.tensor(
+            [s.frames_decoded for s in states for _ in range(s.batch)], dtype=torch.int64, device=device
+        )
+        mixed = len(set(row_lengths)) > 1
+        row_len = torch.tensor(row_lengths, dtype=torch.int64, device=device) if mixed else None
+        cand = self._candidates(lp)
+        overflow = torch.zeros((), dtype=torch.bool, device=device)
+        for t in range(T):
+            active = row_len > t if mixed else None
+            beams, over = _advance(beams, cand, t, first_frame + t, self.config.beam_size, active)
+            overflow |= over
+        beams = _clear_dead(beams)
+        # The one host read: input check, prefix-length check, each row's longest prefix.
+        bad_input = ~(lp.amax() < math.inf)  # NaN or +inf anywhere (the padding is 0)
+        header = torch.cat([torch.stack([bad_input, overflow]).long(), beams.lengths.amax(1)]).tolist()
+        if header[0]:
+            raise values_error(where)
+        if header[1]:
+            raise self._prefix_len_error()
+        start = 0
+        for state, part in zip(states, parts, strict=True):
+            for buf, new in zip(part, beams, strict=True):
+                buf.copy_(new[start : start + state.batch])
+            state.longest = max(header[2 + start : 2 + start + state.batch])
+            start += state.batch
+
+    def _decode_host(self, states, lp: torch.Tensor, row_lengths: list[int], where: str) -> None:
+        """The host loop (CPU states): candidates by torch, then Python per row and frame, then commit."""
+        if not bool(lp.amax() < math.inf):
+            raise values_error(where)
+        cand = self._candidates(lp)
+        cand_tokens, cand_lp = cand.tokens.tolist(), cand.lp_tokens.tolist()
+        lp_blank = cand.lp_blank.tolist()
+        lp_np = (lp if lp.dtype in (torch.float32, torch.float64) else lp.float()).numpy()
+        W, limit = self.config.beam_size, self.config.max_prefix_len
+        new_rows, r = [], 0
+        for state in states:
+            for beam in _read_beams(state):
+                first = state.frames_decoded
+                for t in range(row_lengths[r]):
+                    frame = first + t
+                    beam = _advance_host(beam, lp_np[r, t], lp_blank[r][t], cand_tokens[r][t], cand_lp[r][t], frame, W)
+                new_rows.append(beam)
+                r += 1
+        longest = max((len(p[0]) for beam in new_rows for p in beam), default=0)
+        if longest > limit:
+            raise self._prefix_len_error()
+        r = 0
+        for state in states:
+            _write_beams(state, new_rows[r : r + state.batch], max(longest, state.longest))
+            r += state.batch
 
     # ---- results ----------------------------------------------------------------
     def peek(self, state: CtcBeamState) -> list[CtcHypothesis]:
@@ -491,13 +672,22 @@ class StreamingCtcDecoder:
         return self._hypotheses(state, self.config.nbest)
 
     def _hypotheses(self, state: CtcBeamState, n: int) -> list[list[CtcHypothesis]]:
-        rows = state.rows()
-        score = torch.logaddexp(rows.log_pb[:, :n], rows.log_pnb[:, :n]).cpu().tolist()
-        lengths = rows.lengths[:, :n].cpu().tolist()
-        tokens = rows.tokens[:, :n].cpu().tolist()
-        frames = rows.frames[:, :n].cpu().tolist()
+        """The first ``n`` slots of every row, read back in one copy (scores travel as their bits)."""
+        rows, B, Lw = state.rows(), state.batch, state.longest
+        score = torch.logaddexp(rows.log_pb[:, :n], rows.log_pnb[:, :n])
+        packed = torch.cat([
+            score.view(torch.int64).reshape(-1),
+            rows.lengths[:, :n].reshape(-1),
+            rows.tokens[:, :n, :Lw].reshape(-1).long(),
+            rows.frames[:, :n, :Lw].reshape(-1).long(),
+        ]).cpu()
+        m = B * n
+        score = packed[:m].view(torch.float64).view(B, n).tolist()
+        lengths = packed[m : 2 * m].view(B, n).tolist()
+        tokens = packed[2 * m : 2 * m + m * Lw].view(B, n, Lw).tolist()
+        frames = packed[2 * m + m * Lw :].view(B, n, Lw).tolist()
         out = []
-        for b in range(state.batch):
+        for b in range(B):
             live = [w for w in range(n) if score[b][w] > NEG_INF]
             out.append(
                 [CtcHypothesis(tokens[b][w][: lengths[b][w]], score[b][w], frames[b][w][: lengths[b][w]]) for w in live]
@@ -519,12 +709,79 @@ class StreamingCtcDecoder:
             raise ValueError(f"{where}: state was made for {state.config}, this decoder has {self.config}")
 
     def _check_cohort(self, states, log_probs_list) -> None:
-        check_cohort(states, log_probs_list, self._check_state)
+        """Shapes and types (values are checked in the call's one read); one vocabulary, one device."""
+        check_cohort(states, log_probs_list, self._check_state, check_values=False)
         if states:
-            shapes = {(x.shape[1], x.shape[2]) for x in log_probs_list}
+            vocabs = {x.shape[2] for x in log_probs_list}
             devices = {s.device for s in states}
-            if len(shapes) > 1 or len(devices) > 1:
+            if len(vocabs) > 1 or len(devices) > 1:
                 raise ValueError(
-                    "decode_chunks: a cohort needs one (T, vocab) and one device, got "
-                    f"(T, vocab) {sorted(shapes)} on {sorted(map(str, devices))}"
+                    "decode_chunks: a cohort needs one vocabulary and one device, got "
+                    f"vocab {sorted(vocabs)} on {sorted(map(str, devices))}"
                 )
+
+
+def _stack_padded(log_probs_list: list[torch.Tensor], lengths: list[int], device) -> torch.Tensor:
+    """The chunks stacked along rows on ``device``, each padded with zeros to the longest ``T``."""
+    T = max(lengths)
+    chunks = [x.detach().to(device) for x in log_probs_list]
+    if all(n == T for n in lengths):
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, 0)
+    dtype = _common_dtype(chunks)
+    R, V = sum(x.shape[0] for x in chunks), chunks[0].shape[2]
+    lp = torch.zeros(R, T, V, dtype=dtype, device=device)
+    start = 0
+    for x, n in zip(chunks, lengths, strict=True):
+        lp[start : start + x.shape[0], :n] = x
+        start += x.shape[0]
+    return lp
+
+
+def _common_dtype(chunks: list[torch.Tensor]) -> torch.dtype:
+    dtype = chunks[0].dtype
+    for x in chunks[1:]:
+        dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
+
+
+def _read_beams(state: CtcBeamState) -> list[list[tuple]]:
+    """A state's rows as host-loop prefixes (live slots only, in rank order)."""
+    rows, Lw = state.rows(), state.longest
+    tokens, frames = rows.tokens[:, :, :Lw].tolist(), rows.frames[:, :, :Lw].tolist()
+    lengths, keys, parent_keys = rows.lengths.tolist(), rows.keys.tolist(), rows.parent_keys.tolist()
+    log_pb, log_pnb = rows.log_pb.tolist(), rows.log_pnb.tolist()
+    beams = []
+    for b in range(state.batch):
+        beam = []
+        for w in range(len(lengths[b])):
+            pb, pnb = log_pb[b][w], log_pnb[b][w]
+            if _logaddexp(pb, pnb) > NEG_INF:
+                n = lengths[b][w]
+                beam.append((tuple(tokens[b][w][:n]), tuple(frames[b][w][:n]), pb, pnb, keys[b][w], parent_keys[b][w]))
+        beams.append(beam)
+    return beams
+
+
+def _write_beams(state: CtcBeamState, beams: list[list[tuple]], window: int) -> None:
+    """Store host-loop beams in the state's layout (dead slots: the empty record); sets ``longest``."""
+    W = state.config.beam_size
+    pad = (), (), NEG_INF, NEG_INF, 0, -1
+    tokens, frames, scalars = [], [], []
+    for beam in beams:
+        beam = beam + [pad] * (W - len(beam))
+        tokens.append([list(p[0]) + [-1] * (window - len(p[0])) for p in beam])
+        frames.append([list(p[1]) + [-1] * (window - len(p[1])) for p in beam])
+        scalars.append([(len(p[0]), p[4], p[5], p[0][-1] if p[0] else -1) for p in beam])
+    rows = state.rows()
+    rows.tokens[:, :, :window].copy_(torch.tensor(tokens, dtype=torch.int32).view(state.batch, W, window))
+    rows.frames[:, :, :window].copy_(torch.tensor(frames, dtype=torch.int32).view(state.batch, W, window))
+    ints = torch.tensor(scalars, dtype=torch.int64)  # (B, W, 4): length, key, parent key, last
+    rows.lengths.copy_(ints[..., 0])
+    rows.keys.copy_(ints[..., 1])
+    rows.parent_keys.copy_(ints[..., 2])
+    rows.last.copy_(ints[..., 3])
+    rows.log_pb.copy_(torch.tensor([[p[2] for p in beam] + [NEG_INF] * (W - len(beam)) for beam in beams],
+                                   dtype=torch.float64))
+    rows.log_pnb.copy_(torch.tensor([[p[3] for p in beam] + [NEG_INF] * (W - len(beam)) for beam in beams],
+                                    dtype=torch.float64))
+    state.longest = max((len(p[0]) for beam in beams for p in beam), default=0)

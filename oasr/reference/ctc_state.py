@@ -176,8 +176,10 @@ class CtcStateCacheManager:
     def decode_cohort(self, stream_ids: list, log_probs_list: list) -> None:
         """Decode one chunk for each of several streams in one decoder call (``decode_chunks``).
 
-        All ids are checked first (``KeyError``); the decoder then validates the
-        chunks and commits all streams or none.
+        The chunks may differ in length (a stream's last chunk is often short):
+        each stream advances by its own chunk's frames. All ids are checked
+        first (``KeyError``); the decoder then validates the chunks and commits
+        all streams or none.
         """
         for stream_id in stream_ids:
             if stream_id not in self._active:
