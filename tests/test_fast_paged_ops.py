@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oasr.fast import backend as fast_backend
+from oasr.fast import cpu_rows
 from oasr.fast import paged_ops as fast
 from oasr.fast.kernels.testing import bits, low_precision_bound, make_scenario, written_slots
 from oasr.reference import paged_ops as ref
@@ -40,6 +41,17 @@ geometries = st.fixed_dictionaries(
     )
 )
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module", params=["rows", "tiles", "by_size"], autouse=True)
+def cpu_path(request):
+    """Every test here runs on each CPU path of the torch backend: the row loop, the vectorised
+    row tiles, and the dispatch by size (oasr.fast.cpu_rows.use_row_loop) that picks one."""
+    if request.param == "by_size":
+        yield request.param
+        return
+    with mock.patch.object(cpu_rows, "use_row_loop", lambda cache, rows, T: request.param == "rows"):
+        yield request.param
 
 
 @SETTINGS

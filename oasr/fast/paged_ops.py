@@ -43,6 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from oasr.fast import cpu_rows
 from oasr.fast.backend import choose_backend, resolve_backend
 from oasr.fast.kernels import ops, registry
 from oasr.fp8 import saturation_bound
@@ -79,6 +80,17 @@ def _host_lens(cache: PagedKVCache, chunk_lens, num_frames: int, op: str, what: 
     lens = check_chunk_lens(chunk_lens, cache.batch_size, num_frames, "cpu")
     check_lens_values(op, cache, lens, num_frames, what)
     return lens
+
+
+def _host_lens_list(cache: PagedKVCache, chunk_lens, num_frames: int, op: str, what: str = "frames") -> list[int]:
+    """``_host_lens`` as a Python list; ``None`` (every row has ``T`` frames) costs no tensor op
+    unless a row was prepared for fewer frames (then the shared check raises its error)."""
+    if chunk_lens is None:
+        batch, prepared = cache.batch_size, cache.prepared_frames
+        if prepared is not None and (len(prepared) != batch or any(p < num_frames for p in prepared)):
+            check_lens_values(op, cache, torch.full((batch,), num_frames), num_frames, what)
+        return [num_frames] * batch
+    return _host_lens(cache, chunk_lens, num_frames, op, what).tolist()
 
 
 def _kernel_lens(cache: PagedKVCache, chunk_lens, num_frames: int, device: torch.device, op: str, what: str):
@@ -163,9 +175,12 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
     """
     check_kv_chunk(cache, k, v)
     name = resolve_backend(k.device, backend)
-    T = k.shape[1]
+    B, T = k.shape[:2]
     if name == "torch":
-        _append_kv_torch(cache, k, v, _host_lens(cache, chunk_lens, T, "append_kv"))
+        if cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
+            cpu_rows.append_kv_rows(cache, k, v, _host_lens_list(cache, chunk_lens, T, "append_kv"))
+        else:
+            _append_kv_torch(cache, k, v, _host_lens(cache, chunk_lens, T, "append_kv"))
     else:
         if cache.quantized:
             check_fp8_supported(cache.head_dim, k.device, backend=name)
@@ -217,6 +232,9 @@ def paged_attention(
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     what = "query frames (q's dim 2)"
     if name == "torch":
+        if cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
+            lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
+            return cpu_rows.attend_rows(q, cache, lens, scale, causal)
         lens = _host_lens(cache, chunk_lens, T, "paged_attention", what)
         return _paged_attention_torch(q, cache, lens, scale, causal)
     if cache.quantized:

@@ -1,0 +1,140 @@
+"""The fast twin's CPU row loop for ``append_kv`` / ``paged_attention``: one small pass per row.
+
+It must agree with ``oasr.reference.paged_ops`` (same semantics, checked by the
+same tests as the vectorised path in ``oasr.fast.paged_ops``). On a CPU the
+vectorised path pays ~50 torch ops per call whatever the cohort, plus a padded
+key axis and a gather into memory that is new on every call; the row loop pays
+a few ops per row over exactly that row's keys, read in place. So
+``paged_ops`` dispatches by size (``use_row_loop``): few rows, or long spans,
+take the row loop; many short rows take the vectorised tiles.
+
+What makes it cheaper than the reference's own per-row loop:
+
+* the physical slot of every table position of every row comes from one
+  broadcast (``block_table * block_size + offset``), computed once per call,
+  instead of an ``arange``, a division and a gather per row;
+* a row's K and V are read with ``index_select`` straight into a per-thread
+  workspace (``_Workspace``) that is allocated once and reused, so a steady
+  tick touches the same, already mapped memory;
+* GQA needs no ``repeat_interleave``: the ``G`` query heads of a KV head are
+  stacked along the query axis, ``(Hkv, G * T, D)``, and attend together;
+* no transposing copies: the ``bmm`` calls read K and V as ``(Hkv, span, D)``
+  views of the gathered rows (row stride ``Hkv * D``), queries where they are.
+
+Only pages in the model dtype; fp8 pages take the vectorised path.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from oasr.paged import PagedKVCache
+
+# Dispatch rule (measured with ``python -m oasr bench`` on a 2-core CPU, fp32, 12 layers, head_dim 64):
+# the row loop wins for up to ROW_LOOP_MAX_ROWS rows at any history, and for any number of rows
+# once the mean key span reaches ROW_LOOP_MIN_SPAN (a row's own keys stay in cache; the tiles'
+# padded gathers do not).
+ROW_LOOP_MAX_ROWS = 16
+ROW_LOOP_MIN_SPAN = 128
+
+
+def use_row_loop(cache: PagedKVCache, rows: int, num_frames: int) -> bool:
+    """Whether a call over ``rows`` rows takes the row loop (host-known sizes only; no read)."""
+    if cache.quantized or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
+        return False
+    mean_span = cache.max_span + num_frames  # the view's host maximum: an upper bound per row
+    return rows <= ROW_LOOP_MAX_ROWS or mean_span >= ROW_LOOP_MIN_SPAN
+
+
+class _Workspace(threading.local):
+    """Per-thread scratch for one row's K and V, grown to the largest row seen and then reused."""
+
+    def __init__(self):
+        self.buffers: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        key = (dtype, name)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1 << 16), dtype=dtype)
+            self.buffers[key] = buf
+        return buf[:numel]
+
+
+_workspace = _Workspace()
+
+
+def workspace_storages() -> set[int]:
+    """Storage addresses of this thread's workspace buffers (for tests)."""
+    return {t.untyped_storage().data_ptr() for t in _workspace.buffers.values()}
+
+
+_OFFSETS: dict[int, torch.Tensor] = {}  # block size -> arange(block_size), int64 (made once, read only)
+
+
+def _slots(cache: PagedKVCache, end: int) -> torch.Tensor:
+    """(B, ceil(end / block_size) * block_size) int64: the physical slot of every table position
+    below ``end`` (rounded up to whole blocks) of every row, in one broadcast."""
+    bs = cache.block_size
+    offsets = _OFFSETS.get(bs)
+    if offsets is None:
+        offsets = _OFFSETS[bs] = torch.arange(bs, dtype=torch.int64)
+    columns = min(cache.block_table.shape[1], -(-end // bs))
+    table = cache.block_table[:, :columns, None]
+    return torch.add(offsets, table, alpha=bs).view(table.shape[0], -1)  # int32 table promotes to int64
+
+
+def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> None:
+    """Write row ``b``'s first ``lens[b]`` frames at table positions ``cache_seqlens[b] + t``."""
+    B, T = k.shape[:2]
+    seqlens = cache.cache_seqlens.tolist()
+    slots = _slots(cache, max(s + n for s, n in zip(seqlens, lens, strict=True)))
+    k_flat = cache.k_cache.view(-1, *cache.k_cache.shape[2:])
+    v_flat = cache.v_cache.view(-1, *cache.v_cache.shape[2:])
+    if all(n == T for n in lens):
+        dest = slots[0, seqlens[0] : seqlens[0] + T]
+        if B > 1:
+            dest = torch.cat([slots[b, seqlens[b] : seqlens[b] + T] for b in range(B)])
+        k_flat.index_copy_(0, dest, k.reshape(B * T, *k.shape[2:]).to(k_flat.dtype))
+        v_flat.index_copy_(0, dest, v.reshape(B * T, *v.shape[2:]).to(v_flat.dtype))
+        return
+    for b in range(B):
+        n = lens[b]
+        if n:
+            dest = slots[b, seqlens[b] : seqlens[b] + n]
+            k_flat.index_copy_(0, dest, k[b, :n].to(k_flat.dtype))
+            v_flat.index_copy_(0, dest, v[b, :n].to(v_flat.dtype))
+
+
+def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: float, causal: bool) -> torch.Tensor:
+    """Row ``b``'s first ``lens[b]`` queries attend to table positions ``[seqstart, seqlen + lens[b])``."""
+    B, H, T, D = q.shape
+    Hkv = cache.n_kv_head
+    G = H // Hkv
+    seqlens, starts = cache.cache_seqlens.tolist(), cache.cache_seqstarts.tolist()
+    slots = _slots(cache, max(s + n for s, n in zip(seqlens, lens, strict=True)))
+    k_flat, v_flat = cache.k_cache.view(-1, Hkv, D), cache.v_cache.view(-1, Hkv, D)
+    full = all(n == T and seqlens[b] + n > starts[b] for b, n in enumerate(lens))
+    out = torch.empty_like(q) if full else torch.zeros_like(q)  # rows with nothing to attend to: zeros
+    for b in range(B):
+        n = lens[b]
+        start, end = starts[b], seqlens[b] + n
+        if n == 0 or end <= start:
+            continue
+        span = end - start
+        rows = slots[b, start:end]
+        k = _workspace.take(span * Hkv * D, k_flat.dtype, "k").view(span, Hkv, D)
+        v = _workspace.take(span * Hkv * D, v_flat.dtype, "v").view(span, Hkv, D)
+        torch.index_select(k_flat, 0, rows, out=k)
+        torch.index_select(v_flat, 0, rows, out=v)
+        # (Hkv, span, D) views with row stride Hkv * D: BLAS reads them in place, no transposing copy
+        k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # float(): copies fp16/bf16 only
+        qb = q[b, :, :n].float().reshape(Hkv, G * n, D)  # query head h = kv_head * G + g, rows (g, t)
+        scores = torch.bmm(qb, k.transpose(1, 2)).mul_(scale)  # (Hkv, G * n, span)
+        if causal:  # query t (position seqlen + t) sees keys up to its own position
+            hidden = torch.arange(start, end)[None, :] > (seqlens[b] + torch.arange(n))[:, None]  # (n, span)
+            scores.view(Hkv, G, n, span).masked_fill_(hidden, float("-inf"))
+        out[b, :, :n] = torch.bmm(scores.softmax(-1), v).view(H, n, D)
+    return out
