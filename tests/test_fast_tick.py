@@ -289,3 +289,61 @@ def test_cuda_tick_never_synchronises(geometry):
     assert torch.equal(views[0].block_table.cpu(), ref_views[0].block_table.cpu())
     assert torch.equal(views[0].cache_seqlens.cpu(), ref_views[0].cache_seqlens.cpu())
     assert torch.equal(views[0].cache_seqstarts.cpu(), ref_views[0].cache_seqstarts.cpu())
+
+
+# ---- the attention of a tick: persistent workspaces ---------------------------------------------
+class FreshStorage(TorchDispatchMode):
+    """Every op output in storage none of its inputs had: (op name, bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fresh = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            if t.untyped_storage().data_ptr() not in inputs:
+                self.fresh.append((str(func), t.untyped_storage().nbytes()))
+        return out
+
+
+@pytest.mark.parametrize("path", ["rows", "tiles"])
+def test_attention_tick_gathers_into_a_persistent_workspace(path, monkeypatch):
+    """A steady tick's append + attention over every layer (fp32, torch backend) gathers K and V
+    into the same per-thread workspace every tick. On the row loop nothing else is large: the only
+    new storage of 16 KiB or more is each layer's output. (The vectorised tiles still make their
+    scores and probabilities afresh; only their gathers are in the workspace.)"""
+    from oasr.fast import cpu_rows
+    from oasr.fast import paged_ops as ops
+
+    monkeypatch.setattr(cpu_rows, "use_row_loop", lambda cache, rows, T: path == "rows")
+    cfg, att, ids = build("aligned", streams=8, head_dim=64, n_kv_head=2, max_blocks_per_seq=16)
+    g = torch.Generator().manual_seed(0)
+    B, T = len(ids), cfg.chunk_size
+    q = torch.randn(B, 4, T, cfg.head_dim, generator=g)
+    k = torch.randn(B, T, cfg.n_kv_head, cfg.head_dim, generator=g)
+
+    def model_tick():
+        att.prepare_chunks_batched(ids)
+        outs = []
+        for view in att.get_paged_caches(ids):
+            ops.append_kv(view, k, k, backend="torch")
+            outs.append(ops.paged_attention(q, view, backend="torch"))
+        att.commit_chunks_batched(ids, T)
+        return outs
+
+    for _ in range(4):  # warm up: past the window, the workspace grown to the steady size
+        model_tick()
+    workspace = cpu_rows.workspace_storages()
+    with FreshStorage() as rec:
+        for _ in range(3):
+            outs = model_tick()
+    assert cpu_rows.workspace_storages() == workspace and workspace
+    gathers = [name for name, _ in rec.fresh if "index_select" in name or "embedding" in name]
+    assert gathers == []
+    if path == "rows":
+        large = [(name, n) for name, n in rec.fresh if n >= 16 << 10]
+        out_bytes = outs[0].untyped_storage().nbytes()
+        assert out_bytes >= 16 << 10 and large == [("aten.empty_like.default", out_bytes)] * (3 * cfg.num_layers)

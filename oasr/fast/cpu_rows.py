@@ -66,6 +66,18 @@ class _Workspace(threading.local):
 _workspace = _Workspace()
 
 
+def gather_vectors(k_cache: torch.Tensor, v_cache: torch.Tensor, vector: torch.Tensor, shape: tuple):
+    """K and V vectors ``vector`` (rows of ``cache.reshape(-1, head_dim)``) gathered into workspace
+    buffers of ``shape``; valid until this thread's next gather. Used by the vectorised tiles."""
+    numel = vector.numel() * k_cache.shape[-1]
+    k = _workspace.take(numel, k_cache.dtype, "tile_k").view(shape)
+    v = _workspace.take(numel, v_cache.dtype, "tile_v").view(shape)
+    D = k_cache.shape[-1]
+    torch.index_select(k_cache.reshape(-1, D), 0, vector, out=k.view(-1, D))
+    torch.index_select(v_cache.reshape(-1, D), 0, vector, out=v.view(-1, D))
+    return k, v
+
+
 def workspace_storages() -> set[int]:
     """Storage addresses of this thread's workspace buffers (for tests)."""
     return {t.untyped_storage().data_ptr() for t in _workspace.buffers.values()}

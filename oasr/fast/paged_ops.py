@@ -290,12 +290,15 @@ def _attend_rows(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causa
     # layout the matmuls read: no advanced-indexing gather, no transposing copy. (F.embedding is
     # that lookup; on the CPU it measured ~3x faster than index_select into a fresh tensor.)
     vector = ((blocks * cache.block_size + offsets)[:, None, :] * Hkv + torch.arange(Hkv)[None, :, None]).view(-1)
-    k = F.embedding(vector, cache.k_cache.reshape(-1, D)).view(B, Hkv, L, D)
-    v = F.embedding(vector, cache.v_cache.reshape(-1, D)).view(B, Hkv, L, D)
+    if cache.quantized or cache.k_cache.dtype != torch.float32:
+        k = F.embedding(vector, cache.k_cache.reshape(-1, D)).view(B, Hkv, L, D)
+        v = F.embedding(vector, cache.v_cache.reshape(-1, D)).view(B, Hkv, L, D)
+    else:  # fp32 pages: gather into the per-thread workspace (same memory every call, see cpu_rows)
+        k, v = cpu_rows.gather_vectors(cache.k_cache, cache.v_cache, vector, (B, Hkv, L, D))
     if cache.quantized:  # dequantize exactly as the reference: stored.float() * scale, in fp32
         k = dequantize_fp8(k, cache.k_scale.reshape(-1).index_select(0, vector).view(B, Hkv, L))
         v = dequantize_fp8(v, cache.v_scale.reshape(-1).index_select(0, vector).view(B, Hkv, L))
-    k, v = k.float(), v.float()  # fresh tensors from the gather (float() copies only other dtypes)
+    k, v = k.float(), v.float()  # ours to change (workspace or a fresh gather; float() copies other dtypes)
     if not bool(key_ok.all()):  # a host read, fine on this CPU-only path: zero the padding in place
         pad = ~key_ok[:, None, :, None]
         k.masked_fill_(pad, 0.0)
