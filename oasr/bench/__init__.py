@@ -5,14 +5,56 @@ A row is a dict with ``section``, ``case``, ``reference_ms`` and ``fast_ms``
 harness adds ``ratio = reference_ms / fast_ms`` (how many times faster the fast
 twin is). Everything is measured in one run, on one machine, so ratios are
 meaningful even where absolute times are not. No test asserts a time.
+
+Clock: on the CPU a time is the process's CPU time (``time.process_time``),
+not wall time. The bench runs one torch thread (``--threads 1``), so on an
+idle machine the two are the same; on a machine shared with other jobs the
+wall clock also counts the time this process waited for a core, which made
+the same row vary by 2-5x between runs here, while CPU time varies by far
+less. Page faults and allocator work are CPU time, so they still count. A
+CUDA device is timed with the wall clock around a synchronize.
+
+Allocator: ``fix_malloc_thresholds`` (called by ``python -m oasr bench``)
+pins glibc's mmap and trim thresholds. Left dynamic, glibc serves a large
+temporary with a fresh ``mmap`` (page-faulted on every touch, unmapped on
+free) until some earlier free has raised the threshold, so a section's times
+depended on what ran before it (the same 8-stream attention tick measured
+42 ms when it ran first and 17 ms when it ran second).
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 
 import torch
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MALLOC_THRESHOLD_BYTES = 1 << 30
+
+
+def fix_malloc_thresholds(threshold: int = MALLOC_THRESHOLD_BYTES) -> str:
+    """Pin glibc's mmap and trim thresholds (see the module docstring); returns what was done.
+
+    Allocations below ``threshold`` then come from the heap, which is neither
+    unmapped nor trimmed on free, so a steady loop reuses memory that is
+    already mapped, whatever ran before. Not glibc: says so and changes nothing.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold) == 1
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        return "malloc thresholds: left as they are (no glibc mallopt)"
+    return f"malloc thresholds: mmap and trim fixed at {threshold >> 20} MiB / {threshold >> 19} MiB (glibc mallopt)"
+
+
+def clock(device="cpu"):
+    """The timer for ``device``: process CPU time on the CPU, the wall clock for CUDA (see above)."""
+    return time.perf_counter if torch.device(device).type == "cuda" else time.process_time
 
 
 def sync(device) -> None:
@@ -21,17 +63,36 @@ def sync(device) -> None:
 
 
 def median_ms(fn, repeats: int = 5, warmup: int = 1, device="cpu") -> float:
-    """Median wall time of ``fn()`` in milliseconds (device-synchronised around each call)."""
+    """Median time of ``fn()`` in milliseconds on ``clock(device)`` (device-synchronised around each call)."""
+    now = clock(device)
     for _ in range(warmup):
         fn()
     sync(device)
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         fn()
         sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((now() - start) * 1e3)
     return statistics.median(times)
+
+
+def paired_ms(reference_fn, fast_fn, repeats: int = 5, warmup: int = 1, device="cpu") -> tuple[float, float]:
+    """Medians of ``reference_fn()`` and ``fast_fn()`` timed alternately, so that a change in the
+    machine's load during the measurement touches both columns alike."""
+    now = clock(device)
+    for _ in range(warmup):
+        reference_fn()
+        fast_fn()
+    sync(device)
+    times: tuple[list, list] = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((reference_fn, times[0]), (fast_fn, times[1])):
+            start = now()
+            fn()
+            sync(device)
+            out.append((now() - start) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def with_ratio(rows: list[dict]) -> list[dict]:

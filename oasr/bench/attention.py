@@ -12,10 +12,16 @@ import math
 
 import torch
 
-from oasr.bench import median_ms
+from oasr.bench import median_ms, paired_ms
+from oasr.fast import cpu_rows
 from oasr.paged import PagedKVCache
 
 LAYERS, N_KV, N_HEAD, HEAD_DIM, CHUNK, BLOCK = 12, 4, 4, 64, 16, 16
+NOTES = (
+    "on the CPU the fast twin picks its path by size (oasr.fast.cpu_rows.use_row_loop; column fast_path): "
+    f"the row loop for <= {cpu_rows.ROW_LOOP_MAX_ROWS} rows or spans >= {cpu_rows.ROW_LOOP_MIN_SPAN} keys, "
+    "the vectorised row tiles otherwise; reference and fast are timed alternately"
+)
 
 
 def _cohort(streams: int, history: int, device, dtype, seed=0):
@@ -63,7 +69,7 @@ def section(quick: bool, device="cpu") -> list[dict]:
 
     device = torch.device(device)
     dtype = torch.float32 if device.type == "cpu" else torch.float16
-    grid = [(1, 0), (8, 256), (32, 1024)] if quick else [
+    grid = [(1, 0), (8, 256), (32, 1024), (128, 0)] if quick else [
         (s, h) for s in (1, 8, 32, 128) for h in (0, 256, 1024)
     ]
     peak = copy_bandwidth_gbs(device) if device.type == "cuda" else None
@@ -71,10 +77,13 @@ def section(quick: bool, device="cpu") -> list[dict]:
     for streams, history in grid:
         caches, q, k = _cohort(streams, history, device, dtype)
         row = {"section": "attention", "case": f"streams={streams} history={history}"}
-        reps = 1 if (streams * (history + CHUNK) > 8 * 1040) else 3
+        reps = 3 if (streams * (history + CHUNK) > 8 * 1040) else 5
         args = (caches, q, k)
-        row["reference_ms"] = median_ms(lambda a=args: _tick(reference, *a), repeats=reps, device=device)
-        row["fast_ms"] = median_ms(lambda a=args: _tick(fast, *a), repeats=max(reps, 3), device=device)
+        row["reference_ms"], row["fast_ms"] = paired_ms(
+            lambda a=args: _tick(reference, *a), lambda a=args: _tick(fast, *a), repeats=reps, device=device
+        )
+        if device.type == "cpu":
+            row["fast_path"] = "rows" if cpu_rows.use_row_loop(caches[0], streams, CHUNK) else "tiles"
         moved = bytes_moved(streams, history, torch.empty((), dtype=dtype).element_size())
         row["MB_moved"] = moved / 1e6
         if peak:

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from oasr.bench import median_ms
+from oasr.bench import paired_ms
 from oasr.config import CacheConfig
 
 STREAMS = (1, 8, 32, 128, 512)
@@ -47,14 +47,19 @@ def _tick(att, ids) -> None:
 def section_bookkeeping(quick: bool) -> list[dict]:
     from oasr import fast, reference
 
-    repeats = 3 if quick else 15
+    repeats = 5 if quick else 15
     rows = []
     for streams in STREAMS:
         row = {"section": "bookkeeping", "case": f"streams={streams}"}
-        for name, twin in (("reference", reference), ("fast", fast)):
-            att, ids = _manager(twin, streams)
-            # 6 warm-up ticks fill the 4-chunk window; every measured tick then evicts.
-            row[f"{name}_ms"] = median_ms(lambda a=att, i=ids: _tick(a, i), repeats=repeats, warmup=6)
-            assert all(att.describe(s).cache_seqlen == 64 for s in ids[:1])  # steady state reached
+        (ref, ref_ids), (fast_att, fast_ids) = _manager(reference, streams), _manager(fast, streams)
+        # 6 warm-up ticks fill the 4-chunk window; every measured tick then evicts.
+        for _ in range(5):
+            _tick(ref, ref_ids)
+            _tick(fast_att, fast_ids)
+        row["reference_ms"], row["fast_ms"] = paired_ms(
+            lambda: _tick(ref, ref_ids), lambda: _tick(fast_att, fast_ids), repeats=repeats
+        )
+        for att, ids in ((ref, ref_ids), (fast_att, fast_ids)):
+            assert att.describe(ids[0]).cache_seqlen == 64  # steady state reached
         rows.append(row)
     return rows

@@ -10,7 +10,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from oasr.bench import format_table, with_ratio
+from oasr.bench import fix_malloc_thresholds, format_table, with_ratio
 from oasr.commands import CommandParser, check_at_least, check_device, check_output_path
 
 # name -> (module, function, takes a device argument)
@@ -41,7 +41,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(prog="python -m oasr bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a reduced grid that finishes in seconds")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated sections to run")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="comma-separated sections, run in this order (reverse it to check order independence)")
     parser.add_argument("--device", default="cpu", help="device for the sections that take one: cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: small ops on a shared 2-core machine are noisy with more)")
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     names = _check_args(parser, args)
 
     torch.set_num_threads(args.threads)
+    print(f"bench: {args.threads} torch thread(s); CPU rows timed in process CPU time; {fix_malloc_thresholds()}")
     all_rows = []
     for name in tqdm(names, desc="bench", unit="section", file=sys.stderr):
         module_name, function, takes_device = SECTIONS[name]
@@ -59,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = section(args.quick, args.device) if takes_device else section(args.quick)
         rows = with_ratio(rows)
         all_rows += rows
-        tqdm.write(f"\n== {name} ==  (ratio = reference_ms / fast_ms)\n{format_table(rows)}", file=sys.stdout)
+        notes = getattr(importlib.import_module(module_name), "NOTES", "")
+        tqdm.write(f"\n== {name} ==  (ratio = reference_ms / fast_ms)\n{format_table(rows)}"
+                   + (f"\nnotes: {notes}" if notes else ""), file=sys.stdout)
     if args.json:
         text = json.dumps(all_rows, indent=2)
         if args.json == "-":
