@@ -57,7 +57,7 @@ def section_bookkeeping(quick: bool) -> list[dict]:
             _tick(ref, ref_ids)
             _tick(fast_att, fast_ids)
         row["reference_ms"], row["fast_ms"] = paired_ms(
-            lambda: _tick(ref, ref_ids), lambda: _tick(fast_att, fast_ids), repeats=repeats
+            lambda a=ref, i=ref_ids: _tick(a, i), lambda a=fast_att, i=fast_ids: _tick(a, i), repeats=repeats
         )
         for att, ids in ((ref, ref_ids), (fast_att, fast_ids)):
             assert att.describe(ids[0]).cache_seqlen == 64  # steady state reached
