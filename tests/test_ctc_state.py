@@ -203,6 +203,22 @@ def test_decode_cohort(twin):
         assert mgr.get_decoder(sid).finalize_stream() == fresh_result(Decoder, lp)
 
 
+def test_decode_cohort_mixed_chunk_lengths(twin):
+    """One call per round over streams whose chunks differ in length (0 included) == each stream alone."""
+    Decoder, Manager = twin
+    mgr = Manager(Decoder(CONFIG))
+    plans = {0: [5, 0, 3], 1: [1, 4, 4], 2: [0, 2, 7], 3: [3, 3, 3]}
+    lps = {sid: log_probs(1 + sid % 2, sum(plan), seed=sid) for sid, plan in plans.items()}
+    for sid, lp in lps.items():
+        mgr.allocate_stream(sid, lp.shape[0], VOCAB)
+    start = dict.fromkeys(plans, 0)
+    for r in range(3):
+        mgr.decode_cohort(list(plans), [lps[sid][:, start[sid] : start[sid] + plans[sid][r]] for sid in plans])
+        start = {sid: start[sid] + plans[sid][r] for sid in plans}
+    for sid, lp in lps.items():
+        assert mgr.get_decoder(sid).finalize_stream() == fresh_result(Decoder, lp)
+
+
 # ---- both twins in lockstep ---------------------------------------------------------------------
 
 

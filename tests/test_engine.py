@@ -309,3 +309,29 @@ def test_stream_ids_lists_every_known_stream_in_order(twin):
     ids = engine.stream_ids
     ids.append("mine")
     assert engine.stream_ids == ["b", "a"]  # a copy
+
+
+def test_one_decoder_call_per_tick_with_mixed_chunk_lengths(twin):
+    """Streams whose last chunks are short share a tick with full chunks: the engine still makes
+    one decode_cohort call per tick (the decoder masks each row past its own length), and every
+    stream's tokens equal the offline decode."""
+    model = make_model()
+    engine = make_engine(model, twin)
+    calls, mixed = [], []
+    decode_cohort = engine.ctc.decode_cohort
+
+    def spy(stream_ids, chunks):
+        calls.append(engine.tick)
+        if len({c.shape[1] for c in chunks}) > 1:
+            mixed.append(engine.tick)
+        return decode_cohort(stream_ids, chunks)
+
+    engine.ctc.decode_cohort = spy
+    feats = {"a": features(16 * 3 + 5, 1), "b": features(16 * 4, 2), "c": features(16 * 2 + 9, 3)}
+    for sid, f in feats.items():
+        engine.add_stream(sid)
+        engine.push(sid, f)
+        engine.end_stream(sid)
+    engine.run()
+    assert mixed and len(calls) == len(set(calls))  # mixed lengths happened, never two calls in a tick
+    check_against_offline(model, engine, feats)
