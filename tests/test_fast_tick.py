@@ -344,6 +344,6 @@ def test_attention_tick_gathers_into_a_persistent_workspace(path, monkeypatch):
     gathers = [name for name, _ in rec.fresh if "index_select" in name or "embedding" in name]
     assert gathers == []
     if path == "rows":
-        large = [(name, n) for name, n in rec.fresh if n >= 16 << 10]
+        large = [n for _, n in rec.fresh if n >= 16 << 10]
         out_bytes = outs[0].untyped_storage().nbytes()
-        assert out_bytes >= 16 << 10 and large == [("aten.empty_like.default", out_bytes)] * (3 * cfg.num_layers)
+        assert out_bytes >= 16 << 10 and large == [out_bytes] * (3 * cfg.num_layers)  # the outputs, nothing else

@@ -105,19 +105,21 @@ def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: 
     slots = _slots(cache, max(s + n for s, n in zip(seqlens, lens, strict=True)))
     k_flat = cache.k_cache.view(-1, *cache.k_cache.shape[2:])
     v_flat = cache.v_cache.view(-1, *cache.v_cache.shape[2:])
+    if k.dtype != k_flat.dtype:
+        k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
     if all(n == T for n in lens):
         dest = slots[0, seqlens[0] : seqlens[0] + T]
         if B > 1:
             dest = torch.cat([slots[b, seqlens[b] : seqlens[b] + T] for b in range(B)])
-        k_flat.index_copy_(0, dest, k.reshape(B * T, *k.shape[2:]).to(k_flat.dtype))
-        v_flat.index_copy_(0, dest, v.reshape(B * T, *v.shape[2:]).to(v_flat.dtype))
+        k_flat.index_copy_(0, dest, k.reshape(B * T, *k.shape[2:]))
+        v_flat.index_copy_(0, dest, v.reshape(B * T, *v.shape[2:]))
         return
     for b in range(B):
         n = lens[b]
         if n:
             dest = slots[b, seqlens[b] : seqlens[b] + n]
-            k_flat.index_copy_(0, dest, k[b, :n].to(k_flat.dtype))
-            v_flat.index_copy_(0, dest, v[b, :n].to(v_flat.dtype))
+            k_flat.index_copy_(0, dest, k[b, :n])
+            v_flat.index_copy_(0, dest, v[b, :n])
 
 
 def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: float, causal: bool) -> torch.Tensor:
@@ -129,7 +131,9 @@ def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: fl
     slots = _slots(cache, max(s + n for s, n in zip(seqlens, lens, strict=True)))
     k_flat, v_flat = cache.k_cache.view(-1, Hkv, D), cache.v_cache.view(-1, Hkv, D)
     full = all(n == T and seqlens[b] + n > starts[b] for b, n in enumerate(lens))
-    out = torch.empty_like(q) if full else torch.zeros_like(q)  # rows with nothing to attend to: zeros
+    # contiguous whatever q's strides; rows with nothing to attend to get zeros
+    out = (torch.empty if full else torch.zeros)(q.shape, dtype=q.dtype)
+    fp32 = q.dtype == torch.float32 and k_flat.dtype == torch.float32
     for b in range(B):
         n = lens[b]
         start, end = starts[b], seqlens[b] + n
@@ -142,11 +146,18 @@ def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: fl
         torch.index_select(k_flat, 0, rows, out=k)
         torch.index_select(v_flat, 0, rows, out=v)
         # (Hkv, span, D) views with row stride Hkv * D: BLAS reads them in place, no transposing copy
-        k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # float(): copies fp16/bf16 only
-        qb = q[b, :, :n].float().reshape(Hkv, G * n, D)  # query head h = kv_head * G + g, rows (g, t)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        qb = q[b] if n == T else q[b, :, :n]
+        if not fp32:  # compute in fp32 (float() copies fp16/bf16)
+            k, v, qb = k.float(), v.float(), qb.float()
+        qb = qb.reshape(Hkv, G * n, D)  # query head h = kv_head * G + g, rows (g, t)
         scores = torch.bmm(qb, k.transpose(1, 2)).mul_(scale)  # (Hkv, G * n, span)
         if causal:  # query t (position seqlen + t) sees keys up to its own position
             hidden = torch.arange(start, end)[None, :] > (seqlens[b] + torch.arange(n))[:, None]  # (n, span)
             scores.view(Hkv, G, n, span).masked_fill_(hidden, float("-inf"))
-        out[b, :, :n] = torch.bmm(scores.softmax(-1), v).view(H, n, D)
+        probs = scores.softmax(-1)
+        if fp32 and n == T:
+            torch.bmm(probs, v, out=out[b].view(Hkv, G * T, D))  # straight into the output row
+        else:
+            out[b, :, :n] = torch.bmm(probs, v).view(H, n, D)
     return out
