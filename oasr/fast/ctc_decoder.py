@@ -3,8 +3,9 @@
 It must agree with ``oasr.reference.ctc_decoder`` (the oracle): same n-best
 token sequences and emission frames, scores within 1e-5, same errors. The
 search rule, tie-break order and emission-frame rule live in
-``oasr.ctc_config``; this file implements them without a Python loop over
-streams, rows or beams (the only loop is over the frames of a chunk).
+``oasr.ctc_config``; the batched search below implements them without a
+Python loop over streams, rows or beams (the only loop is over the frames of
+a chunk). Tiny CPU cohorts take a host loop instead (see "Two paths").
 
 State layout (``CtcBeamState``; ``R`` rows, ``W = beam_size``, ``L = max_prefix_len``)::
 
@@ -52,8 +53,8 @@ merge is never wrong. A merge could be *missed* only if a prefix of the same
 length ranked before the true parent collided in all 62 bits (about
 ``W^2 / 2^62`` per frame), which we accept.
 
-Host reads: one per ``decode_chunks`` call, whatever its number of frames. The
-frame loop is torch ops only: the beam cut is taken without asking the host
+Host reads (batched path): one per ``decode_chunks`` call, whatever its number
+of frames. The frame loop is torch ops only: the beam cut is taken without asking the host
 about ties (``_ranked_top``), and the input check (NaN / ``+inf``), the
 prefix-length check and each row's longest prefix (the next call's token
 window, kept on the host as ``CtcBeamState.longest``) come back together in
@@ -71,8 +72,11 @@ Two paths, chosen by size (``StreamingCtcDecoder(host_loop_max_work=...)``)::
                token tuple. On a CPU it beats ~80 torch ops per frame for tiny cohorts (1 stream
                at beam 4: several times faster), and loses to them for large ones.
 
-Both paths keep the same state layout and the same results; the choice is
-made per call from host-known sizes, and reported once (INFO, ``oasr.fast``).
+Both paths keep the same state layout (the host loop stores the same keys,
+padding and dead-slot records) and agree with the reference (the tests run
+every case on both); the host loop reads the CPU state directly, which is
+only memory, never a device synchronisation. The choice is made per call
+from host-known sizes, and reported once (INFO, ``oasr.fast``).
 """
 
 from __future__ import annotations
