@@ -672,3 +672,33 @@ def test_top_set_breaks_ties_by_lower_index():
     wide = torch.zeros(2, 3000, dtype=torch.float64)
     wide[0, 2999] = 1.0
     assert fast_mod._ranked_top(wide, 3).tolist() == [[2999, 0, 1], [0, 1, 2]]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_decoder_syncs_a_constant_number_of_times():
+    """On a GPU: the same n-best as the reference with mixed chunk lengths, and the number of
+    synchronising calls torch reports for one decode_chunks does not grow with the frames."""
+    import warnings
+
+    config = CtcDecoderConfig(beam_size=4, nbest=3, token_topk=3)
+    dec = fast_mod.StreamingCtcDecoder(config, device="cuda")
+    syncs = {}
+    for T in (2, 40):
+        lps = [random_log_probs(1, T - s, 7, seed=s) for s in range(3)]
+        states = [dec.create_state(1, 7) for _ in range(3)]
+        dec.decode_chunks(states, [x.cuda() for x in lps])
+        for state in states:
+            dec.reset_state(state, 1, 7)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                dec.decode_chunks(states, [x.cuda() for x in lps])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs[T] = len(caught)
+        for state, lp in zip(states, lps, strict=True):
+            assert_same_nbest(dec.finalize_stream(state), decode(TWINS["reference"], config, lp))
+    assert syncs[2] == syncs[40] >= 1
