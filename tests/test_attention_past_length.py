@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oasr.fast import cpu_rows
 from oasr.fast import paged_ops as fast
 from oasr.fast.kernels import emulation, ops, registry
 from oasr.fast.kernels.testing import make_scenario, to_fp8
@@ -66,7 +67,9 @@ IDS = ["float32", "bfloat16", "bfloat16-fp8pages"]
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype,fp8", CASES, ids=IDS)
-def test_torch_backend_past_length_rows_are_zero(dtype, fp8, causal):
+@pytest.mark.parametrize("cpu_path", ["rows", "tiles"])  # both CPU paths of the torch backend (fp8: tiles only)
+def test_torch_backend_past_length_rows_are_zero(dtype, fp8, causal, cpu_path, monkeypatch):
+    monkeypatch.setattr(cpu_rows, "use_row_loop", lambda cache, rows, T: cpu_path == "rows" and not cache.quantized)
     s = _poisoned_scenario(dtype, fp8)
     _check_past_length_rows(fast.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, backend="torch"), s)
 
