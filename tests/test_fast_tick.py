@@ -152,9 +152,10 @@ def test_detector_accepts_views_and_out():
 # ---- the steady tick ----------------------------------------------------------------------
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 @pytest.mark.parametrize("pad", [0, 2])
-def test_steady_tick_allocates_nothing(geometry, pad):
+@pytest.mark.parametrize("size", [1, 3])  # 1: the one-stream path of prepare / commit
+def test_steady_tick_allocates_nothing(geometry, pad, size):
     cfg, att, ids = build(geometry)
-    cohort = ids[:3]  # not the slot order of the whole pool: a real gather
+    cohort = ids[1 : 1 + size]  # not the slot order of the whole pool: a real gather
     pad_to = len(cohort) + pad if pad else None
     for _ in range(6):  # warm up: past the window, every width seen once
         tick(att, cohort, pad_to)
@@ -162,7 +163,7 @@ def test_steady_tick_allocates_nothing(geometry, pad):
         for _ in range(3):
             tick(att, cohort, pad_to)
     assert rec.allocations() == []
-    if cfg.eviction and geometry != "prefill":
+    if cfg.eviction and geometry != "prefill" and size > 1:
         assert "aten.gather.out" in rec.names()  # eviction did run, and moved rows on the device
 
 
@@ -187,6 +188,26 @@ def test_tick_reads_nothing_back(geometry):
     issued = [s.copies - c for s, c in zip(stagers(att), copies_before, strict=True)]
     # prepare stages once, get_paged_caches reuses prepare's slots, commit stages once
     assert issued == [1, 1, 0, 0, 0] and len(copies) == 2
+
+
+@pytest.mark.parametrize("geometry", ["aligned", "straddling", "unlimited"])
+def test_one_stream_tick_reads_nothing_back(geometry):
+    """The one-stream path: prepare stages once, commit sends the shifted row with the lengths in
+    one staged copy; nothing is read back and torch writes no host buffer."""
+    cfg, att, ids = build(geometry)
+    for _ in range(6):
+        tick(att, ids[2:3], pad_to=2)
+    host = {p for s in stagers(att) for p in s.storages()}
+    device = {s._device.untyped_storage().data_ptr() for s in stagers(att)}
+    copies_before = [s.copies for s in stagers(att)]
+    with forbid_host_conversions() as conversions, OpRecorder() as rec:
+        tick(att, ids[2:3], pad_to=2)
+    assert conversions == [] and "aten._local_scalar_dense.default" not in rec.names()
+    copies = [(ins, outs) for name, ins, outs in rec.ops if name.startswith("aten.copy_")]
+    assert all(ins & host and set(outs) <= device for ins, outs in copies)
+    assert not any(ptrs & host for _, ptrs in rec.written)
+    issued = [s.copies - c for s, c in zip(stagers(att), copies_before, strict=True)]
+    assert issued == [1, 0, 0, 1, 0] and len(copies) == 2  # prepare's stager, then the row stager
 
 
 def test_new_block_ids_go_through_one_staged_copy():

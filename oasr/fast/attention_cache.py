@@ -47,6 +47,15 @@ allocated once each cohort width has been seen once.
   table rows on the device. ``K = min(max_blocks_per_seq, blocks_per_stream)``
   bounds the columns a stream can ever hold, so the rest stay null untouched.
 
+One stream (dispatch by size): ``prepare_chunks_batched`` and
+``commit_chunks_batched`` of a single id run ``_prepare_one`` / ``_commit_one``,
+the same checks, frees and allocations in Python ints instead of ~25 numpy
+vector calls (which cost more than the work at one stream on a CPU). Prepare
+still stages once; commit sends the stream's shifted host row and lengths in
+one ``_row_stager`` copy and writes them with two ``index_copy_``. Tables,
+errors and block order are the batched path's (the two-twin state machine
+drives both).
+
 Graph-stable addresses
 ----------------------
 ``block_table``, ``cache_seqlens`` and ``cache_seqstarts`` keep their storage
@@ -326,6 +335,8 @@ class AttentionCacheManager:
             raise ValueError(f"prepare_chunks_batched: duplicate stream ids in {ids}")
         if isinstance(num_frames, (list, tuple)) and len(num_frames) != len(ids):
             raise ValueError(f"prepare_chunks_batched: {len(num_frames)} frame counts for {len(ids)} streams")
+        if len(ids) == 1:  # dispatch by size: one stream in scalar arithmetic (same checks, same copies)
+            return self._prepare_one(ids, self._raw_frames(num_frames, 0))
         slots = self.slots.slot_array(ids)
         frames, invalid = self._frame_values(num_frames, len(ids))
         held = self._num_blocks[slots]
@@ -355,6 +366,32 @@ class AttentionCacheManager:
             self._flat_table.index_copy_(0, flat_d, ids_d)
         self._prepared_cohort = (self.slots.epoch, ids, slot_d)
 
+    def _prepare_one(self, ids: list, num_frames) -> None:
+        """``prepare_chunks_batched`` of one stream: Python ints instead of numpy vectors.
+
+        At one stream the batched path's ~25 numpy calls cost more than the work; this does
+        the same checks in the same order, the same pool allocation, the same one staged copy
+        and the same device op, so the tables, the errors and the copies are identical.
+        """
+        slot = self.slots.slot_of(ids[0])
+        n = self._frames(num_frames)
+        held, seqlen = int(self._num_blocks[slot]), int(self._seqlen[slot])
+        need = max(0, -(-(seqlen + n) // self.config.block_size_frames) - held)
+        if held + need > self.config.blocks_per_stream:
+            raise StreamCapacityError(ids[0], held + need, self.config.blocks_per_stream)
+        new_ids = self.pool.allocate_array(need, self._owner)  # raises PoolExhaustedError before any change
+        slots = np.array([slot])
+        flat = np.empty(0, dtype=np.int64)
+        if need:
+            self._table[slot, held : held + need] = new_ids
+            self._num_blocks[slot] = held + need
+            flat = slot * self.config.max_blocks_per_seq + np.arange(held, held + need)
+        self._prepared[slot] = True
+        slot_d, flat_d, ids_d = self._prepare_stager.stage(slots, flat, new_ids)
+        if need:
+            self._flat_table.index_copy_(0, flat_d, ids_d)
+        self._prepared_cohort = (self.slots.epoch, ids, slot_d)
+
     def commit_chunk_paged(self, stream_id, num_frames: int) -> None:
         self.commit_chunks_batched([stream_id], [num_frames])
 
@@ -365,6 +402,8 @@ class AttentionCacheManager:
         if len(set(ids)) != len(ids) or count != len(ids):
             frames = list(num_frames) if isinstance(num_frames, (list, tuple)) else [num_frames] * len(ids)
             raise ValueError(f"commit_chunks_batched: need unique ids and one frame count each: {ids}, {frames}")
+        if len(ids) == 1:  # dispatch by size, as in prepare_chunks_batched
+            return self._commit_one(ids[0], self._raw_frames(num_frames, 0))
         slots = self.slots.slot_array(ids)
         frames, invalid = self._frame_values(num_frames, len(ids))
         if invalid is not None and invalid.any():
@@ -380,6 +419,48 @@ class AttentionCacheManager:
             )
         self._total[slots] += frames
         self._advance(slots, seqlen + frames)
+
+    def _commit_one(self, stream_id, num_frames) -> None:
+        """``commit_chunks_batched`` of one stream: scalar checks, then ``_advance`` (same errors)."""
+        slot = self.slots.slot_of(stream_id)
+        n = self._frames(num_frames)
+        seqlen = int(self._seqlen[slot])
+        room = int(self._num_blocks[slot]) * self.config.block_size_frames - seqlen
+        if n > room:
+            raise ValueError(
+                f"commit of {n} frames for stream {stream_id!r}: only {room} frames prepared (call prepare_chunk first)"
+            )
+        self._total[slot] += n
+        self._advance_one(slot, seqlen + n)
+
+    def _advance_one(self, slot: int, seqlen: int) -> None:
+        """``_advance`` of one stream in Python ints: the same frees in the same order. On the device
+        the row is not shifted in place: the shifted host row travels with the lengths in one
+        staged copy (``_row_stager``) and two ``index_copy_`` write it (fewer ops for one row)."""
+        cfg = self.config
+        bs = cfg.block_size_frames
+        drop = 0
+        if cfg.eviction:
+            visible = max(0, seqlen - cfg.history_frames)
+            drop = visible // bs
+            seqstart = visible - drop * bs
+            seqlen -= drop * bs
+        else:
+            seqstart = int(self._seqstart[slot])
+        row = self._table[slot]
+        if drop:
+            K = self._active_cols
+            blocks = row[:K].copy()  # the stream's blocks, oldest first, then null
+            self.pool.free_array(blocks[: min(drop, K)], owner=self._owner)
+            row[: max(K - drop, 0)] = blocks[drop:]
+            row[max(K - drop, 0) : K] = self.pool.null_block
+            self._num_blocks[slot] -= drop
+        self._seqlen[slot] = seqlen
+        self._seqstart[slot] = seqstart
+        slot_d, row_d, meta_d = self._row_stager.stage(np.array([slot]), row, np.array([seqlen, seqstart]))
+        if drop:
+            self.block_table.index_copy_(0, slot_d, row_d.view(1, -1))
+        self._seq_meta.index_copy_(1, slot_d, meta_d.view(2, 1))
 
     def get_paged_state_views(self, stream_id):
         """``(block_table (1, W), cache_seqlens (1,), cache_seqstarts (1,))``: row views of the persistent tensors."""
