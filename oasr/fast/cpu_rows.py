@@ -49,7 +49,12 @@ def use_row_loop(cache: PagedKVCache, rows: int, num_frames: int) -> bool:
 
 
 class _Workspace(threading.local):
-    """Per-thread scratch for one row's K and V, grown to the largest row seen and then reused."""
+    """Per-thread scratch buffers by (dtype, name), grown to the largest request and then reused.
+
+    The row loop asks for what its table can address (a fixed size per geometry), so its
+    buffers never move once the first call has run; the tiles' gathers ask for the tile's
+    size and may grow while the spans grow (they are not used under graph capture: CUDA runs
+    the kernels)."""
 
     def __init__(self):
         self.buffers: dict[tuple[torch.dtype, str], torch.Tensor] = {}
@@ -134,6 +139,12 @@ def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: fl
     # contiguous whatever q's strides; rows with nothing to attend to get zeros
     out = (torch.empty if full else torch.zeros)(q.shape, dtype=q.dtype)
     fp32 = q.dtype == torch.float32 and k_flat.dtype == torch.float32
+    # sized by what the table can address, not by this call's spans: the workspace is allocated
+    # once per geometry and a later call never swaps it for a bigger one (a captured graph, or
+    # a stand-in for one, keeps reading the same storage)
+    # (taken before the loop, so that even a call whose rows all skip touches the same buffers)
+    capacity = cache.block_table.shape[1] * cache.block_size * Hkv * D
+    k_work, v_work = _workspace.take(capacity, k_flat.dtype, "k"), _workspace.take(capacity, v_flat.dtype, "v")
     for b in range(B):
         n = lens[b]
         start, end = starts[b], seqlens[b] + n
@@ -141,8 +152,8 @@ def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: fl
             continue
         span = end - start
         rows = slots[b, start:end]
-        k = _workspace.take(span * Hkv * D, k_flat.dtype, "k").view(span, Hkv, D)
-        v = _workspace.take(span * Hkv * D, v_flat.dtype, "v").view(span, Hkv, D)
+        k = k_work[: span * Hkv * D].view(span, Hkv, D)
+        v = v_work[: span * Hkv * D].view(span, Hkv, D)
         torch.index_select(k_flat, 0, rows, out=k)
         torch.index_select(v_flat, 0, rows, out=v)
         # (Hkv, span, D) views with row stride Hkv * D: BLAS reads them in place, no transposing copy
