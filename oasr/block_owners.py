@@ -4,8 +4,8 @@ A manager registers once with ``BlockPool.new_owner(name)`` and gets a small
 int tag (1, 2, ... in registration order; ``NO_OWNER`` = 0 is "no owner");
 each twin keeps one tag per block (a list in the reference, a numpy array in
 the fast twin) and asks this registry for names and messages, so both fail
-with the same words. One owner per held block; reference counts (shared
-blocks, copy-on-write) are meant to extend this with a count of holders.
+with the same words. One owner per held block; a block shared by several
+rows of that owner carries a reference count in the pool (``share`` / ``free``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ Free list::
              _ring[_head], _ring[_head + 1], ..., _count entries (mod max_num_blocks)
     _is_free bool  (max_num_blocks,)
     _owner   int32 (max_num_blocks,)   the owner tag each held block was allocated under (0: none)
+    _refs    int32 (max_num_blocks,)   holders of each block (0: free); ``share`` raises, ``free`` lowers
 
 ``allocate`` pops from the head, ``free`` appends at the tail in the order
 given, exactly like the reference's deque, so both twins hand out the same ids.
@@ -17,7 +18,9 @@ numpy in, numpy out, a constant number of numpy operations whatever the count.
 The scratch blocks (ids ``[max_num_blocks, max_num_blocks + scratch_blocks)``)
 are never on the free list and ``free`` refuses them, as in the reference.
 Ownership (``new_owner``, ``owner=``) is the reference's, kept in the
-``_owner`` array: one vectorised comparison in ``free_array``.
+``_owner`` array: one vectorised comparison in ``free_array``. Reference counts are the
+reference's (``share``, ``ref_count``, ``free`` drops one reference per id and frees at 0, in
+the order counts reach 0); ``copy_blocks`` is one indexed copy per pool tensor.
 
 Validation is vectorised; when it finds a bad id, the reference's loop is
 replayed on the host to raise exactly the reference's error for the first bad
@@ -76,9 +79,11 @@ class BlockPool:
         self._is_free = np.ones(n, dtype=bool)
         self._last_place = np.zeros(n, dtype=np.int64)  # free_array's duplicate check
         self._owner = np.zeros(n, dtype=np.int32)  # NO_OWNER
+        self._refs = np.zeros(n, dtype=np.int32)
         self._owners = OwnerRegistry()
         self._lock = threading.Lock()
         self._stager = Stager([(n + scratch_blocks, torch.int64)], config.device)
+        self._copy_stager = Stager([(n, torch.int64), (n, torch.int64)], config.device)
 
     # ---- counts -----------------------------------------------------------
     @property
@@ -121,6 +126,15 @@ class BlockPool:
         """The name of the owner holding ``block_id``; None for a free or unowned block."""
         return self._owners.name(int(self._owner[int(block_id)]))
 
+    def ref_count(self, block_id: int) -> int:
+        """How many holders ``block_id`` has (0 for a free block)."""
+        return int(self._refs[int(block_id)])
+
+    def ref_counts(self) -> list[int]:
+        """Every allocatable block's count, by id (a copy)."""
+        with self._lock:
+            return self._refs.tolist()
+
     # ---- allocation -------------------------------------------------------
     def allocate(self, n: int, owner: int = NO_OWNER) -> list[int]:
         """Pop ``n`` block ids from the head of the free list, held under ``owner``; all or nothing."""
@@ -146,7 +160,28 @@ class BlockPool:
             self._count -= n
             self._is_free[ids] = False
             self._owner[ids] = owner
+            self._refs[ids] = 1
             return ids
+
+    def share(self, block_ids, owner: int = NO_OWNER) -> None:
+        """One more holder per id given (repeats count once each); all or nothing; held under ``owner``."""
+        given, ids = _id_array(block_ids)
+        owner = self._owners.check("share", owner)
+        with self._lock:
+            if ids.size:
+                in_range = (ids >= 0) & (ids < self.num_blocks)
+                safe = np.where(in_range, ids, 0)
+                bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner)
+                if bad.any():
+                    i = given[int(np.argmax(bad))]
+                    if not 0 <= i < self.num_blocks:
+                        raise ValueError(f"BlockPool.share: block id {i} outside [0, {self.num_blocks})")
+                    if self._is_free[i]:
+                        raise ValueError(f"BlockPool.share: block {i} is free; only a held block can be shared")
+                    raise ValueError(f"BlockPool.share: block {i} is held by "
+                                     f"{self._owners.name(int(self._owner[i]))}, not by {self._owners.name(owner)}; "
+                                     f"blocks are shared within one owner")
+                np.add.at(self._refs, ids, 1)
 
     def free(self, block_ids, owner: int = NO_OWNER) -> None:
         """Return ``block_ids`` to the tail of the free list, in order; all or nothing. Each must be
@@ -167,12 +202,18 @@ class BlockPool:
                 in_range = (ids >= 0) & (ids < n)
                 safe = np.where(in_range, ids, 0)
                 bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner)
-                if k > 1:  # a repeated id: its earlier places lose the last write of their position
-                    position = np.arange(k)
-                    self._last_place[safe] = position
-                    bad |= self._last_place[safe] != position
+                if k > 1:  # an id given more times than it has holders
+                    bad |= np.bincount(safe, minlength=max(n, 1))[safe] > self._refs[safe]
                 if bad.any():
                     self._raise_free_error(ids.tolist() if as_given is None else as_given, owner)
+                np.subtract.at(self._refs, ids, 1)
+                done = self._refs[ids] == 0
+                if k > 1:  # a repeated id reaches 0 at its last place
+                    position = np.arange(k)
+                    self._last_place[ids] = position
+                    done &= self._last_place[ids] == position
+                ids = ids[done]
+                k = ids.size
             positions = self._ring_positions(self._head + self._count, k)
             self._ring[positions] = ids
             self._is_free[ids] = True
@@ -181,18 +222,38 @@ class BlockPool:
 
     def _raise_free_error(self, ids: list, owner: int) -> None:
         """The reference's validation loop, run only to raise its error for the first bad id."""
-        seen = set()
+        seen: dict[int, int] = {}
         for i in ids:
             if self.num_blocks <= i < self.num_blocks + self.scratch_blocks:
                 raise ValueError(f"BlockPool.free: block {i} is a scratch block and is never freed")
             if not 0 <= i < self.num_blocks:
                 raise ValueError(f"BlockPool.free: block id {i} outside [0, {self.num_blocks})")
-            if self._is_free[i] or i in seen:
+            if self._is_free[i] or seen.get(i, 0) >= self._refs[i]:
                 raise ValueError(f"BlockPool.free: block {i} is already free (double free)")
             if self._owner[i] != owner:
                 raise self._owners.wrong_owner(i, int(self._owner[i]), owner)
-            seen.add(i)
+            seen[i] = seen.get(i, 0) + 1
         raise AssertionError("BlockPool.free: vectorised validation flagged ids the loop accepts")
+
+    def copy_blocks(self, src, dst) -> None:
+        """Copy block ``src[j]`` onto block ``dst[j]`` (K, V, scales, every layer): one staged copy of the
+        ids, then one ``index_copy_`` per pool tensor (the copy-on-write of a whole step at once)."""
+        _, s = _id_array(src)
+        given, d = _id_array(dst)
+        if s.size != d.size:
+            raise ValueError(f"BlockPool.copy_blocks: {s.size} sources for {d.size} destinations")
+        both = np.concatenate([s, d])
+        bad = (both < 0) | (both >= self.num_blocks)
+        if bad.any():
+            i = int(both[int(np.argmax(bad))])
+            raise ValueError(f"BlockPool.copy_blocks: block id {i} outside [0, {self.num_blocks})")
+        if not s.size:
+            return
+        src_d, dst_d = self._copy_stager.stage(s, d)
+        for pool in (self.k_pool, self.v_pool, self.k_scale, self.v_scale):
+            if pool is not None:
+                data = pool.view(torch.uint8) if pool.dtype.itemsize == 1 else pool
+                data.index_copy_(1, dst_d, data.index_select(1, src_d))
 
     def _device_ids(self, ids: np.ndarray) -> torch.Tensor:
         """Block ids as an int64 device tensor, through the pool's staged copy."""

@@ -21,12 +21,18 @@ a small int tag; 0 means "no owner") and allocates and frees with ``owner=``. Ea
 records the tag it was allocated under, and ``free`` refuses a block held under another tag,
 naming its owner: a stream's blocks cannot be freed from outside its manager (which would leave
 the stream unable to free or reset). Plain ``allocate(n)`` / ``free(ids)`` work on unowned blocks.
-One owner per block for now; reference counts (shared blocks, copy-on-write) are meant to extend
-this: a block will carry a count of holders and ``free`` will drop one holder's reference.
+Reference counts. A held block carries a count of holders (table entries of its owner that point
+at it): ``allocate`` sets it to 1, ``share(ids, owner)`` raises it by one per id (a block may be
+held by several rows of its owner: copy-on-write beams, a cached prompt prefix), ``free`` drops one
+reference per id given and returns a block to the free list only when its count reaches 0. The
+owner tag stays one per block: sharing is among the rows of one manager, never across owners.
+``copy_blocks(src, dst)`` copies whole blocks (K, V, scales) in every layer, the copy-on-write step.
 
 Invariants (checked by the tests after every operation):
   * free ids are unique and disjoint from allocated ids and scratch ids;
   * allocated + free == max_num_blocks;
+  * a held block has count >= 1, a free block count 0; the sum of counts equals the table
+    entries (of every owner) that point at held blocks;
   * ``allocate`` pops from the head of the free list, ``free`` appends in the
     order given, so block ids are deterministic for a given op sequence.
 
@@ -69,6 +75,7 @@ class BlockPool:
         self._free = deque(range(config.max_num_blocks))
         self._is_free = [True] * config.max_num_blocks
         self._owner = [NO_OWNER] * config.max_num_blocks  # tag each held block was allocated under
+        self._refs = [0] * config.max_num_blocks  # holders of each block (0: free)
         self._owners = OwnerRegistry()
         self._lock = threading.Lock()
 
@@ -111,6 +118,15 @@ class BlockPool:
         """The name of the owner holding ``block_id``; None for a free or unowned block."""
         return self._owners.name(self._owner[int(block_id)])
 
+    def ref_count(self, block_id: int) -> int:
+        """How many holders ``block_id`` has (0 for a free block)."""
+        return self._refs[int(block_id)]
+
+    def ref_counts(self) -> list[int]:
+        """Every allocatable block's count, by id (a copy)."""
+        with self._lock:
+            return list(self._refs)
+
     # ---- allocation -------------------------------------------------------
     def allocate(self, n: int, owner: int = NO_OWNER) -> list[int]:
         """Pop ``n`` block ids from the head of the free list, held under ``owner``; all or nothing."""
@@ -124,29 +140,66 @@ class BlockPool:
             for i in ids:
                 self._is_free[i] = False
                 self._owner[i] = owner
+                self._refs[i] = 1
             return ids
 
+    def share(self, block_ids, owner: int = NO_OWNER) -> None:
+        """One more holder for each id given (repeats count once each); all or nothing. Each must be held
+        under ``owner``."""
+        ids = [int(i) for i in block_ids]
+        owner = self._owners.check("share", owner)
+        with self._lock:
+            for i in ids:
+                if not 0 <= i < self.num_blocks:
+                    raise ValueError(f"BlockPool.share: block id {i} outside [0, {self.num_blocks})")
+                if self._is_free[i]:
+                    raise ValueError(f"BlockPool.share: block {i} is free; only a held block can be shared")
+                if self._owner[i] != owner:
+                    raise ValueError(f"BlockPool.share: block {i} is held by {self._owners.name(self._owner[i])}, "
+                                     f"not by {self._owners.name(owner)}; blocks are shared within one owner")
+            for i in ids:
+                self._refs[i] += 1
+
     def free(self, block_ids, owner: int = NO_OWNER) -> None:
-        """Return ``block_ids`` to the tail of the free list, in order; all or nothing. Each must be
-        held under ``owner`` (a manager's blocks are freed by that manager only)."""
+        """Drop one reference per id given; a block whose count reaches 0 goes to the tail of the free
+        list, in the order the counts reach 0; all or nothing. Each must be held under ``owner`` (a
+        manager's blocks are freed by that manager only); an id given more times than it has holders
+        is a double free."""
         ids = [int(i) for i in block_ids]
         owner = self._owners.check("free", owner)
         with self._lock:
-            seen = set()
+            seen: dict[int, int] = {}
             for i in ids:
                 if self.num_blocks <= i < self.num_blocks + self.scratch_blocks:
                     raise ValueError(f"BlockPool.free: block {i} is a scratch block and is never freed")
                 if not 0 <= i < self.num_blocks:
                     raise ValueError(f"BlockPool.free: block id {i} outside [0, {self.num_blocks})")
-                if self._is_free[i] or i in seen:
+                if self._is_free[i] or seen.get(i, 0) >= self._refs[i]:
                     raise ValueError(f"BlockPool.free: block {i} is already free (double free)")
                 if self._owner[i] != owner:
                     raise self._owners.wrong_owner(i, self._owner[i], owner)
-                seen.add(i)
+                seen[i] = seen.get(i, 0) + 1
             for i in ids:
-                self._is_free[i] = True
-                self._owner[i] = NO_OWNER
-                self._free.append(i)
+                self._refs[i] -= 1
+                if self._refs[i] == 0:
+                    self._is_free[i] = True
+                    self._owner[i] = NO_OWNER
+                    self._free.append(i)
+
+    def copy_blocks(self, src, dst) -> None:
+        """Copy block ``src[j]`` onto block ``dst[j]`` (K, V and scales, every layer): copy-on-write."""
+        src, dst = [int(i) for i in src], [int(i) for i in dst]
+        if len(src) != len(dst):
+            raise ValueError(f"BlockPool.copy_blocks: {len(src)} sources for {len(dst)} destinations")
+        for i in src + dst:
+            if not 0 <= i < self.num_blocks:
+                raise ValueError(f"BlockPool.copy_blocks: block id {i} outside [0, {self.num_blocks})")
+        for s, d in zip(src, dst, strict=True):
+            self.k_pool[:, d] = self.k_pool[:, s]
+            self.v_pool[:, d] = self.v_pool[:, s]
+            if self.k_scale is not None:
+                self.k_scale[:, d] = self.k_scale[:, s]
+                self.v_scale[:, d] = self.v_scale[:, s]
 
     def zero_blocks(self, block_ids) -> None:
         """Zero K and V of ``block_ids`` in every layer."""
