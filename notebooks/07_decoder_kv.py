@@ -17,7 +17,7 @@
 #
 # 1. why admission **refuses** a batch up front instead of failing later;
 # 2. the **cross region**: a fixed-extent slot per row, filled once;
-# 3. **beams**: dense buffers repeat rows, paged rows refuse to;
+# 3. **beams**: dense buffers repeat rows, paged rows fork onto shared pages;
 # 4. what **fp8** saves: `2·L·H·(D+4)` bytes per token.
 
 # %%
@@ -131,13 +131,13 @@ print("cross pages:", m.describe(row).cross_blocks, "dtype stored:", m.gather_cr
 assert m.gather_cross(row).dtype == torch.float32 and m.describe(row).cross_length == 6
 
 # %% [markdown]
-# ## 3. Beams: dense repeats rows, paged refuses
+# ## 3. Beams: dense repeats rows, paged forks onto shared pages
 #
 # Beam expansion is a `select` with repeated indices. Dense storage copies rows
-# (and their fp8 scales); a paged row owns its pages, so repeating it would make
-# two rows write into one page: it raises and changes nothing. (Copy-on-write
-# paged beams are the next step.) `kv_storage="auto"` picks paged for captured
-# steps and dense otherwise.
+# (and their fp8 scales); a paged row is forked: the new row maps the same
+# pages, whose reference counts go up, and the first write into a shared page
+# copies it (notebook 08 draws this). `kv_storage="auto"` picks paged for
+# captured steps and dense otherwise.
 
 # %%
 dense = ref.DenseDecoderKV(cfg, batch=2, capacity=8)
@@ -148,12 +148,13 @@ assert beams.lengths == [3, 3, 3, 3] and torch.equal(beams.gather_self(1), dense
 
 paged = ref.DecoderKVCacheManager(cfg)
 prow = paged.admit([DecoderRequest(3, 4)] * 2)
-before = (paged.pool.free_block_ids(), [paged.describe(r) for r in prow])
-try:
-    paged.select(prow, [0, 0, 1, 1])
-except ValueError as exc:
-    print(exc)
-assert before == (paged.pool.free_block_ids(), [paged.describe(r) for r in prow])
+for b, r in enumerate(prow):
+    paged.prefill(r, *kv(2, 3, 2, 8, seed=b))
+forked = paged.select(prow, [0, 0, 1, 1])
+shared_page = paged.describe(forked[0]).self_blocks[0]
+print("beams:", forked, "page", shared_page, "has", paged.pool.ref_count(shared_page), "holders")
+assert paged.describe(forked[1]).self_blocks == paged.describe(forked[0]).self_blocks
+assert paged.pool.ref_count(shared_page) == 2 and torch.equal(paged.gather_self(forked[1]), dense.gather_self(0))
 print("auto storage:", DecoderCacheConfig(**{**cfg.__dict__, "graph_captured": True}).storage, "when captured,",
       cfg.storage, "otherwise")
 

@@ -12,10 +12,29 @@ Cross pages are mapped at admission (their extent is fixed), so they are held,
 not reserved. Self pages are taken one at a time as a row crosses a page
 boundary, always out of its own reservation, so ``available`` never goes
 negative and an admitted row can always reach its ceiling.
+
+Shared pages (copy-on-write). A ``select`` with repeated indices forks rows:
+the fork maps the same pages and each page's reference count goes up. A row
+writes token ``length`` into logical page ``length // page``; when that page is
+shared, the step first copies it to a fresh block (all of a step's copies in
+one batched ``copy_blocks``) and drops one reference on the original. The rows
+of one step that write into one shared block copy in row order and the last one
+keeps the original (its count is then 1). So the reservation also counts the
+copies still owed::
+
+    reserved = sum over rows of (ceiling pages - self pages held)
+             + sum over blocks b of (writers(b) - [writers(b) == holders(b)])
+
+    writers(b): rows whose logical pages from length // page on include b
+    holders(b): table entries (self and cross) pointing at b (its reference count)
+
+Each copy takes one block and lowers that sum by one, so ``free - reserved``
+stays >= 0 through any interleaving, as before.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -139,27 +158,83 @@ def check_step_kv(config: DecoderCacheConfig, k, v, batch: int) -> None:
     check_kv(config, k[:, :, None], v[:, :, None], "append", (batch,), convert=False)
 
 
-def paged_select(ids: list[int], idx) -> list[int]:
-    """The rows a paged ``select(rows, idx)`` keeps, in order; refuses an index out of range or repeated
-    (two rows cannot own one page) before anything changes."""
+@dataclass(frozen=True)
+class RowPages:
+    """What the reservation needs of one row: its tables in logical order, its length and ceiling."""
+
+    self_blocks: tuple
+    cross_blocks: tuple
+    length: int
+    ceiling: int
+
+
+def reserved_pages(config: DecoderCacheConfig, rows, pinned=()) -> int:
+    """The reservation of the module docstring over ``rows`` (``RowPages``); ``pinned`` blocks (published
+    in a prefix cache) count one more holder, so a write into one always copies."""
+    page = config.page_size
+    holders, writers = Counter(pinned), Counter()
+    growth = 0
+    for r in rows:
+        holders.update(r.self_blocks)
+        holders.update(r.cross_blocks)
+        writers.update(r.self_blocks[r.length // page:])
+        growth += config.pages_for(r.ceiling) - len(r.self_blocks)
+    return growth + sum(w - (w == holders[b]) for b, w in writers.items())
+
+
+def select_sources(ids: list[int], idx) -> list[int]:
+    """The source row of each position of ``select(rows, idx)``; an index out of range raises."""
     picks = [int(i) for i in idx]
     bad = [i for i in picks if not 0 <= i < len(ids)]
     if bad:
         raise ValueError(f"select: index {bad[0]} outside [0, {len(ids)})")
-    if len(set(picks)) != len(picks):
-        repeated = sorted({i for i in picks if picks.count(i) > 1})
-        raise ValueError(f"select: repeated indices {repeated} would alias paged rows' pages; paged rows "
-                         f"cannot be duplicated (use kv_storage='dense' for beam expansion)")
     return [ids[i] for i in picks]
 
 
-def select_rows(manager, ids: list[int], idx) -> list[int]:
-    """A paged ``select``: keep ``ids[i]`` for ``i`` in ``idx`` and finish the other rows (validated first)."""
-    kept = paged_select(ids, idx)
-    for row in ids:
-        if row not in kept:
-            manager.finish(row)
-    return kept
+def plan_select(config: DecoderCacheConfig, manager, ids: list[int], idx) -> tuple[list[int], list[int]]:
+    """Validate a copy-on-write ``select`` before anything changes; returns ``(sources, dropped)``.
+
+    ``manager`` gives ``rows``, ``num_free_rows``, ``pool.num_free_blocks``, ``row_pages(row)`` and
+    ``pinned_blocks()``. A repeated source becomes a fork in a fresh row (sharing every page); the
+    select is refused when the forks need more rows than are free after the dropped rows finish, or
+    when the copies the forks owe do not fit the free blocks after the dropped rows' pages return.
+    """
+    sources = select_sources(ids, idx)
+    dropped = [r for r in ids if r not in sources]
+    forks = len(sources) - len(set(sources))
+    if forks > manager.num_free_rows + len(dropped):
+        raise ValueError(f"select: {forks} forked rows need {forks} free rows, only "
+                         f"{manager.num_free_rows + len(dropped)} are free after the dropped rows finish")
+    others = [r for r in manager.rows if r not in ids]
+    before = [manager.row_pages(r) for r in manager.rows]
+    after = [manager.row_pages(r) for r in sources + others]
+    pinned = manager.pinned_blocks()
+    held_after = set(pinned)
+    for r in after:
+        held_after.update(r.self_blocks + r.cross_blocks)
+    freed = {b for r in before for b in r.self_blocks + r.cross_blocks} - held_after
+    need = reserved_pages(config, after, pinned)
+    have = manager.pool.num_free_blocks + len(freed)
+    if need > have:
+        raise ValueError(f"select: the selected rows reserve {need} blocks (ceilings and copy-on-write copies "
+                         f"owed), only {have} are free after the dropped rows' pages return")
+    return sources, dropped
+
+
+def cow_writes(blocks: list[int], counts) -> list[bool]:
+    """Which of one step's writes into ``blocks`` (the block each row's next token lands in, in row order,
+    -1 for none) must copy first: a block still shared by another holder when the row comes to it;
+    ``counts(b)`` is its current reference count (pins included)."""
+    left: dict[int, int] = {}
+    copy = []
+    for b in blocks:
+        if b < 0:
+            copy.append(False)
+            continue
+        n = left.get(b, counts(b))
+        copy.append(n > 1)
+        left[b] = n - 1
+    return copy
 
 
 def check_cross_fill(row: int, T: int, declared: int, held: int) -> None:

@@ -20,8 +20,8 @@ hold their addresses.
 
 ``PagedDecoderKV`` (``kv_storage="paged"``): rows of a ``DecoderKVCacheManager``
 read and written through ``PagedKVCache`` views by the twin's ``append_kv`` /
-``paged_attention``; graph-stable addresses. ``select`` with repeated indices
-refuses (a page has one owner), unique indices keep and reorder rows.
+``paged_attention``; graph-stable addresses. ``select`` keeps and reorders rows;
+a repeated index forks a row onto shared, copy-on-write pages.
 
 fp8 (``kv_cache_dtype="fp8_e4m3"``): each written (token, head) vector is
 quantized by the twin's own rule (``oasr.reference.fp8.quantize`` /
@@ -278,7 +278,8 @@ class PagedDecoderKV:
         return self.manager.gather_self(self.rows[b])
 
     def select(self, idx) -> PagedDecoderKV:
-        """Unique indices keep and reorder rows (the others finish); repeated ones raise, changing nothing."""
+        """Keep and reorder rows (the others finish); a repeated index forks a row onto shared,
+        copy-on-write pages (``DecoderKVCacheManager.select``)."""
         return PagedDecoderKV(self.manager, self.manager.select(self.rows, idx), self.ops, self.backend)
 
     def merge(self, other: PagedDecoderKV) -> PagedDecoderKV:

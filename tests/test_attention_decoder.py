@@ -104,7 +104,7 @@ def test_storage_and_twins_agree_token_for_token(decoder, kv_cache_dtype):
 
 @pytest.mark.parametrize("twin", list(TWINS))
 @torch.no_grad()
-def test_beam_search_on_dense_beams_and_paged_refusal(decoder, twin):
+def test_beam_search_on_dense_beams(decoder, twin):
     ops = TWINS[twin]
     enc = encoder_outputs((6,), seed=2)[0]
     dense = make_group(decoder, ops, "dense", [enc], 10)
@@ -116,9 +116,28 @@ def test_beam_search_on_dense_beams_and_paged_refusal(decoder, twin):
     greedy_tokens, _ = decoder.beam_search(make_group(decoder, ops, "dense", [enc], 10), enc, 1, 10)
     if len(greedy_tokens) < 10 and len(tokens) < 10:
         assert score >= decoder.score([greedy_tokens], enc)[0] - 1e-5  # beam 4 never finds worse than beam 1
-    paged = make_group(decoder, ops, "paged", [enc], 10)
-    with pytest.raises(ValueError, match="would alias paged rows' pages"):
-        decoder.beam_search(paged, enc, beam=4, max_new_tokens=10)
+
+
+@pytest.mark.parametrize("twin", list(TWINS))
+@pytest.mark.parametrize("beam", [4, 8])
+@pytest.mark.parametrize("seed", [2, 7])
+@torch.no_grad()
+def test_beam_search_on_copy_on_write_paged_beams_equals_dense(decoder, twin, beam, seed):
+    """Paged beams fork onto shared pages (select with repeated parents); the search is the dense one,
+    token for token and score for score, and every page comes back when the beams finish."""
+    ops = TWINS[twin]
+    enc = encoder_outputs((6,), seed=seed)[0]
+    want = decoder.beam_search(make_group(decoder, ops, "dense", [enc], 12), enc, beam=beam, max_new_tokens=12)
+    paged = make_group(decoder, ops, "paged", [enc], 12)
+    got = decoder.beam_search(paged, enc, beam=beam, max_new_tokens=12)
+    assert got[0] == want[0]
+    assert got[1] == want[1]
+    manager = paged.manager
+    counts = manager.pool.ref_counts()
+    assert max(counts) > 1  # the final beams still share their prompt page and cross pages
+    for row in manager.rows:
+        manager.finish(row)
+    assert manager.pool.num_free_blocks == manager.pool.num_blocks
 
 
 def test_rescoring_picks_the_best_combined_score(decoder):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
 from oasr import fast, reference
 from oasr.config import CacheConfig
+from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 
 TWINS = {"reference": reference, "fast": fast}
 
@@ -70,3 +73,107 @@ def test_copy_blocks_copies_whole_blocks(ops, kv_cache_dtype):
     assert torch.equal(pool.gather_kv_blocks([6, 2]), want)
     with pytest.raises(ValueError, match="2 sources for 1 destinations"):
         pool.copy_blocks([1, 2], [3])
+
+
+# ---- copy-on-write beams ---------------------------------------------------------------------------
+
+
+def dcfg(**overrides) -> DecoderCacheConfig:
+    values = dict(num_layers=2, n_kv_head=2, head_dim=8, page_size=4, max_num_blocks=24, max_rows=4,
+                  max_self_tokens=16, max_cross_tokens=10)
+    values.update(overrides)
+    return DecoderCacheConfig(**values)
+
+
+def kv(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def table_refs(m) -> Counter:
+    refs = Counter()
+    for r in m.rows:
+        info = m.describe(r)
+        refs.update(info.self_blocks + info.cross_blocks)
+    return refs
+
+
+def check_counts(m) -> None:
+    """Sum of counts == table references; a block with count 0 is free; held + free == total."""
+    counts = m.pool.ref_counts()
+    refs = table_refs(m)
+    assert {b: n for b, n in enumerate(counts) if n} == dict(refs)
+    free = set(m.pool.free_block_ids())
+    assert free == {b for b, n in enumerate(counts) if n == 0}
+    assert len(refs) + len(free) == m.pool.num_blocks
+    assert m.available_blocks >= 0
+
+
+def test_select_forks_share_pages_and_the_first_write_copies(ops):
+    m = ops.DecoderKVCacheManager(dcfg())
+    (row,) = m.admit([DecoderRequest(6, 6, 3)])
+    m.fill_cross(row, *kv(2, 3, 2, 8, seed=1))
+    m.prefill(row, *kv(2, 6, 2, 8, seed=2))  # pages [p0 full | p1 half]
+    donor = m.gather_self(row)
+    rows = m.select([row], [0, 0, 0])
+    assert rows == [0, 1, 2]
+    info = [m.describe(r) for r in rows]
+    assert info[0].self_blocks == info[1].self_blocks == info[2].self_blocks
+    assert [m.pool.ref_count(b) for b in info[0].self_blocks + info[0].cross_blocks] == [3, 3, 3]
+    check_counts(m)
+    free = m.pool.num_free_blocks
+    k, v = kv(2, 3, 2, 8, seed=3)
+    m.append(rows, k, v)  # rows 0 and 1 copy the half page, row 2 keeps it: beams differ only there
+    after = [m.describe(r) for r in rows]
+    assert m.pool.num_free_blocks == free - 2
+    assert after[2].self_blocks == info[2].self_blocks
+    assert len({a.self_blocks[1] for a in after}) == 3 and len({a.self_blocks[0] for a in after}) == 1
+    assert m.pool.ref_count(after[0].self_blocks[0]) == 3
+    for b, r in enumerate(rows):
+        got = m.gather_self(r)
+        assert torch.equal(got[:, :, :6], donor)
+        want = torch.cat([k[:, b:b + 1], v[:, b:b + 1]], dim=-1).transpose(1, 2)
+        assert torch.equal(got[:, :, 6:], want)
+    check_counts(m)
+    for r in rows:
+        m.finish(r)
+    assert m.pool.num_free_blocks == m.pool.num_blocks and m.pool.ref_counts() == [0] * 24
+
+
+def test_select_refuses_atomically_when_forks_find_no_rows_or_blocks(ops):
+    m = ops.DecoderKVCacheManager(dcfg(max_rows=3, max_num_blocks=7))
+    rows = m.admit([DecoderRequest(2, 2, 0)] * 2)
+    for r in rows:
+        m.prefill(r, *kv(2, 2, 2, 8, seed=r))
+    before = (m.pool.free_block_ids(), m.pool.ref_counts(), [m.describe(r) for r in m.rows])
+    with pytest.raises(ValueError, match="3 forked rows need 3 free rows, only 1"):
+        m.select(rows, [0, 0, 0, 0, 1])
+    with pytest.raises(ValueError, match="index 2 outside"):
+        m.select(rows, [2])
+    assert before == (m.pool.free_block_ids(), m.pool.ref_counts(), [m.describe(r) for r in m.rows])
+    m2 = ops.DecoderKVCacheManager(dcfg(max_rows=4, max_num_blocks=3))
+    (r,) = m2.admit([DecoderRequest(2, 6, 0)])
+    m2.prefill(r, *kv(2, 2, 2, 8))
+    with pytest.raises(ValueError, match="reserve 3 blocks .* only 2 are free"):
+        m2.select([r], [0, 0])
+
+
+def test_twins_identical_through_forks_and_copies():
+    ms = [mod.DecoderKVCacheManager(dcfg()) for mod in (reference, fast)]
+    for step in range(6):
+        outs = []
+        for m in ms:
+            if step == 0:
+                rows = m.admit([DecoderRequest(3, 9, 2)] * 2)
+                for r in rows:
+                    m.prefill(r, *kv(2, 3, 2, 8, seed=r))
+            rows = m.rows
+            idx = [[0, 0, 1], [2, 2, 0, 1], [0, 1, 1, 1], [3, 3, 1], [0, 2, 2, 2], [1, 1, 0]][step][: 4]
+            idx = [i % len(rows) for i in idx]
+            rows = m.select(rows, idx)
+            m.append(rows, *kv(2, len(rows), 2, 8, seed=10 + step))
+            outs.append((rows, [m.describe(r) for r in m.rows], m.pool.free_block_ids(), m.pool.ref_counts(),
+                         [m.gather_self(r) for r in m.rows]))
+            check_counts(m)
+        a, b = outs
+        assert a[:4] == b[:4] and all(torch.equal(x, y) for x, y in zip(a[4], b[4], strict=True))

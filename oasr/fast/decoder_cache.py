@@ -23,8 +23,11 @@ the lengths. Decode attention is ``oasr.fast.paged_ops.paged_attention`` with
 one query per row (GQA rows packed by the chunk kernel), on any backend.
 
 Block ownership goes through ``_take`` / ``_drop`` (the pool) and ``_bind`` /
-``_unbind`` (table entries) exactly as in the reference, so reference counts
-can be added in those four places.
+``_unbind`` (table entries) exactly as in the reference; pages are
+reference-counted in the pool and forked rows share them. A step's
+copy-on-write copies (``oasr.decoder_common``) are taken in the step's one
+allocation and made by one ``pool.copy_blocks`` (one indexed copy per pool
+tensor), before the step's ``append_kv``.
 """
 
 from __future__ import annotations
@@ -36,14 +39,17 @@ from oasr.decoder_common import (
     Admission,
     AdmissionError,
     DecoderRowInfo,
+    RowPages,
     check_cross_fill,
     check_kv,
     check_pool,
     check_requests,
     check_rows,
     check_step_kv,
+    cow_writes,
     judge,
-    select_rows,
+    plan_select,
+    reserved_pages,
 )
 from oasr.decoder_config import DecoderCacheConfig
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
@@ -97,7 +103,13 @@ class DecoderKVCacheManager:
     def _drop(self, ids: np.ndarray) -> None:
         self.pool.free_array(ids, owner=self._owner)
 
-    def _bind(self, table: np.ndarray, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
+    def _bind(self, table: np.ndarray, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray, share: bool = False):
+        if share:
+            self.pool.share(ids, self._owner)
+        table[rows, cols] = ids
+
+    def _rebind(self, table: np.ndarray, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
+        """Point table entries at their private copies (copy-on-write; the caller drops the originals)."""
         table[rows, cols] = ids
 
     def _unbind(self, table: np.ndarray, row: int, count: int) -> np.ndarray:
@@ -137,11 +149,19 @@ class DecoderKVCacheManager:
     def num_free_rows(self) -> int:
         return int((~self._admitted).sum())
 
+    def row_pages(self, row: int) -> RowPages:
+        return RowPages(tuple(self._self_table[row, : self._held[row]].tolist()),
+                        tuple(self._cross_table[row, : self._cross_held[row]].tolist()),
+                        int(self._length[row]), int(self._ceiling[row]))
+
+    def pinned_blocks(self) -> list[int]:
+        """Blocks a prefix cache holds published (none yet)."""
+        return []
+
     @property
     def reserved_blocks(self) -> int:
-        page = self.config.page_size
-        a = self._admitted
-        return int((-(-self._ceiling[a] // page) - self._held[a]).sum())
+        """See the reference: ceilings minus pages held, plus copy-on-write copies owed."""
+        return reserved_pages(self.config, [self.row_pages(r) for r in self.rows], self.pinned_blocks())
 
     @property
     def available_blocks(self) -> int:
@@ -258,6 +278,11 @@ class DecoderKVCacheManager:
         r = self._row(row)
         T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
         check_cross_fill(r, T, int(self._cross_ceiling[r]), int(self._cross_length[r]))
+        blocks = self._cross_table[r, : self._cross_held[r]]
+        shared = blocks[self.pool._refs[blocks] > 1].tolist()
+        if shared:
+            raise ValueError(f"fill_cross: row {r}'s cross pages {shared} are shared with forked rows; "
+                             f"fill before select forks the row")
         dtype = self.config.dtype
         self._write_row(self.cross_table, r, 0, k.to(dtype), v.to(dtype))
         self._cross_length[r] = T
@@ -291,12 +316,31 @@ class DecoderKVCacheManager:
         return np.maximum(0, -(-(self._length[ids] + 1) // page) - self._held[ids])
 
     def _prepare(self, ids: np.ndarray) -> None:
+        """Copies of shared landing pages (row order) then new pages: one allocation, one batched copy."""
         needs = self._step_needs(ids)
-        new = self._take(int(needs.sum()))  # inside the rows' reservations: cannot run dry
+        page = self.config.page_size
+        col = self._length[ids] // page
+        inside = col < self._held[ids]
+        landing = np.where(inside, self._self_table[ids, np.minimum(col, self._self_table.shape[1] - 1)], -1)
+        refs = self.pool._refs
+        shared = inside & (refs[np.maximum(landing, 0)] > 1)
+        pins = self.pinned_blocks()
+        if pins:
+            shared |= inside & np.isin(landing, pins)
+        copy = np.zeros(ids.size, dtype=bool)
+        if shared.any():  # the rare path (a step right after a fork): the reference's rule, row by row
+            pinset = set(pins)
+            copy[shared] = cow_writes(landing[shared].tolist(), lambda b: int(refs[b]) + (b in pinset))
+        src = landing[copy]
+        new = self._take(int(src.size + needs.sum()))  # inside the rows' reservations: cannot run dry
+        self.pool.copy_blocks(src, new[: src.size])
+        self._rebind(self._self_table, ids[copy], col[copy], new[: src.size])
+        grow = new[src.size :]
         owners = np.repeat(ids, needs)
-        cols = self._held[owners] + (np.arange(new.size) - np.repeat(np.cumsum(needs) - needs, needs))
-        self._bind(self._self_table, owners, cols, new)
+        cols = self._held[owners] + (np.arange(grow.size) - np.repeat(np.cumsum(needs) - needs, needs))
+        self._bind(self._self_table, owners, cols, grow)
         self._held[ids] += needs
+        self._drop(src)
 
     def prepare_step(self, rows) -> None:
         ids = np.array(check_rows(rows, self._is_admitted, "prepare_step"), dtype=np.int64)
@@ -331,9 +375,37 @@ class DecoderKVCacheManager:
 
     # ---- beams ----------------------------------------------------------------------
     def select(self, rows, idx) -> list[int]:
-        """See the reference: unique indices keep and reorder rows (the rest finish); repeats raise."""
+        """See the reference: keep and reorder rows, finish the rest, fork repeats onto shared pages."""
         ids = check_rows(rows, self._is_admitted, "select")
-        return select_rows(self, ids, idx)
+        sources, dropped = plan_select(self.config, self, ids, idx)
+        for row in dropped:
+            self.finish(row)
+        out, seen, forks, parents = [], set(), [], []
+        free_rows = np.flatnonzero(~self._admitted).tolist()
+        for src in sources:
+            if src in seen:
+                out.append(free_rows[len(forks)])
+                forks.append(out[-1])
+                parents.append(src)
+            else:
+                out.append(src)
+            seen.add(src)
+        if forks:
+            self._fork(np.array(parents, dtype=np.int64), np.array(forks, dtype=np.int64))
+        return out
+
+    def _fork(self, parents: np.ndarray, forks: np.ndarray) -> None:
+        """Fresh rows ``forks`` mapping their ``parents``' pages (a shared bind per region: counts up)."""
+        for table, held in ((self._self_table, self._held), (self._cross_table, self._cross_held)):
+            i, cols = np.nonzero(np.arange(table.shape[1])[None, :] < held[parents][:, None])
+            self._bind(table, forks[i], cols, table[parents[i], cols], share=True)
+        for name in ("_held", "_cross_held", "_length", "_cross_length", "_ceiling", "_cross_ceiling"):
+            array = getattr(self, name)
+            array[forks] = array[parents]
+        self._admitted[forks] = True
+        for f, p in zip(forks.tolist(), parents.tolist(), strict=True):
+            self._requests[f] = self._requests[p]
+        self._sync(forks)
 
 
 class DenseDecoderKV(DenseDecoderKVBase):

@@ -265,7 +265,8 @@ class AttentionDecoder(nn.Module):
 
     @torch.no_grad()
     def beam_search(self, kv, enc: torch.Tensor, beam: int, max_new_tokens: int):
-        """Beam search for one encoder output; ``kv`` is a one-row group (dense for beam > 1: rows repeat).
+        """Beam search for one encoder output; ``kv`` is a one-row group, dense or paged (paged beams
+        fork onto copy-on-write pages when rows repeat).
 
         Returns ``(tokens, log_prob)`` of the best hypothesis (eos-terminated ones score their eos).
         Stops when the best finished score is at least every live beam's (scores only fall).

@@ -19,12 +19,15 @@ Lifecycle of a row::
 
 Block ownership. Every page a table maps is taken by ``_take`` and given back
 by ``_drop``, and ``_bind`` / ``_unbind`` are the only writers of table entries.
-Reference-counted, copy-on-write pages (the next issue) change those four
-places: ``_take`` sets a count, a shared bind raises it, ``_drop`` lowers it and
-frees at zero; no other method touches the pool's free list.
+Pages are reference-counted in the pool: ``_take`` sets a count of 1, a shared
+bind (``_bind(..., share=True)``: a fork made by ``select``) raises it, ``_drop``
+lowers it and the pool frees a block at zero; no other method touches the
+pool's free list. A write into a shared page copies it first (copy-on-write,
+drawn in ``oasr.decoder_common``).
 
 Invariants (tests check them after every operation):
-  * held + free == max_num_blocks; no block is held by two rows;
+  * held + free == max_num_blocks; the sum of reference counts equals the
+    table entries pointing at held blocks;
   * free - reserved >= 0, where reserved is what admitted rows may still take;
   * a row holds ``ceil(length / page)`` or one more (prepared) self pages and
     exactly ``ceil(cross_len / page)`` cross pages;
@@ -42,14 +45,17 @@ from oasr.decoder_common import (
     Admission,
     AdmissionError,
     DecoderRowInfo,
+    RowPages,
     check_cross_fill,
     check_kv,
     check_pool,
     check_requests,
     check_rows,
     check_step_kv,
+    cow_writes,
     judge,
-    select_rows,
+    plan_select,
+    reserved_pages,
 )
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
@@ -88,8 +94,14 @@ class DecoderKVCacheManager:
     def _drop(self, ids: list[int]) -> None:
         self.pool.free(ids, self._owner)
 
-    def _bind(self, blocks: list, ids: list[int]) -> None:
+    def _bind(self, blocks: list, ids: list[int], share: bool = False) -> None:
+        if share:
+            self.pool.share(ids, self._owner)
         blocks.extend(ids)
+
+    def _rebind(self, blocks: list, column: int, block_id: int) -> None:
+        """Point one table entry at its private copy (copy-on-write; the caller drops the original)."""
+        blocks[column] = block_id
 
     def _unbind(self, blocks: list) -> list[int]:
         ids = list(blocks)
@@ -114,11 +126,18 @@ class DecoderKVCacheManager:
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
+    def row_pages(self, row: int) -> RowPages:
+        r = self._rows[row]
+        return RowPages(tuple(r.self_blocks), tuple(r.cross_blocks), r.length, r.request.self_tokens)
+
+    def pinned_blocks(self) -> list[int]:
+        """Blocks a prefix cache holds published (none yet)."""
+        return []
+
     @property
     def reserved_blocks(self) -> int:
-        """Self pages admitted rows may still take (their ceilings minus what they hold)."""
-        cfg = self.config
-        return sum(cfg.pages_for(r.request.self_tokens) - len(r.self_blocks) for r in self._rows.values())
+        """Blocks admitted rows may still take: ceilings minus pages held, plus copy-on-write copies owed."""
+        return reserved_pages(self.config, [self.row_pages(r) for r in self.rows], self.pinned_blocks())
 
     @property
     def available_blocks(self) -> int:
@@ -239,6 +258,10 @@ class DecoderKVCacheManager:
         r = self._row(row)
         T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
         check_cross_fill(row, T, r.request.cross_len, r.cross_length)
+        shared = [b for b in r.cross_blocks if self.pool.ref_count(b) > 1]
+        if shared:
+            raise ValueError(f"fill_cross: row {row}'s cross pages {shared} are shared with forked rows; "
+                             f"fill before select forks the row")
         dtype = self.config.dtype
         self._write(r.cross_blocks, 0, k.to(dtype), v.to(dtype))
         r.cross_length = T
@@ -267,15 +290,33 @@ class DecoderKVCacheManager:
             needs.append(max(0, (r.length + 1 + page - 1) // page - len(r.self_blocks)))
         return needs
 
+    def _landing(self, row: int) -> int:
+        """The held block the row's next token lands in, or -1 when it needs a new page."""
+        r = self._rows[row]
+        p = r.length // self.config.page_size
+        return r.self_blocks[p] if p < len(r.self_blocks) else -1
+
     def prepare_step(self, rows) -> None:
-        """Make sure each row holds the page its next token lands in; one allocation for all rows."""
+        """Make sure each row holds an unshared page for its next token: one allocation for all rows,
+        copies of shared landing pages first (row order), then new pages; one batched copy."""
         ids = check_rows(rows, self._admitted, "prepare_step")
         needs = self._step_needs(ids)
-        new = self._take(sum(needs))  # inside the rows' reservations: cannot run dry
-        cursor = 0
+        landing = [self._landing(r) for r in ids]
+        pins = set(self.pinned_blocks())
+        copy = cow_writes(landing, lambda b: self.pool.ref_count(b) + (b in pins))
+        src = [b for b, c in zip(landing, copy, strict=True) if c]
+        new = self._take(len(src) + sum(needs))  # inside the rows' reservations: cannot run dry
+        self.pool.copy_blocks(src, new[: len(src)])
+        copies = iter(new[: len(src)])
+        for row, c in zip(ids, copy, strict=True):
+            if c:
+                r = self._rows[row]
+                self._rebind(r.self_blocks, r.length // self.config.page_size, next(copies))
+        cursor = len(src)
         for row, n in zip(ids, needs, strict=True):
             self._bind(self._rows[row].self_blocks, new[cursor : cursor + n])
             cursor += n
+        self._drop(src)
 
     def commit_step(self, rows) -> None:
         """Advance each row by the one token written through ``self_caches`` (after ``prepare_step``)."""
@@ -303,11 +344,30 @@ class DecoderKVCacheManager:
     def select(self, rows, idx) -> list[int]:
         """Keep ``rows[i]`` for ``i`` in ``idx`` (in that order) and finish the others; returns the new rows.
 
-        Paged rows own their pages, so a repeated index would alias one page from two rows: it raises
-        and changes nothing (beam expansion runs on dense storage; copy-on-write pages are the next issue).
+        A repeated index forks: its first place keeps the row, each later place gets a fresh row (lowest
+        free id, after the dropped rows finish) mapping the same self and cross pages, whose reference
+        counts go up; the first write into a shared page copies it. Refused, changing nothing, when the
+        forks find no rows or their copy-on-write copies do not fit (``plan_select``).
         """
         ids = check_rows(rows, self._admitted, "select")
-        return select_rows(self, ids, idx)
+        sources, dropped = plan_select(self.config, self, ids, idx)
+        for row in dropped:
+            self.finish(row)
+        out, seen = [], set()
+        for src in sources:
+            out.append(self._fork(src) if src in seen else src)
+            seen.add(src)
+        return out
+
+    def _fork(self, row: int) -> int:
+        """A fresh row mapping ``row``'s pages (shared: counts up), at its length."""
+        r = self._rows[row]
+        new = self._free_rows.pop(0)
+        record = _Row(r.request, length=r.length, cross_length=r.cross_length)
+        self._bind(record.self_blocks, list(r.self_blocks), share=True)
+        self._bind(record.cross_blocks, list(r.cross_blocks), share=True)
+        self._rows[new] = record
+        return new
 
 
 class DenseDecoderKV(DenseDecoderKVBase):
