@@ -221,6 +221,23 @@ def plan_select(config: DecoderCacheConfig, manager, ids: list[int], idx) -> tup
     return sources, dropped
 
 
+def check_rewind(config: DecoderCacheConfig, manager, row: int, n) -> None:
+    """``rewind(row, n)``'s rules, before anything changes: ``0 <= n <= length``, and the copy-on-write
+    copies the rewound row would owe (its landing page moves back into pages it may share) must fit."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"rewind: n must be an int >= 0, got {n!r}")
+    pages = manager.row_pages(row)
+    if n > pages.length:
+        raise ValueError(f"rewind: row {row} holds {pages.length} tokens, cannot drop {n}")
+    rows = [manager.row_pages(r) for r in manager.rows if r != row]
+    rows.append(RowPages(pages.self_blocks, pages.cross_blocks, pages.length - n, pages.ceiling))
+    need = reserved_pages(config, rows, manager.pinned_blocks())
+    if need > manager.pool.num_free_blocks:
+        raise ValueError(f"rewind: row {row} rewound by {n} would make admitted rows reserve {need} blocks "
+                         f"(its pages from token {pages.length - n} on are shared and would be copied), only "
+                         f"{manager.pool.num_free_blocks} are free")
+
+
 def cow_writes(blocks: list[int], counts) -> list[bool]:
     """Which of one step's writes into ``blocks`` (the block each row's next token lands in, in row order,
     -1 for none) must copy first: a block still shared by another holder when the row comes to it;

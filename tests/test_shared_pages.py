@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -177,3 +178,71 @@ def test_twins_identical_through_forks_and_copies():
             check_counts(m)
         a, b = outs
         assert a[:4] == b[:4] and all(torch.equal(x, y) for x, y in zip(a[4], b[4], strict=True))
+
+
+# ---- rewind, trim, extend ----------------------------------------------------------------------------
+
+
+def packed(k, v):
+    """(L, T, H, D) K and V as gather_self's (L, H, T, 2D)."""
+    return torch.cat([k, v], dim=-1).transpose(1, 2)
+
+
+def test_rewind_reserves_bound_pages_first_and_stale_bytes_are_never_read(ops):
+    m = ops.DecoderKVCacheManager(dcfg())
+    (row,) = m.admit([DecoderRequest(5, 8, 0)])
+    k, v = kv(2, 5, 2, 8, seed=1)
+    m.prefill(row, k, v)
+    nan = torch.full((2, 1, 2, 8), float("nan"))
+    for _ in range(3):
+        m.append([row], nan, nan)  # a rejected draft: 3 NaN tokens, into a second page
+    blocks, free = m.describe(row).self_blocks, m.pool.num_free_blocks
+    before = (m.pool.free_block_ids(), m.describe(row))
+    with pytest.raises(ValueError, match="holds 8 tokens, cannot drop 9"):
+        m.rewind(row, 9)
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
+        m.rewind(row, -1)
+    assert before == (m.pool.free_block_ids(), m.describe(row))
+    m.rewind(row, 3)
+    assert m.length(row) == 5 and m.describe(row).self_blocks == blocks and m.pool.num_free_blocks == free
+    q = torch.randn(1, 4, 1, 8)
+    for view in m.self_caches([row]):  # the stale NaN tokens lie past length: unread
+        last = dataclasses.replace(view, cache_seqlens=view.cache_seqlens - 1, prepared_frames=None)
+        out = ops.paged_attention(q, last, causal=True)
+        assert torch.isfinite(out).all()
+    k2, v2 = kv(2, 2, 2, 8, seed=2)
+    m.extend(row, k2, v2)  # the accepted tokens land in the bound pages: nothing taken
+    assert m.describe(row).self_blocks == blocks and m.pool.num_free_blocks == free
+    assert torch.equal(m.gather_self(row), packed(torch.cat([k, k2], 1), torch.cat([v, v2], 1)))
+    m.rewind(row, 4)  # length 3: the second page holds nothing any more
+    assert m.trim(row) == 1 and m.pool.num_free_blocks == free + 1
+    assert m.describe(row).self_blocks == blocks[:1] and m.available_blocks >= 0
+    m.append([row], *kv(2, 1, 2, 8, seed=3))
+    assert m.length(row) == 4
+
+
+def test_rewind_into_a_shared_page_copies_before_writing(ops):
+    m = ops.DecoderKVCacheManager(dcfg())
+    (row,) = m.admit([DecoderRequest(8, 4, 0)])
+    k, v = kv(2, 8, 2, 8, seed=1)
+    m.prefill(row, k, v)  # two full pages
+    a, b = m.select([row], [0, 0])
+    donor = m.gather_self(a)
+    m.rewind(b, 3)  # b's landing page is now the shared second page
+    k2, v2 = kv(2, 3, 2, 8, seed=2)
+    m.extend(b, k2, v2)
+    assert torch.equal(m.gather_self(a), donor)  # the donor is untouched
+    assert m.describe(a).self_blocks[0] == m.describe(b).self_blocks[0]
+    assert m.describe(a).self_blocks[1] != m.describe(b).self_blocks[1]
+    assert torch.equal(m.gather_self(b), packed(torch.cat([k[:, :5], k2], 1), torch.cat([v[:, :5], v2], 1)))
+    check_counts(m)
+
+
+def test_rewind_refuses_when_the_copies_it_would_owe_do_not_fit(ops):
+    m = ops.DecoderKVCacheManager(dcfg(max_num_blocks=2))
+    (row,) = m.admit([DecoderRequest(8, 0, 0)])
+    m.prefill(row, *kv(2, 8, 2, 8))
+    a, b = m.select([row], [0, 0])
+    with pytest.raises(ValueError, match="rewind: row 1 rewound by 1 would make admitted rows reserve 1 blocks"):
+        m.rewind(b, 1)
+    assert m.length(b) == 8

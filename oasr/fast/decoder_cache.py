@@ -44,6 +44,7 @@ from oasr.decoder_common import (
     check_kv,
     check_pool,
     check_requests,
+    check_rewind,
     check_rows,
     check_step_kv,
     cow_writes,
@@ -112,9 +113,9 @@ class DecoderKVCacheManager:
         """Point table entries at their private copies (copy-on-write; the caller drops the originals)."""
         table[rows, cols] = ids
 
-    def _unbind(self, table: np.ndarray, row: int, count: int) -> np.ndarray:
-        ids = table[row, :count].astype(np.int64)
-        table[row, :count] = self.pool.null_block
+    def _unbind(self, table: np.ndarray, row: int, count: int, start: int = 0) -> np.ndarray:
+        ids = table[row, start:count].astype(np.int64)
+        table[row, start:count] = self.pool.null_block
         return ids
 
     # ---- device mirror ------------------------------------------------------------
@@ -295,14 +296,39 @@ class DecoderKVCacheManager:
             raise ValueError(f"prefill: row {r} already holds {int(self._length[r])} tokens; prefill an empty row")
         if T > self._ceiling[r]:
             raise ValueError(f"prefill: row {r} declared {int(self._ceiling[r])} tokens, got a prompt of {T}")
-        need = max(0, -(-T // self.config.page_size) - int(self._held[r]))
-        new = self._take(need)
-        held = int(self._held[r])
-        self._bind(self._self_table, np.full(need, r), np.arange(held, held + need), new)
+        self._extend(r, k, v, T)
+
+    def extend(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """See the reference: ``T`` more tokens at the row's length; shared pages it writes are copied first."""
+        r = self._row(row)
+        T = check_kv(self.config, k, v, "extend", (), convert=False)
+        if self._length[r] + T > self._ceiling[r]:
+            raise ValueError(f"extend: row {r} holds {int(self._length[r])} tokens and declared "
+                             f"{int(self._ceiling[r])}, got {T} more")
+        self._extend(r, k, v, T)
+
+    def _extend(self, r: int, k: torch.Tensor, v: torch.Tensor, T: int) -> None:
+        """Copies of the shared pages ``[length, length + T)`` lands in and new pages (one allocation, one
+        batched copy), one staged sync, then one append_kv per layer."""
+        page, held, length = self.config.page_size, int(self._held[r]), int(self._length[r])
+        end = self.config.pages_for(length + T)
+        columns = np.arange(length // page, min(end, held))
+        landing = self._self_table[r, columns].astype(np.int64)
+        shared = self.pool._refs[landing] > 1
+        pins = self.pinned_blocks()
+        if pins:
+            shared |= np.isin(landing, pins)
+        src = landing[shared]
+        need = max(0, end - held)
+        new = self._take(int(src.size) + need)
+        self.pool.copy_blocks(src, new[: src.size])
+        self._rebind(self._self_table, np.full(src.size, r), columns[shared], new[: src.size])
+        self._bind(self._self_table, np.full(need, r), np.arange(held, held + need), new[src.size :])
         self._held[r] += need
+        self._drop(src)
         self._sync(np.array([r], dtype=np.int64))
-        self._write_row(self.self_table, r, 0, k, v)
-        self._length[r] = T
+        self._write_row(self.self_table, r, length, k, v)
+        self._length[r] = length + T
         self._sync(np.array([r], dtype=np.int64))
 
     def _step_needs(self, ids: np.ndarray) -> np.ndarray:
@@ -372,6 +398,24 @@ class DecoderKVCacheManager:
             append_kv(view, k[layer][:, None], v[layer][:, None], backend=self.backend)
         self._length[ids] += 1
         self._meta[0].index_add_(0, rows_d, self._ones[: ids.size])
+
+    # ---- rewind and trim ------------------------------------------------------------------
+    def rewind(self, row: int, n: int) -> None:
+        """See the reference: drop the last ``n`` tokens; pages stay bound and are re-served first."""
+        r = self._row(row)
+        check_rewind(self.config, self, r, n)
+        self._length[r] -= n
+        self._sync(np.array([r], dtype=np.int64))
+
+    def trim(self, row: int) -> int:
+        """See the reference: the pages past ``ceil(length / page)`` go back to the pool."""
+        r = self._row(row)
+        keep = self.config.pages_for(int(self._length[r]))
+        tail = self._unbind(self._self_table, r, int(self._held[r]), keep)
+        self._drop(tail)
+        self._held[r] = min(keep, int(self._held[r]))
+        self._sync(np.array([r], dtype=np.int64))
+        return int(tail.size)
 
     # ---- beams ----------------------------------------------------------------------
     def select(self, rows, idx) -> list[int]:

@@ -36,7 +36,6 @@ Invariants (tests check them after every operation):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +49,7 @@ from oasr.decoder_common import (
     check_kv,
     check_pool,
     check_requests,
+    check_rewind,
     check_rows,
     check_step_kv,
     cow_writes,
@@ -103,9 +103,9 @@ class DecoderKVCacheManager:
         """Point one table entry at its private copy (copy-on-write; the caller drops the original)."""
         blocks[column] = block_id
 
-    def _unbind(self, blocks: list) -> list[int]:
-        ids = list(blocks)
-        blocks.clear()
+    def _unbind(self, blocks: list, start: int = 0) -> list[int]:
+        ids = list(blocks[start:])
+        del blocks[start:]
         return ids
 
     # ---- counts ---------------------------------------------------------------
@@ -274,10 +274,36 @@ class DecoderKVCacheManager:
             raise ValueError(f"prefill: row {row} already holds {r.length} tokens; prefill an empty row")
         if T > r.request.self_tokens:
             raise ValueError(f"prefill: row {row} declared {r.request.self_tokens} tokens, got a prompt of {T}")
-        need = max(0, math.ceil(T / self.config.page_size) - len(r.self_blocks))
-        self._bind(r.self_blocks, self._take(need))
-        self._write(r.self_blocks, 0, k, v)
-        r.length = T
+        self._extend(r, k, v, T)
+
+    def extend(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``T`` more tokens ``(L, T, H, D)`` at the row's length: the rest of a prompt after a prefix
+        hit, a speculative draft after a ``rewind``. Shared pages it writes are copied first."""
+        r = self._row(row)
+        T = check_kv(self.config, k, v, "extend", (), convert=False)
+        if r.length + T > r.request.self_tokens:
+            raise ValueError(f"extend: row {row} holds {r.length} tokens and declared {r.request.self_tokens}, "
+                             f"got {T} more")
+        self._extend(r, k, v, T)
+
+    def _extend(self, r: _Row, k: torch.Tensor, v: torch.Tensor, T: int) -> None:
+        """Tokens ``[length, length + T)``: copies of the shared pages they land in, new pages past the held
+        ones (one allocation, one batched copy), then one append_kv per layer."""
+        page = self.config.page_size
+        first, end = r.length // page, self.config.pages_for(r.length + T)
+        columns = list(range(first, min(end, len(r.self_blocks))))
+        pins = set(self.pinned_blocks())
+        copy = cow_writes([r.self_blocks[c] for c in columns], lambda b: self.pool.ref_count(b) + (b in pins))
+        columns = [c for c, flag in zip(columns, copy, strict=True) if flag]
+        src = [r.self_blocks[c] for c in columns]
+        new = self._take(len(src) + max(0, end - len(r.self_blocks)))
+        self.pool.copy_blocks(src, new[: len(src)])
+        for c, b in zip(columns, new, strict=False):
+            self._rebind(r.self_blocks, c, b)
+        self._bind(r.self_blocks, new[len(src) :])
+        self._drop(src)
+        self._write(r.self_blocks, r.length, k, v)
+        r.length += T
 
     def _step_needs(self, ids: list[int]) -> list[int]:
         page = self.config.page_size
@@ -339,6 +365,24 @@ class DecoderKVCacheManager:
         for layer, view in enumerate(self.self_caches(ids)):
             append_kv(view, k[layer][:, None], v[layer][:, None])
         self.commit_step(ids)
+
+    # ---- rewind and trim (speculative drafts, revised partial results) ------------------------
+    def rewind(self, row: int, n: int) -> None:
+        """Drop the row's last ``n`` tokens. Its pages stay bound and are written again, in place, before
+        any new page is taken (the free count does not move, unless a page it writes is shared: that
+        one is copied first). Stale bytes past the new length are never read: views stop at ``length``.
+        Refused, changing nothing, when ``n`` is not in ``[0, length]`` or the copies would not fit."""
+        r = self._row(row)
+        check_rewind(self.config, self, row, n)
+        r.length -= n
+
+    def trim(self, row: int) -> int:
+        """Return the row's self pages past ``ceil(length / page)`` to the pool (one reference each);
+        returns how many were unbound. The row may take them again, out of its reservation."""
+        r = self._row(row)
+        tail = self._unbind(r.self_blocks, self.config.pages_for(r.length))
+        self._drop(tail)
+        return len(tail)
 
     # ---- beams ----------------------------------------------------------------------
     def select(self, rows, idx) -> list[int]:
