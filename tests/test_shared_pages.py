@@ -246,3 +246,114 @@ def test_rewind_refuses_when_the_copies_it_would_owe_do_not_fit(ops):
     with pytest.raises(ValueError, match="rewind: row 1 rewound by 1 would make admitted rows reserve 1 blocks"):
         m.rewind(b, 1)
     assert m.length(b) == 8
+
+
+# ---- prefix caching ------------------------------------------------------------------------------
+
+
+def token_kv(tokens, start=0):
+    """K/V as a pure function of (token id, position): what a model's projections of a prompt give."""
+    ks, vs = [], []
+    for p, t in enumerate(tokens, start):
+        g = torch.Generator().manual_seed(1000 * int(t) + p)
+        ks.append(torch.randn(2, 1, 2, 8, generator=g))
+        vs.append(torch.randn(2, 1, 2, 8, generator=g))
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
+def serve(m, prompt, new_tokens=()):
+    """Admit a row for ``prompt``, take its cached prefix, write the rest and ``new_tokens``; returns
+    (row, cached)."""
+    (row,) = m.admit([DecoderRequest(len(prompt), 4, 0)])
+    cached = m.admit_prompt(row, prompt)
+    m.extend(row, *token_kv(prompt[cached:], cached))
+    history = list(prompt)
+    for t in new_tokens:
+        m.append([row], *token_kv([t], len(history)))
+        history.append(t)
+    return row, cached
+
+
+def test_prefix_hit_is_block_aligned_below_the_prompt_and_attends_like_a_cold_prefill(ops):
+    m = ops.DecoderKVCacheManager(dcfg(max_num_blocks=12))
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    row, cached = serve(m, prompt, [40, 41])
+    assert cached == 0
+    m.retire(row, prompt + [40, 41])  # 11 tokens: two full pages published, they park
+    assert m.pool.num_parked_blocks == 2 and m.pool.num_free_blocks == 12
+    cold = ops.DecoderKVCacheManager(dcfg(max_num_blocks=12))
+    for p, want in ((prompt, 8), (prompt[:8], 4), (prompt[:5] + [0, 0, 0, 0], 4), ([1] + prompt, 0)):
+        hot, hit = serve(m, p)
+        assert hit == want
+        c, _ = serve(cold, p)
+        q = torch.randn(1, 4, 1, 8)
+        for vh, vc in zip(m.self_caches([hot]), cold.self_caches([c]), strict=True):
+            hot_out, cold_out = (ops.paged_attention(q, dataclasses.replace(x, cache_seqlens=x.cache_seqlens - 1,
+                                                                             prepared_frames=None), causal=True)
+                                 for x in (vh, vc))
+            assert torch.equal(hot_out, cold_out)
+        assert torch.equal(m.gather_self(hot), cold.gather_self(c))
+        m.evict(hot)
+        cold.evict(c)
+    assert m.pool.num_parked_blocks == 2
+    m.reset()
+    assert m.pool.num_parked_blocks == 0 and m.pool.num_free_blocks == 12
+    assert serve(m, prompt)[1] == 0
+
+
+def test_a_hash_collision_never_aliases_two_prompts(ops, monkeypatch):
+    from oasr.prefix_cache import PrefixIndex
+
+    monkeypatch.setattr(PrefixIndex, "hash_block", staticmethod(lambda parent, tokens: 7))  # every block collides
+    m = ops.DecoderKVCacheManager(dcfg())
+    row, _ = serve(m, [1, 2, 3, 4, 5])
+    m.retire(row, [1, 2, 3, 4, 5])
+    assert serve(m, [9, 9, 9, 9, 5])[1] == 0  # same hash, other tokens: a miss
+    assert serve(m, [1, 2, 3, 4, 6])[1] == 4
+
+
+def test_parked_blocks_count_as_free_and_are_reclaimed_least_recently_parked_first(ops):
+    m = ops.DecoderKVCacheManager(dcfg(max_num_blocks=6, max_rows=2, max_cross_tokens=0, max_self_tokens=24))
+    a, _ = serve(m, [1, 2, 3, 4, 0])
+    b, _ = serve(m, [5, 6, 7, 8, 0])
+    pa, pb = m.describe(a).self_blocks[0], m.describe(b).self_blocks[0]
+    m.retire(a, [1, 2, 3, 4, 0])
+    m.retire(b, [5, 6, 7, 8, 0])
+    assert m.pool.parked_block_ids() == [pa, pb] and m.pool.num_free_blocks == 6
+    (r,) = m.admit([DecoderRequest(24, 0, 0)])  # six pages: the free list, then pa, then pb
+    m.prefill(r, *token_kv(range(20, 44)))
+    assert m.describe(r).self_blocks[-2:] == (pa, pb) and m.pool.num_parked_blocks == 0
+    m.finish(r)
+    assert serve(m, [1, 2, 3, 4, 0])[1] == 0  # pa was reclaimed: its key is forgotten
+
+
+def test_abandon_is_host_only(ops):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    m = ops.DecoderKVCacheManager(dcfg())
+    rows = m.admit([DecoderRequest(5, 4, 3)] * 2)
+    for r in rows:
+        m.fill_cross(r, *kv(2, 3, 2, 8, seed=r))
+        m.prefill(r, *kv(2, 5, 2, 8, seed=r))
+    forks = m.select(rows, [0, 0, 1])
+    m.append(forks, *kv(2, 3, 2, 8, seed=9))
+    with Record() as rec:
+        m.abandon(forks[1])
+    assert rec.ops == []  # no launch, no copy, no wait
+    check_counts(m)
+    with Record() as rec:
+        m.finish(forks[0])
+    assert rec.ops or ops is reference  # the fast twin's finish does sync its device tables: the probe sees ops
+    (again,) = m.admit([DecoderRequest(5, 4, 3)])  # the abandoned row's device entries are rewritten on reuse
+    m.prefill(again, *kv(2, 5, 2, 8, seed=3))
+    assert torch.equal(m.gather_self(again), packed(*kv(2, 5, 2, 8, seed=3)))
+    check_counts(m)

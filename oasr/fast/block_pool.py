@@ -21,6 +21,8 @@ Ownership (``new_owner``, ``owner=``) is the reference's, kept in the
 ``_owner`` array: one vectorised comparison in ``free_array``. Reference counts are the
 reference's (``share``, ``ref_count``, ``free`` drops one reference per id and frees at 0, in
 the order counts reach 0); ``copy_blocks`` is one indexed copy per pool tensor.
+Parking (``publish``, ``num_parked_blocks``, ``drop_parked``) is the reference's, with the
+parked blocks in an insertion-ordered dict and the keys in a list (host bookkeeping only).
 
 Validation is vectorised; when it finds a bad id, the reference's loop is
 replayed on the host to raise exactly the reference's error for the first bad
@@ -30,6 +32,7 @@ id in the order given. ``allocate*`` and ``free*`` are thread-safe.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -80,6 +83,9 @@ class BlockPool:
         self._last_place = np.zeros(n, dtype=np.int64)  # free_array's duplicate check
         self._owner = np.zeros(n, dtype=np.int32)  # NO_OWNER
         self._refs = np.zeros(n, dtype=np.int32)
+        self._key: list = [None] * n
+        self._keyed = np.zeros(n, dtype=bool)  # a key is set (vectorised parking test in free_array)
+        self._parked: OrderedDict[int, None] = OrderedDict()
         self._owners = OwnerRegistry()
         self._lock = threading.Lock()
         self._stager = Stager([(n + scratch_blocks, torch.int64)], config.device)
@@ -93,11 +99,23 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._count
+        """The free list plus the parked blocks (see the reference)."""
+        return self._count + len(self._parked)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self._count
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_parked_blocks(self) -> int:
+        return len(self._parked)
+
+    def parked_block_ids(self) -> list[int]:
+        with self._lock:
+            return list(self._parked)
+
+    def key_of(self, block_id: int):
+        return self._key[int(block_id)]
 
     @property
     def scratch_block_ids(self) -> list[int]:
@@ -149,8 +167,20 @@ class BlockPool:
         owner = self._owners.check("allocate", owner)
         n = int(n)
         with self._lock:
-            if n > self._count:
-                raise PoolExhaustedError(n, self._count)
+            if n > self._count + len(self._parked):
+                raise PoolExhaustedError(n, self._count + len(self._parked))
+            if n > self._count:  # the whole free list, then parked blocks, least recently parked first
+                reclaimed = [self._parked.popitem(last=False)[0] for _ in range(n - self._count)]
+                for i in reclaimed:
+                    self._key[i] = None
+                self._keyed[reclaimed] = False
+                ids = np.concatenate([self._ring[self._ring_positions(self._head, self._count)].astype(np.int64),
+                                      np.array(reclaimed, dtype=np.int64)])
+                self._head, self._count = 0, 0
+                self._is_free[ids] = False
+                self._owner[ids] = owner
+                self._refs[ids] = 1
+                return ids
             head = self._head
             if head + n <= self.num_blocks:
                 ids = self._ring[head : head + n].astype(np.int64)
@@ -162,6 +192,39 @@ class BlockPool:
             self._owner[ids] = owner
             self._refs[ids] = 1
             return ids
+
+    def publish(self, block_ids, keys, owner: int = NO_OWNER) -> None:
+        """See the reference: name held blocks by ``keys``; they park instead of freeing at count 0."""
+        given, ids = _id_array(block_ids)
+        keys = list(keys)
+        owner = self._owners.check("publish", owner)
+        if ids.size != len(keys):
+            raise ValueError(f"BlockPool.publish: {ids.size} blocks for {len(keys)} keys")
+        with self._lock:
+            for i in given:
+                if not 0 <= i < self.num_blocks or self._refs[i] == 0 or self._owner[i] != owner:
+                    raise ValueError(f"BlockPool.publish: block {i} is not held by {self._owners.name(owner)}")
+            for i, key in zip(given, keys, strict=True):
+                self._key[i] = key
+            self._keyed[ids] = True
+
+    def drop_parked(self) -> int:
+        """Every parked block to the tail of the free list, keys forgotten; returns how many."""
+        with self._lock:
+            ids = np.array(list(self._parked), dtype=np.int64)
+            self._parked.clear()
+            for i in ids.tolist():
+                self._key[i] = None
+            self._keyed[ids] = False
+            self._push_free(ids)
+            return int(ids.size)
+
+    def _push_free(self, ids: np.ndarray) -> None:
+        positions = self._ring_positions(self._head + self._count, ids.size)
+        self._ring[positions] = ids
+        self._is_free[ids] = True
+        self._owner[ids] = NO_OWNER
+        self._count += ids.size
 
     def share(self, block_ids, owner: int = NO_OWNER) -> None:
         """One more holder per id given (repeats count once each); all or nothing; held under ``owner``."""
@@ -177,11 +240,15 @@ class BlockPool:
                     if not 0 <= i < self.num_blocks:
                         raise ValueError(f"BlockPool.share: block id {i} outside [0, {self.num_blocks})")
                     if self._is_free[i]:
-                        raise ValueError(f"BlockPool.share: block {i} is free; only a held block can be shared")
+                        raise ValueError(f"BlockPool.share: block {i} is free; only a held or parked block can "
+                                         f"be shared")
                     raise ValueError(f"BlockPool.share: block {i} is held by "
                                      f"{self._owners.name(int(self._owner[i]))}, not by {self._owners.name(owner)}; "
                                      f"blocks are shared within one owner")
                 np.add.at(self._refs, ids, 1)
+                if self._parked:
+                    for i in given:
+                        self._parked.pop(i, None)  # a parked block taken back
 
     def free(self, block_ids, owner: int = NO_OWNER) -> None:
         """Return ``block_ids`` to the tail of the free list, in order; all or nothing. Each must be
@@ -213,12 +280,12 @@ class BlockPool:
                     self._last_place[ids] = position
                     done &= self._last_place[ids] == position
                 ids = ids[done]
-                k = ids.size
-            positions = self._ring_positions(self._head + self._count, k)
-            self._ring[positions] = ids
-            self._is_free[ids] = True
-            self._owner[ids] = NO_OWNER
-            self._count += k
+                park = self._keyed[ids]
+                if park.any():
+                    for i in ids[park].tolist():
+                        self._parked[i] = None
+                    ids = ids[~park]
+            self._push_free(ids)
 
     def _raise_free_error(self, ids: list, owner: int) -> None:
         """The reference's validation loop, run only to raise its error for the first bad id."""

@@ -58,6 +58,7 @@ from oasr.fast.block_pool import BlockPool
 from oasr.fast.paged_ops import append_kv, check_fp8_supported, quantize_fp8
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache
+from oasr.prefix_cache import PrefixIndex, check_tokens
 
 _I32, _I64 = torch.int32, torch.int64
 
@@ -75,6 +76,7 @@ class DecoderKVCacheManager:
         check_pool(config, pool)
         self.pool = pool
         self._owner = pool.new_owner(type(self).__name__)  # the pool refuses to free our pages for others
+        self._prefix = PrefixIndex(config.page_size)
         R, SW, CW = config.max_rows, max(config.self_pages, 1), max(config.cross_pages, 1)
         null, device = pool.null_block, config.device
         self._self_table = np.full((R, SW), null, dtype=np.int32)
@@ -156,8 +158,8 @@ class DecoderKVCacheManager:
                         int(self._length[row]), int(self._ceiling[row]))
 
     def pinned_blocks(self) -> list[int]:
-        """Blocks a prefix cache holds published (none yet)."""
-        return []
+        """Blocks published in the prefix index (held or parked): a write into one always copies."""
+        return self._prefix.pinned(self.pool)
 
     @property
     def reserved_blocks(self) -> int:
@@ -209,6 +211,11 @@ class DecoderKVCacheManager:
 
     def finish(self, row: int) -> None:
         r = self._row(row)
+        self._release(r)
+        self._sync(np.array([r], dtype=np.int64))
+
+    def _release(self, r: int) -> None:
+        """The host half of ``finish``: references dropped, the row's record cleared (no device work)."""
         ids = np.concatenate([self._unbind(self._self_table, r, int(self._held[r])),
                               self._unbind(self._cross_table, r, int(self._cross_held[r]))])
         self._drop(ids)
@@ -216,7 +223,6 @@ class DecoderKVCacheManager:
         self._ceiling[r] = self._cross_ceiling[r] = 0
         self._admitted[r] = False
         self._requests[r] = None
-        self._sync(np.array([r], dtype=np.int64))
 
     # ---- views ------------------------------------------------------------------
     def _rows_index(self, rows, op: str) -> tuple[np.ndarray, torch.Tensor]:
@@ -398,6 +404,49 @@ class DecoderKVCacheManager:
             append_kv(view, k[layer][:, None], v[layer][:, None], backend=self.backend)
         self._length[ids] += 1
         self._meta[0].index_add_(0, rows_d, self._ones[: ids.size])
+
+    # ---- prefix caching (see the reference) ---------------------------------------------------
+    def admit_prompt(self, row: int, tokens) -> int:
+        """See the reference: bind the longest published prefix; returns the cached token count."""
+        r = self._row(row)
+        ids = check_tokens(tokens, "admit_prompt")
+        if self._length[r] or self._held[r]:
+            raise ValueError(f"admit_prompt: row {r} already holds {int(self._length[r])} tokens; admit its "
+                             f"prompt first")
+        if len(ids) > self._ceiling[r]:
+            raise ValueError(f"admit_prompt: row {r} declared {int(self._ceiling[r])} tokens, got a prompt "
+                             f"of {len(ids)}")
+        hits = np.array(self._prefix.lookup(self.pool, ids), dtype=np.int64)
+        self._bind(self._self_table, np.full(hits.size, r), np.arange(hits.size), hits, share=True)
+        self._held[r] = hits.size
+        self._length[r] = hits.size * self.config.page_size
+        self._sync(np.array([r], dtype=np.int64))
+        return int(self._length[r])
+
+    def retire(self, row: int, tokens) -> None:
+        """See the reference: publish the row's full pages under its history, then finish it."""
+        r = self._row(row)
+        ids = check_tokens(tokens, "retire")
+        if len(ids) != self._length[r]:
+            raise ValueError(f"retire: row {r} holds {int(self._length[r])} tokens, got a history of {len(ids)}")
+        self.pool.publish(*self._prefix.publish(self.pool, ids, self._self_table[r, : self._held[r]]), self._owner)
+        self.finish(r)
+
+    def evict(self, row: int) -> None:
+        """See the reference: finish publishing nothing new; published pages park."""
+        self.finish(row)
+
+    def abandon(self, row: int) -> None:
+        """See the reference: host bookkeeping only (no staged copy, no launch, no wait); the row's
+        device table entries are stale until its next admission rewrites them, and nothing reads them."""
+        self._release(self._row(row))
+
+    def reset(self) -> None:
+        """See the reference: finish every row, drop the parked pages and the prefix index."""
+        for row in self.rows:
+            self.finish(row)
+        self.pool.drop_parked()
+        self._prefix.clear()
 
     # ---- rewind and trim ------------------------------------------------------------------
     def rewind(self, row: int, n: int) -> None:

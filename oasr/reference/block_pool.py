@@ -28,9 +28,16 @@ reference per id given and returns a block to the free list only when its count 
 owner tag stays one per block: sharing is among the rows of one manager, never across owners.
 ``copy_blocks(src, dst)`` copies whole blocks (K, V, scales) in every layer, the copy-on-write step.
 
+Parking (prefix caching). ``publish(ids, keys, owner)`` names held blocks by a key (a prefix
+hash). A published block whose count reaches 0 is parked, not freed: it keeps its bytes, its
+owner and its key, and counts as free (``num_free_blocks`` = free list + parked). ``share`` on a
+parked block takes it back (count 1). ``allocate`` takes the free list first, then parked blocks
+least recently parked first, forgetting their keys (``key_of`` answers None afterwards, so a
+stale index entry can tell). ``drop_parked`` sends every parked block to the free list.
+
 Invariants (checked by the tests after every operation):
   * free ids are unique and disjoint from allocated ids and scratch ids;
-  * allocated + free == max_num_blocks;
+  * held + parked + free == max_num_blocks (held: count >= 1);
   * a held block has count >= 1, a free block count 0; the sum of counts equals the table
     entries (of every owner) that point at held blocks;
   * ``allocate`` pops from the head of the free list, ``free`` appends in the
@@ -43,7 +50,7 @@ engine's step loop only.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
@@ -75,7 +82,9 @@ class BlockPool:
         self._free = deque(range(config.max_num_blocks))
         self._is_free = [True] * config.max_num_blocks
         self._owner = [NO_OWNER] * config.max_num_blocks  # tag each held block was allocated under
-        self._refs = [0] * config.max_num_blocks  # holders of each block (0: free)
+        self._refs = [0] * config.max_num_blocks  # holders of each block (0: free or parked)
+        self._key: list = [None] * config.max_num_blocks  # the key a published block carries
+        self._parked: OrderedDict[int, None] = OrderedDict()  # least recently parked first
         self._owners = OwnerRegistry()
         self._lock = threading.Lock()
 
@@ -87,11 +96,25 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """The free list plus the parked blocks (an allocation may take either)."""
+        return len(self._free) + len(self._parked)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_parked_blocks(self) -> int:
+        return len(self._parked)
+
+    def parked_block_ids(self) -> list[int]:
+        """Parked blocks, least recently parked first (a copy)."""
+        with self._lock:
+            return list(self._parked)
+
+    def key_of(self, block_id: int):
+        """The key ``block_id`` was published under (held or parked), or None."""
+        return self._key[int(block_id)]
 
     @property
     def scratch_block_ids(self) -> list[int]:
@@ -134,14 +157,44 @@ class BlockPool:
             raise ValueError(f"BlockPool.allocate: n must be an int >= 0, got {n!r}")
         owner = self._owners.check("allocate", owner)
         with self._lock:
-            if n > len(self._free):
-                raise PoolExhaustedError(n, len(self._free))
-            ids = [self._free.popleft() for _ in range(n)]
+            if n > len(self._free) + len(self._parked):
+                raise PoolExhaustedError(n, len(self._free) + len(self._parked))
+            ids = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+            while len(ids) < n:  # reclaim parked blocks, least recently parked first
+                i, _ = self._parked.popitem(last=False)
+                self._key[i] = None
+                ids.append(i)
             for i in ids:
                 self._is_free[i] = False
                 self._owner[i] = owner
                 self._refs[i] = 1
             return ids
+
+    def publish(self, block_ids, keys, owner: int = NO_OWNER) -> None:
+        """Name held blocks by ``keys`` (one each); they park instead of freeing at count 0."""
+        ids, keys = [int(i) for i in block_ids], list(keys)
+        owner = self._owners.check("publish", owner)
+        if len(ids) != len(keys):
+            raise ValueError(f"BlockPool.publish: {len(ids)} blocks for {len(keys)} keys")
+        with self._lock:
+            for i in ids:
+                if not 0 <= i < self.num_blocks or self._refs[i] == 0 or self._owner[i] != owner:
+                    raise ValueError(f"BlockPool.publish: block {i} is not held by {self._owners.name(owner)}")
+            for i, key in zip(ids, keys, strict=True):
+                self._key[i] = key
+
+    def drop_parked(self) -> int:
+        """Every parked block to the tail of the free list (least recently parked first), keys
+        forgotten; returns how many."""
+        with self._lock:
+            ids = list(self._parked)
+            self._parked.clear()
+            for i in ids:
+                self._key[i] = None
+                self._is_free[i] = True
+                self._owner[i] = NO_OWNER
+                self._free.append(i)
+            return len(ids)
 
     def share(self, block_ids, owner: int = NO_OWNER) -> None:
         """One more holder for each id given (repeats count once each); all or nothing. Each must be held
@@ -153,12 +206,13 @@ class BlockPool:
                 if not 0 <= i < self.num_blocks:
                     raise ValueError(f"BlockPool.share: block id {i} outside [0, {self.num_blocks})")
                 if self._is_free[i]:
-                    raise ValueError(f"BlockPool.share: block {i} is free; only a held block can be shared")
+                    raise ValueError(f"BlockPool.share: block {i} is free; only a held or parked block can be shared")
                 if self._owner[i] != owner:
                     raise ValueError(f"BlockPool.share: block {i} is held by {self._owners.name(self._owner[i])}, "
                                      f"not by {self._owners.name(owner)}; blocks are shared within one owner")
             for i in ids:
                 self._refs[i] += 1
+                self._parked.pop(i, None)  # a parked block taken back
 
     def free(self, block_ids, owner: int = NO_OWNER) -> None:
         """Drop one reference per id given; a block whose count reaches 0 goes to the tail of the free
@@ -181,7 +235,9 @@ class BlockPool:
                 seen[i] = seen.get(i, 0) + 1
             for i in ids:
                 self._refs[i] -= 1
-                if self._refs[i] == 0:
+                if self._refs[i] == 0 and self._key[i] is not None:
+                    self._parked[i] = None
+                elif self._refs[i] == 0:
                     self._is_free[i] = True
                     self._owner[i] = NO_OWNER
                     self._free.append(i)

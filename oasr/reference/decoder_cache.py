@@ -60,6 +60,7 @@ from oasr.decoder_common import (
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
 from oasr.paged import PagedKVCache
+from oasr.prefix_cache import PrefixIndex, check_tokens
 from oasr.reference.block_pool import BlockPool
 from oasr.reference.fp8 import quantize
 from oasr.reference.paged_ops import append_kv
@@ -84,6 +85,7 @@ class DecoderKVCacheManager:
         check_pool(config, pool)
         self.pool = pool
         self._owner = pool.new_owner(type(self).__name__)  # the pool refuses to free our pages for others
+        self._prefix = PrefixIndex(config.page_size)
         self._rows: dict[int, _Row] = {}
         self._free_rows = list(range(config.max_rows))
 
@@ -131,8 +133,8 @@ class DecoderKVCacheManager:
         return RowPages(tuple(r.self_blocks), tuple(r.cross_blocks), r.length, r.request.self_tokens)
 
     def pinned_blocks(self) -> list[int]:
-        """Blocks a prefix cache holds published (none yet)."""
-        return []
+        """Blocks published in the prefix index (held or parked): a write into one always copies."""
+        return self._prefix.pinned(self.pool)
 
     @property
     def reserved_blocks(self) -> int:
@@ -365,6 +367,51 @@ class DecoderKVCacheManager:
         for layer, view in enumerate(self.self_caches(ids)):
             append_kv(view, k[layer][:, None], v[layer][:, None])
         self.commit_step(ids)
+
+    # ---- prefix caching (oasr.prefix_cache; seed 004's lifecycle) -------------------------------
+    def admit_prompt(self, row: int, tokens) -> int:
+        """Bind the longest published prefix of the row's prompt ``tokens`` (shared pages, counts up,
+        parked blocks taken back) and return how many leading tokens are cached: whole pages, strictly
+        fewer than the prompt. Then write the rest with ``extend(row, k[:, n:], v[:, n:])``. The row must
+        be freshly admitted (empty); nothing changes on a refusal."""
+        r = self._row(row)
+        ids = check_tokens(tokens, "admit_prompt")
+        if r.length or r.self_blocks:
+            raise ValueError(f"admit_prompt: row {row} already holds {r.length} tokens; admit its prompt first")
+        if len(ids) > r.request.self_tokens:
+            raise ValueError(f"admit_prompt: row {row} declared {r.request.self_tokens} tokens, got a prompt "
+                             f"of {len(ids)}")
+        hits = self._prefix.lookup(self.pool, ids)
+        self._bind(r.self_blocks, hits, share=True)
+        r.length = len(hits) * self.config.page_size
+        return r.length
+
+    def retire(self, row: int, tokens) -> None:
+        """Finish a row that ended normally, publishing its full pages under ``tokens`` (its whole
+        committed history, ``length`` ids): they park when no row holds them, for later prompts."""
+        r = self._row(row)
+        ids = check_tokens(tokens, "retire")
+        if len(ids) != r.length:
+            raise ValueError(f"retire: row {row} holds {r.length} tokens, got a history of {len(ids)}")
+        self.pool.publish(*self._prefix.publish(self.pool, ids, r.self_blocks), self._owner)
+        self.finish(row)
+
+    def evict(self, row: int) -> None:
+        """The cancel path: finish the row publishing nothing new; the published pages it held park."""
+        self.finish(row)
+
+    def abandon(self, row: int) -> None:
+        """Finish a row after a failed session with host bookkeeping only: no launch, no copy, no wait
+        (references dropped exactly as ``evict`` drops them; the row's device entries are rewritten at
+        its next admission, before any read)."""
+        self.finish(row)
+
+    def reset(self) -> None:
+        """Finish every row and drop the parked pages and the prefix index: nothing stays cached."""
+        for row in self.rows:
+            self.finish(row)
+        self.pool.drop_parked()
+        self._prefix.clear()
 
     # ---- rewind and trim (speculative drafts, revised partial results) ------------------------
     def rewind(self, row: int, n: int) -> None:
