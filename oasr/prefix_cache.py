@@ -13,6 +13,14 @@ A hit is accepted only if the pool still names that block by the same hash
 (``BlockPool.key_of``: a reclaimed parked block forgets its key) and the token
 ids of the whole prefix up to that block are equal, so a hash collision can
 never alias two prompts. Host bookkeeping only: no device work happens here.
+
+Scope. The chain starts from ``scope`` (default 0). Prompt K/V are a function of
+the token ids only in the first decoder layer: in an attention decoder with
+cross-attention in every layer (U2/WeNet, Whisper), the K/V of later layers
+depend on the encoder output too. Such a decoder may share a prompt's pages
+only among rows that attend to the same encoder output (the beams or the n-best
+hypotheses of one utterance): pass that utterance's id as ``scope``. Rows of
+different scopes never share.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ def check_tokens(tokens, op: str) -> tuple:
 
 
 class PrefixIndex:
-    """Chained block hash -> (block id, the prompt's tokens up to that block's end)."""
+    """Chained block hash -> (block id, (scope, the prompt's tokens up to that block's end))."""
 
     hash_block = staticmethod(block_hash)  # tests swap it for a colliding one
 
@@ -48,34 +56,35 @@ class PrefixIndex:
     def clear(self) -> None:
         self._entries.clear()
 
-    def _chain(self, tokens: tuple, blocks: int):
-        page, parent = self.page_size, ROOT
+    def _chain(self, tokens: tuple, blocks: int, scope=0):
+        page = self.page_size
+        parent = ROOT if scope == 0 else self.hash_block(ROOT, ("scope", scope))
         for i in range(blocks):
             parent = self.hash_block(parent, tokens[i * page : (i + 1) * page])
             yield i, parent
 
-    def lookup(self, pool, tokens: tuple) -> list[int]:
+    def lookup(self, pool, tokens: tuple, scope=0) -> list[int]:
         """The blocks of the longest cached prefix of ``tokens``: whole blocks, strictly fewer tokens
         than the prompt (its last token is always computed, it gives the first step's logits)."""
         hits = []
-        for i, h in self._chain(tokens, max(len(tokens) - 1, 0) // self.page_size):
+        for i, h in self._chain(tokens, max(len(tokens) - 1, 0) // self.page_size, scope):
             entry = self._entries.get(h)
             end = (i + 1) * self.page_size
-            if entry is None or pool.key_of(entry[0]) != h or entry[1] != tokens[:end]:
+            if entry is None or pool.key_of(entry[0]) != h or entry[1] != (scope, tokens[:end]):
                 break
             hits.append(entry[0])
         return hits
 
-    def publish(self, pool, tokens: tuple, blocks) -> tuple[list[int], list[int]]:
+    def publish(self, pool, tokens: tuple, blocks, scope=0) -> tuple[list[int], list[int]]:
         """Which of a row's full ``blocks`` (holding ``tokens``) to publish, and their keys: those whose
         prefix is not cached yet (a prefix already cached keeps its block). Records them."""
         ids, keys = [], []
-        for i, h in self._chain(tokens, len(tokens) // self.page_size):
+        for i, h in self._chain(tokens, len(tokens) // self.page_size, scope):
             entry = self._entries.get(h)
             if entry is not None and pool.key_of(entry[0]) == h:
                 continue
             end = (i + 1) * self.page_size
-            self._entries[h] = (int(blocks[i]), tokens[:end])
+            self._entries[h] = (int(blocks[i]), (scope, tokens[:end]))
             ids.append(int(blocks[i]))
             keys.append(h)
         return ids, keys

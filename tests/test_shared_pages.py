@@ -357,3 +357,16 @@ def test_abandon_is_host_only(ops):
     m.prefill(again, *kv(2, 5, 2, 8, seed=3))
     assert torch.equal(m.gather_self(again), packed(*kv(2, 5, 2, 8, seed=3)))
     check_counts(m)
+
+
+def test_rows_of_different_scopes_never_share(ops):
+    """An attention decoder's prompt K/V past layer 0 depend on the encoder output: scope = the utterance."""
+    m = ops.DecoderKVCacheManager(dcfg())
+    (row,) = m.admit([DecoderRequest(5, 0, 0)])
+    m.admit_prompt(row, [1, 2, 3, 4, 5], scope="utt-1")
+    m.extend(row, *token_kv([1, 2, 3, 4, 5]))
+    m.retire(row, [1, 2, 3, 4, 5], scope="utt-1")
+    for scope, want in (("utt-2", 0), (0, 0), ("utt-1", 4)):
+        (r,) = m.admit([DecoderRequest(5, 0, 0)])
+        assert m.admit_prompt(r, [1, 2, 3, 4, 5], scope=scope) == want
+        m.evict(r)

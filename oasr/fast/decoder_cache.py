@@ -406,7 +406,7 @@ class DecoderKVCacheManager:
         self._meta[0].index_add_(0, rows_d, self._ones[: ids.size])
 
     # ---- prefix caching (see the reference) ---------------------------------------------------
-    def admit_prompt(self, row: int, tokens) -> int:
+    def admit_prompt(self, row: int, tokens, scope=0) -> int:
         """See the reference: bind the longest published prefix; returns the cached token count."""
         r = self._row(row)
         ids = check_tokens(tokens, "admit_prompt")
@@ -423,13 +423,14 @@ class DecoderKVCacheManager:
         self._sync(np.array([r], dtype=np.int64))
         return int(self._length[r])
 
-    def retire(self, row: int, tokens) -> None:
+    def retire(self, row: int, tokens, scope=0) -> None:
         """See the reference: publish the row's full pages under its history, then finish it."""
         r = self._row(row)
         ids = check_tokens(tokens, "retire")
         if len(ids) != self._length[r]:
             raise ValueError(f"retire: row {r} holds {int(self._length[r])} tokens, got a history of {len(ids)}")
-        self.pool.publish(*self._prefix.publish(self.pool, ids, self._self_table[r, : self._held[r]]), self._owner)
+        blocks = self._self_table[r, : self._held[r]]
+        self.pool.publish(*self._prefix.publish(self.pool, ids, blocks, scope), self._owner)
         self.finish(r)
 
     def evict(self, row: int) -> None:

@@ -369,11 +369,12 @@ class DecoderKVCacheManager:
         self.commit_step(ids)
 
     # ---- prefix caching (oasr.prefix_cache; seed 004's lifecycle) -------------------------------
-    def admit_prompt(self, row: int, tokens) -> int:
+    def admit_prompt(self, row: int, tokens, scope=0) -> int:
         """Bind the longest published prefix of the row's prompt ``tokens`` (shared pages, counts up,
         parked blocks taken back) and return how many leading tokens are cached: whole pages, strictly
         fewer than the prompt. Then write the rest with ``extend(row, k[:, n:], v[:, n:])``. The row must
-        be freshly admitted (empty); nothing changes on a refusal."""
+        be freshly admitted (empty); nothing changes on a refusal. ``scope`` (``oasr.prefix_cache``): rows
+        share only within one scope; an attention decoder passes the utterance its rows attend to."""
         r = self._row(row)
         ids = check_tokens(tokens, "admit_prompt")
         if r.length or r.self_blocks:
@@ -381,19 +382,19 @@ class DecoderKVCacheManager:
         if len(ids) > r.request.self_tokens:
             raise ValueError(f"admit_prompt: row {row} declared {r.request.self_tokens} tokens, got a prompt "
                              f"of {len(ids)}")
-        hits = self._prefix.lookup(self.pool, ids)
+        hits = self._prefix.lookup(self.pool, ids, scope)
         self._bind(r.self_blocks, hits, share=True)
         r.length = len(hits) * self.config.page_size
         return r.length
 
-    def retire(self, row: int, tokens) -> None:
+    def retire(self, row: int, tokens, scope=0) -> None:
         """Finish a row that ended normally, publishing its full pages under ``tokens`` (its whole
         committed history, ``length`` ids): they park when no row holds them, for later prompts."""
         r = self._row(row)
         ids = check_tokens(tokens, "retire")
         if len(ids) != r.length:
             raise ValueError(f"retire: row {row} holds {r.length} tokens, got a history of {len(ids)}")
-        self.pool.publish(*self._prefix.publish(self.pool, ids, r.self_blocks), self._owner)
+        self.pool.publish(*self._prefix.publish(self.pool, ids, r.self_blocks, scope), self._owner)
         self.finish(row)
 
     def evict(self, row: int) -> None:
