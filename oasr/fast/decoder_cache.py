@@ -416,7 +416,7 @@ class DecoderKVCacheManager:
         if len(ids) > self._ceiling[r]:
             raise ValueError(f"admit_prompt: row {r} declared {int(self._ceiling[r])} tokens, got a prompt "
                              f"of {len(ids)}")
-        hits = np.array(self._prefix.lookup(self.pool, ids), dtype=np.int64)
+        hits = np.array(self._prefix.lookup(self.pool, ids, scope), dtype=np.int64)
         self._bind(self._self_table, np.full(hits.size, r), np.arange(hits.size), hits, share=True)
         self._held[r] = hits.size
         self._length[r] = hits.size * self.config.page_size
