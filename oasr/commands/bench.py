@@ -22,6 +22,7 @@ SECTIONS = {
     "fp8": ("oasr.bench.fp8", "section", True),
     "graphs": ("oasr.bench.graphs", "section", True),  # CUDA only: one "skipped" row on the CPU
     "decoder": ("oasr.bench.decoder", "section", True),
+    "shared_pages": ("oasr.bench.shared_pages", "section", True),
 }
 
 

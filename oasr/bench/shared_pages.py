@@ -1,0 +1,131 @@
+"""Bench section: shared decoder pages (issue 12).
+
+Two measurements, reference against fast:
+
+* **Beam search** with the seeded ``AttentionDecoder`` at beam 4 and 8 on one
+  utterance, over copy-on-write paged beams against dense beams. Time: median
+  ms of the whole search. Memory: ``kv_bytes`` is what the beams' K/V occupy at
+  the peak step: for paged beams the most pages held at once (self and cross,
+  each shared page counted once) times the bytes of a page; for dense beams
+  ``beam x (capacity + cross extent)`` token slots, the buffers a dense group
+  holds (a dense ``select`` also allocates the next group before the old one
+  goes, which this leaves out). ``same_tokens``: both storages found the same
+  hypothesis in both twins; ``score_diff``: the largest |paged - dense| score.
+  (The reference's is 0; the fast twin's paged kernel sums in another order than
+  the dense attention and differs by ~1e-6 past 16 tokens, with or without
+  shared pages: beam 1 shows the same.)
+* **Prefix hits**: ``STREAMS`` rows whose prompts share a ``SHARED``-token head
+  (then ``OWN`` tokens of their own) are served one after another and retired.
+  ``prefill_tokens`` counts the tokens each configuration had to compute and
+  write; with prefix caching, a row computes only what ``admit_prompt`` did not
+  find. Time: median ms of serving the whole workload (cache side: admit,
+  ``admit_prompt``, ``extend``, ``retire``). Rows share within one scope (one
+  utterance's hypotheses, or a decoder without cross-attention: see
+  ``oasr.prefix_cache``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oasr.bench import median_ms
+from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder_kv import PagedDecoderKV
+
+STREAMS, SHARED, OWN, PAGE = 32, 48, 5, 16
+
+
+def _search(ops, storage, decoder, enc, cfg, beam: int, max_new: int, peak: list):
+    """One beam search; ``peak[0]`` gets the K/V bytes the beams occupy at their peak (module docstring)."""
+    if storage == "dense":
+        kv = ops.DenseDecoderKV(cfg, 1, capacity=1 + max_new, cross_capacity=enc.shape[0])
+        peak[0] = beam * (1 + max_new + enc.shape[0]) * (cfg.bytes_per_block // cfg.page_size)
+        return decoder.beam_search(kv, enc, beam, max_new)
+    manager = ops.DecoderKVCacheManager(cfg)
+    step = manager.prepare_step
+
+    def watched(rows):
+        step(rows)
+        peak[0] = max(peak[0], manager.pool.num_used_blocks * cfg.bytes_per_block)
+
+    manager.prepare_step = watched
+    kv = PagedDecoderKV.admit(manager, [decoder.request(enc.shape[0], max_new)], ops)
+    found = decoder.beam_search(kv, enc, beam, max_new)
+    for r in manager.rows:
+        manager.finish(r)
+    return found
+
+
+def _beam_rows(quick: bool, device) -> list[dict]:
+    from oasr import fast, reference
+    from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
+
+    decoder = AttentionDecoder(DecoderConfig(seed=3)).to(device)
+    enc = torch.randn(12, decoder.config.encoder_dim, generator=torch.Generator().manual_seed(1)).to(device)
+    max_new = 8 if quick else 16
+    rows = []
+    for beam in (4, 8):
+        cfg = decoder.config.cache_config(max_rows=beam, max_self_tokens=1 + max_new, max_cross_tokens=12,
+                                          device=device)
+        results, out = {}, {}
+        for storage in ("paged", "dense"):
+            label = "paged (copy-on-write)" if storage == "paged" else "dense"
+            row = {"section": "shared_pages", "case": f"beam={beam} {label}"}
+            for name, ops in (("reference", reference), ("fast", fast)):
+                peak = [0]
+                args = (ops, storage, decoder, enc, cfg, beam, max_new, peak)
+                results[storage, name] = _search(*args)
+                row[f"{name}_ms"] = median_ms(lambda a=args: _search(*a), repeats=1 if quick else 3, device=device)
+                row["kv_bytes"] = peak[0]
+            out[storage] = row
+        same = all(results["paged", n][0] == results["dense", n][0] for n in ("reference", "fast"))
+        diff = max(abs(results["paged", n][1] - results["dense", n][1]) for n in ("reference", "fast"))
+        for row in out.values():
+            row["same_tokens"] = same
+            row["score_diff"] = diff
+            rows.append(row)
+    return rows
+
+
+def _serve(ops, cfg, prompts, cached: bool, device) -> int:
+    """Serve ``prompts`` one after another; returns the prefill tokens computed."""
+    manager = ops.DecoderKVCacheManager(cfg)
+    g = torch.Generator().manual_seed(0)
+    computed = 0
+    for prompt in prompts:
+        (row,) = manager.admit([DecoderRequest(len(prompt), 0)])
+        hit = manager.admit_prompt(row, prompt) if cached else 0
+        k = torch.randn(cfg.num_layers, len(prompt) - hit, cfg.n_kv_head, cfg.head_dim, generator=g).to(device)
+        manager.extend(row, k, k)
+        computed += len(prompt) - hit
+        if cached:
+            manager.retire(row, prompt)
+        else:
+            manager.finish(row)
+    return computed
+
+
+def _prefix_rows(quick: bool, device) -> list[dict]:
+    from oasr import fast, reference
+
+    streams = 8 if quick else STREAMS
+    head = list(range(100, 100 + SHARED))
+    prompts = [head + [s] * OWN for s in range(streams)]
+    cfg = DecoderCacheConfig(num_layers=2, n_kv_head=4, head_dim=64, page_size=PAGE, max_num_blocks=64, max_rows=4,
+                             max_self_tokens=SHARED + OWN, kv_storage="paged", device=device)
+    rows = []
+    for cached in (False, True):
+        row = {"section": "shared_pages", "case": f"{streams} streams, {SHARED}-token shared prompt, "
+                                                  f"prefix caching {'on' if cached else 'off'}"}
+        for name, ops in (("reference", reference), ("fast", fast)):
+            row["prefill_tokens"] = _serve(ops, cfg, prompts, cached, device)
+            row[f"{name}_ms"] = median_ms(lambda ops=ops, on=cached: _serve(ops, cfg, prompts, on, device),
+                                          repeats=1 if quick else 3, device=device)
+        rows.append(row)
+    rows[1]["tokens_saved"] = rows[0]["prefill_tokens"] - rows[1]["prefill_tokens"]
+    return rows
+
+
+def section(quick: bool, device="cpu") -> list[dict]:
+    device = torch.device(device)
+    return _beam_rows(quick, device) + _prefix_rows(quick, device)
