@@ -370,3 +370,15 @@ def test_rows_of_different_scopes_never_share(ops):
         (r,) = m.admit([DecoderRequest(5, 0, 0)])
         assert m.admit_prompt(r, [1, 2, 3, 4, 5], scope=scope) == want
         m.evict(r)
+
+
+def test_bench_section_runs_and_reports_the_savings():
+    from oasr.bench.shared_pages import section
+
+    rows = section(quick=True)
+    beams = {r["case"]: r for r in rows if r["case"].startswith("beam")}
+    for beam in (4, 8):
+        paged, dense = beams[f"beam={beam} paged (copy-on-write)"], beams[f"beam={beam} dense"]
+        assert paged["same_tokens"] and paged["kv_bytes"] < dense["kv_bytes"]
+    off, on = rows[-2:]
+    assert on["tokens_saved"] == off["prefill_tokens"] - on["prefill_tokens"] > 0
