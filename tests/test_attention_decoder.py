@@ -207,3 +207,31 @@ def test_decode_on_cuda_kernels_equals_reference(kv_cache_dtype, dtype):
         torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
         tok = a.argmax(-1)
         a, b = dec.step(groups[0], tok), dec.step(groups[1], tok)
+
+
+@pytest.mark.parametrize("twin", list(TWINS))
+@torch.no_grad()
+def test_score_shared_equals_score_and_computes_only_what_the_nbest_do_not_share(decoder, twin):
+    ops = TWINS[twin]
+    enc = encoder_outputs((8,), seed=5)[0]
+    head = [3, 4, 5, 6, 7, 8, 9]  # with sos: 8 tokens, two full pages of 4
+    hyps = [head + [10], head + [11, 12], head + [13], [3, 4]]
+    manager = ops.DecoderKVCacheManager(decoder.config.cache_config())
+    got, computed = decoder.score_shared(hyps, enc, manager, ops, scope="utt-0")
+    want = decoder.score(hyps, enc)
+    assert got == pytest.approx(want, abs=1e-4)
+    # the first hypothesis computes 9 tokens; the next two reuse sos + 7 head tokens (8, two pages)
+    assert computed == 9 + (10 - 8) + (9 - 8) + 3
+    with pytest.raises(ValueError, match="give each call \\(utterance\\) its own scope"):
+        decoder.score_shared(hyps, enc, manager, ops, scope="utt-0")
+    assert manager.rows == []
+
+
+def test_rescoring_through_the_shared_cache_picks_the_same_hypothesis(decoder):
+    enc = encoder_outputs((8,), seed=5)[0]
+    nbest = [CtcHypothesis([3, 4, 5, 6, 7], -1.0, [0, 1, 2, 3, 4]), CtcHypothesis([3, 4, 5, 6, 8], -1.2, [0, 1, 2, 3, 4]),
+             CtcHypothesis([3, 4], -4.0, [0, 1])]
+    plain = attention_rescore(decoder, enc, nbest)
+    manager = fast.DecoderKVCacheManager(decoder.config.cache_config())
+    shared = attention_rescore(decoder, enc, nbest, cache=(manager, fast, "utt"))
+    assert shared[0] == plain[0] and shared[1] == pytest.approx(plain[1], abs=1e-4)

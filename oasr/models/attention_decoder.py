@@ -324,17 +324,54 @@ class AttentionDecoder(nn.Module):
         valid = torch.arange(T)[None, :] <= torch.tensor([len(h) for h in hyps])[:, None]
         return (picked * valid).sum(dim=1).tolist()
 
+    @torch.no_grad()
+    def score_shared(self, hyps: list[list[int]], enc: torch.Tensor, manager, ops, scope) -> tuple[list[float], int]:
+        """``score`` through a paged ``DecoderKVCacheManager``, sharing the prefixes the hypotheses have in
+        common (the n-best of one utterance mostly differ at the end).
 
-def attention_rescore(decoder: AttentionDecoder, enc: torch.Tensor, nbest, ctc_weight: float = 0.5):
+        Each hypothesis ``[sos] + hyp`` is admitted with ``admit_prompt(row, tokens, scope)``: its cached
+        pages are bound, not recomputed; the rest is fed one token per ``step`` over the cache; the row is
+        then ``retire``d so the next hypothesis can hit it. The log-probabilities of cached positions come
+        from a host memo of this call. ``scope`` must name the utterance: past the first layer the K/V
+        depend on ``enc`` (``oasr.prefix_cache``). Returns ``(scores, tokens computed)``.
+        """
+        from oasr.decoder_kv import PagedDecoderKV
+
+        cfg, device = self.config, self.out.weight.device
+        memo: dict[tuple, torch.Tensor] = {}  # prefix tokens -> log-probs of the next token
+        scores, computed = [], 0
+        for hyp in hyps:
+            tokens = [cfg.sos, *hyp]
+            kv = PagedDecoderKV.admit(manager, [DecoderRequest(len(tokens), 0, enc.shape[0])], ops)
+            row = kv.rows[0]
+            self.fill_cross(kv, [enc])
+            cached = manager.admit_prompt(row, tokens, scope)
+            if any(tuple(tokens[: i + 1]) not in memo for i in range(cached)):
+                kv.finish()
+                raise ValueError(f"score_shared: scope {scope!r} hit pages published by an earlier call; give "
+                                 f"each call (utterance) its own scope")
+            for i in range(cached, len(tokens)):  # every uncached token writes its K/V
+                logits = self.step(kv, torch.tensor([tokens[i]], device=device))
+                memo[tuple(tokens[: i + 1])] = F.log_softmax(logits.float(), -1)[0].cpu()
+                computed += 1
+            targets = [*hyp, cfg.eos]
+            scores.append(sum(float(memo[tuple(tokens[: i + 1])][t]) for i, t in enumerate(targets)))
+            manager.retire(row, tokens, scope)
+        return scores, computed
+
+
+def attention_rescore(decoder: AttentionDecoder, enc: torch.Tensor, nbest, ctc_weight: float = 0.5, cache=None):
     """U2/WeNet's second pass: pick the CTC n-best hypothesis maximising decoder_ll + ctc_weight * ctc_score.
 
     ``nbest``: ``CtcHypothesis`` records (``tokens``, ``log_score``). Returns ``(tokens, scores)`` where
-    ``scores[i]`` is hypothesis i's combined score.
+    ``scores[i]`` is hypothesis i's combined score. ``cache=(manager, ops, scope)`` scores through a paged
+    decoder cache with ``AttentionDecoder.score_shared`` (shared prefixes computed once; ``scope`` names
+    the utterance); without it, one teacher-forced forward (``score``).
     """
     hyps = [list(h.tokens) for h in nbest]
     if not hyps:
         return [], []
-    dec = decoder.score(hyps, enc)
+    dec = decoder.score(hyps, enc) if cache is None else decoder.score_shared(hyps, enc, *cache)[0]
     combined = [d + ctc_weight * float(h.log_score) for d, h in zip(dec, nbest, strict=True)]
     best = max(range(len(hyps)), key=lambda i: combined[i])
     return hyps[best], combined
