@@ -229,8 +229,8 @@ def test_score_shared_equals_score_and_computes_only_what_the_nbest_do_not_share
 
 def test_rescoring_through_the_shared_cache_picks_the_same_hypothesis(decoder):
     enc = encoder_outputs((8,), seed=5)[0]
-    nbest = [CtcHypothesis([3, 4, 5, 6, 7], -1.0, [0, 1, 2, 3, 4]), CtcHypothesis([3, 4, 5, 6, 8], -1.2, [0, 1, 2, 3, 4]),
-             CtcHypothesis([3, 4], -4.0, [0, 1])]
+    nbest = [CtcHypothesis([3, 4, 5, 6, 7], -1.0, [0, 1, 2, 3, 4]),
+             CtcHypothesis([3, 4, 5, 6, 8], -1.2, [0, 1, 2, 3, 4]), CtcHypothesis([3, 4], -4.0, [0, 1])]
     plain = attention_rescore(decoder, enc, nbest)
     manager = fast.DecoderKVCacheManager(decoder.config.cache_config())
     shared = attention_rescore(decoder, enc, nbest, cache=(manager, fast, "utt"))
