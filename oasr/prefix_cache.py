@@ -90,5 +90,7 @@ class PrefixIndex:
         return ids, keys
 
     def pinned(self, pool) -> list[int]:
-        """Published blocks the pool still names (held or parked)."""
-        return [b for h, (b, _) in self._entries.items() if pool.key_of(b) == h]
+        """Published blocks the pool still names (held or parked); entries whose block the pool has
+        reclaimed are dropped here, so the index does not outgrow the pool."""
+        self._entries = {h: e for h, e in self._entries.items() if pool.key_of(e[0]) == h}
+        return [b for b, _ in self._entries.values()]

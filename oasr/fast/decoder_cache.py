@@ -320,10 +320,7 @@ class DecoderKVCacheManager:
         end = self.config.pages_for(length + T)
         columns = np.arange(length // page, min(end, held))
         landing = self._self_table[r, columns].astype(np.int64)
-        shared = self.pool._refs[landing] > 1
-        pins = self.pinned_blocks()
-        if pins:
-            shared |= np.isin(landing, pins)
+        shared = (self.pool._refs[landing] > 1) | self.pool._keyed[landing]  # shared or published
         src = landing[shared]
         need = max(0, end - held)
         new = self._take(int(src.size) + need)
@@ -354,15 +351,12 @@ class DecoderKVCacheManager:
         col = self._length[ids] // page
         inside = col < self._held[ids]
         landing = np.where(inside, self._self_table[ids, np.minimum(col, self._self_table.shape[1] - 1)], -1)
-        refs = self.pool._refs
-        shared = inside & (refs[np.maximum(landing, 0)] > 1)
-        pins = self.pinned_blocks()
-        if pins:
-            shared |= inside & np.isin(landing, pins)
+        refs, keyed = self.pool._refs, self.pool._keyed  # keyed: published in the prefix index (pinned)
+        safe = np.maximum(landing, 0)
+        shared = inside & ((refs[safe] > 1) | keyed[safe])
         copy = np.zeros(ids.size, dtype=bool)
         if shared.any():  # the rare path (a step right after a fork): the reference's rule, row by row
-            pinset = set(pins)
-            copy[shared] = cow_writes(landing[shared].tolist(), lambda b: int(refs[b]) + (b in pinset))
+            copy[shared] = cow_writes(landing[shared].tolist(), lambda b: int(refs[b]) + int(keyed[b]))
         src = landing[copy]
         new = self._take(int(src.size + needs.sum()))  # inside the rows' reservations: cannot run dry
         self.pool.copy_blocks(src, new[: src.size])
