@@ -5,7 +5,7 @@
 # everything into DIR:
 #   0. DIR/env.txt: nvidia-smi, python, torch, cuda-python, flashinfer versions; DIR/install.log
 #   1. the cuda-marked tests                     -> DIR/junit-cuda.xml, DIR/pytest-cuda.log
-#   2. the NVRTC kernel report for sm_80, sm_90 and this device's arch (+ --sass when the pip
+#   4. (last) the NVRTC kernel report for sm_80, sm_90 and this device's arch (+ --sass when the pip
 #      nvdisasm is present)                      -> DIR/kernels.json, DIR/kernels.log
 #   3. `python -m oasr bench --quick --device cuda` (its attention section compares v1, v2, SDPA on
 #      gathered K/V and FlashInfer at the ASR shape: oasr/bench/attention_gpu.py)
@@ -51,19 +51,9 @@ PY=${PYTHON:-python3}
 cat "$DIR/env.txt"
 
 echo "== cuda tests"
-timeout 150 $PY -m pytest -m cuda tests -q -rs -p no:cacheprovider --junitxml="$DIR/junit-cuda.xml" 2>&1 \
+timeout 240 $PY -m pytest -m cuda tests -q -rs -p no:cacheprovider --junitxml="$DIR/junit-cuda.xml" 2>&1 \
     | tee "$DIR/pytest-cuda.log"
 tests_rc=${PIPESTATUS[0]}
-
-echo "== kernel report"
-ARCHS=sm_80,sm_90
-DEV_ARCH=$($PY -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm_{m}{n}')" 2>/dev/null || true)
-case ",$ARCHS," in *",$DEV_ARCH,"*) ;; *) [ -n "$DEV_ARCH" ] && ARCHS="$ARCHS,$DEV_ARCH" ;; esac
-SASS=""
-$PY -c "from oasr.fast.kernels.sass import find_tool; find_tool('nvdisasm'); find_tool('cuobjdump')" 2>/dev/null \
-    && SASS="--sass"
-timeout 60 $PY -m oasr kernels --arch "$ARCHS" $SASS --json "$DIR/kernels.json" 2>&1 | tee "$DIR/kernels.log"
-kernels_rc=${PIPESTATUS[0]}
 
 echo "== bench"
 timeout 120 $PY -m oasr bench --quick --device cuda --sections attention,fp8,bookkeeping \
@@ -76,6 +66,16 @@ echo "== graphs bench"
 timeout 120 $PY -m oasr bench --quick --device cuda --sections graphs --json "$DIR/bench-graphs.json" \
     >"$DIR/bench-graphs.log" 2>&1
 echo "graphs bench exit code $?" | tee -a "$DIR/bench-graphs.log"
+
+echo "== kernel report"
+ARCHS=sm_80,sm_90
+DEV_ARCH=$($PY -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm_{m}{n}')" 2>/dev/null || true)
+case ",$ARCHS," in *",$DEV_ARCH,"*) ;; *) [ -n "$DEV_ARCH" ] && ARCHS="$ARCHS,$DEV_ARCH" ;; esac
+SASS=""
+$PY -c "from oasr.fast.kernels.sass import find_tool; find_tool('nvdisasm'); find_tool('cuobjdump')" 2>/dev/null \
+    && SASS="--sass"
+timeout 120 $PY -m oasr kernels --arch "$ARCHS" $SASS --json "$DIR/kernels.json" 2>&1 | tee "$DIR/kernels.log"
+kernels_rc=${PIPESTATUS[0]}
 
 echo "tests rc=$tests_rc kernels rc=$kernels_rc bench rc=$bench_rc" | tee "$DIR/summary.txt"
 if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
