@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -190,11 +191,18 @@ def test_tick_reads_nothing_back(geometry):
     assert issued == [1, 1, 0, 0, 0] and len(copies) == 2
 
 
+def staged(att):
+    """Run ``att``'s one-stream paths as on CUDA (staged copies) although its tensors are on the CPU."""
+    att._host_table = att._host_meta = None
+    return att
+
+
 @pytest.mark.parametrize("geometry", ["aligned", "straddling", "unlimited"])
 def test_one_stream_tick_reads_nothing_back(geometry):
-    """The one-stream path: prepare stages once, commit sends the shifted row with the lengths in
-    one staged copy; nothing is read back and torch writes no host buffer."""
+    """The one-stream path as on CUDA: prepare stages once, commit sends the shifted row with the
+    lengths in one staged copy; nothing is read back and torch writes no host buffer."""
     cfg, att, ids = build(geometry)
+    staged(att)
     for _ in range(6):
         tick(att, ids[2:3], pad_to=2)
     host = {p for s in stagers(att) for p in s.storages()}
@@ -208,6 +216,31 @@ def test_one_stream_tick_reads_nothing_back(geometry):
     assert not any(ptrs & host for _, ptrs in rec.written)
     issued = [s.copies - c for s, c in zip(stagers(att), copies_before, strict=True)]
     assert issued == [1, 0, 0, 1, 0] and len(copies) == 2  # prepare's stager, then the row stager
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+@pytest.mark.parametrize("pad", [0, 1])
+def test_one_stream_tick_on_cpu_writes_the_tables_directly(geometry, pad):
+    """On a CPU device the one-stream tick runs no torch op but views (no stage, no copy, no index op):
+    the rows go through numpy views of the persistent tensors, and the views served are the same
+    as the staged path's, tick by tick, including across eviction."""
+    (_, att, ids), (_, ref, _) = build(geometry), build(geometry)
+    staged(ref)
+    cohort = ids[2:3]
+    for step in range(8):
+        copies_before = [s.copies for s in stagers(att)]
+        with OpRecorder() as rec:
+            views = tick(att, cohort, pad_to=1 + pad)
+        ref_views = tick(ref, cohort, pad_to=1 + pad)
+        if step >= 2:  # the width's buffers exist: only views (new records while the window fills)
+            assert set(rec.names()) <= {"aten.select.int"} and [s.copies for s in stagers(att)] == copies_before
+        for got, want in zip(views, ref_views, strict=True):
+            for field in ("block_table", "cache_seqlens", "cache_seqstarts"):
+                assert torch.equal(getattr(got, field), getattr(want, field))
+            assert (got.max_seqlen, got.max_span, got.prepared_frames) == (
+                want.max_seqlen, want.max_span, want.prepared_frames)
+        assert torch.equal(att.block_table, ref.block_table) and torch.equal(att._seq_meta, ref._seq_meta)
+        assert np.array_equal(att.block_table.numpy(), att._table)
 
 
 def test_new_block_ids_go_through_one_staged_copy():

@@ -75,6 +75,7 @@ each, four host copies per stager on CUDA).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -96,6 +97,17 @@ from oasr.validate import (
 )
 
 _I32, _I64 = torch.int32, torch.int64
+_logger = logging.getLogger("oasr.fast")
+_reported = []
+
+
+def _report_cpu_direct() -> None:
+    if not _reported:
+        _reported.append(True)
+        _logger.info(
+            "oasr.fast: attention cache: on a CPU device one-stream prepare / get_paged_caches / commit write "
+            "the persistent tables directly (numpy views of their storage); cohorts, and CUDA, are staged"
+        )
 
 
 
@@ -131,6 +143,12 @@ class AttentionCacheManager:
         self._seq_meta[0, streams:].fill_(config.prefill_frames)
         self.cache_seqlens, self.cache_seqstarts = self._seq_meta[0], self._seq_meta[1]
         self._flat_table = self.block_table.view(-1)
+        # CPU (dispatch by device): numpy views of the persistent tensors' own storage; the one-stream
+        # paths write rows through them instead of staging (on a CPU there is no host-to-device copy).
+        self._host_table = self._host_meta = None
+        if self.block_table.device.type == "cpu":
+            self._host_table, self._host_meta = self.block_table.numpy(), self._seq_meta.numpy()
+            _report_cpu_direct()
         self._active_table = self.block_table[:, :active]
         self._shift_src = torch.full((streams, active + 1), null, dtype=_I32, device=device)  # col K stays null
         self._shift_dst = torch.empty((streams, active), dtype=_I32, device=device)
@@ -145,6 +163,7 @@ class AttentionCacheManager:
         self._dense_stager = Stager([(per_chunk, _I64), (per_chunk, _I32), (chunk, _I64), (chunk, _I64)], device)
         self._prepared_cohort = None  # (slot epoch, ids, staged device slots) of the last prepare
         self._cohorts: dict[int, tuple] = {}  # width -> (block_table (w, W), seq meta (2, w))
+        self._host_cohorts: dict[int, tuple] = {}  # CPU only: width -> numpy views of those two buffers
         self._views: dict[int, tuple] = {}  # width -> (max_seqlen, max_span, prepared_frames, views per layer)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
@@ -380,14 +399,19 @@ class AttentionCacheManager:
         if held + need > self.config.blocks_per_stream:
             raise StreamCapacityError(ids[0], held + need, self.config.blocks_per_stream)
         new_ids = self.pool.allocate_array(need, self._owner)  # raises PoolExhaustedError before any change
-        slots = np.array([slot])
-        flat = np.empty(0, dtype=np.int64)
         if need:
             self._table[slot, held : held + need] = new_ids
             self._num_blocks[slot] = held + need
-            flat = slot * self.config.max_blocks_per_seq + np.arange(held, held + need)
         self._prepared[slot] = True
-        slot_d, flat_d, ids_d = self._prepare_stager.stage(slots, flat, new_ids)
+        if self._host_table is not None:  # CPU: the tensor's own memory, no copy
+            if need:
+                self._host_table[slot, held : held + need] = new_ids
+            self._prepared_cohort = None
+            return
+        flat = np.empty(0, dtype=np.int64)
+        if need:
+            flat = slot * self.config.max_blocks_per_seq + np.arange(held, held + need)
+        slot_d, flat_d, ids_d = self._prepare_stager.stage(np.array([slot]), flat, new_ids)
         if need:
             self._flat_table.index_copy_(0, flat_d, ids_d)
         self._prepared_cohort = (self.slots.epoch, ids, slot_d)
@@ -457,6 +481,12 @@ class AttentionCacheManager:
             self._num_blocks[slot] -= drop
         self._seqlen[slot] = seqlen
         self._seqstart[slot] = seqstart
+        if self._host_table is not None:  # CPU: write the persistent tensors' memory directly
+            if drop:
+                self._host_table[slot] = row
+            self._host_meta[0, slot] = seqlen
+            self._host_meta[1, slot] = seqstart
+            return
         slot_d, row_d, meta_d = self._row_stager.stage(np.array([slot]), row, np.array([seqlen, seqstart]))
         if drop:
             self.block_table.index_copy_(0, slot_d, row_d.view(1, -1))
@@ -497,6 +527,8 @@ class AttentionCacheManager:
         """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows);
         ``prepared_frames`` and ``model_dtype`` as in the reference (host numbers, no device read)."""
         ids = as_id_list(stream_ids)
+        if len(ids) == 1 and self._host_table is not None:  # dispatch by device and size (module docstring)
+            return self._paged_one(ids[0], pad_to)
         if len(set(ids)) != len(ids):
             raise ValueError(f"get_paged_caches: duplicate stream ids in {ids}")
         try:
@@ -506,11 +538,7 @@ class AttentionCacheManager:
         if slots is None or not self._prepared[slots].all():
             for stream_id in ids:  # raise the reference's error for the first bad id
                 self.get_paged_state_views(stream_id)
-        pad = 0 if pad_to is None else pad_to - len(ids)
-        if pad < 0:
-            raise ValueError(f"get_paged_caches: pad_to={pad_to} is smaller than the {len(ids)} streams")
-        if pad and not self.pad_lanes:
-            raise ValueError(f"get_paged_caches: pad_to={pad_to} needs a padding lane (pad_lanes=0)")
+        pad = self._padding(pad_to, len(ids))
         B = len(ids)
         if B + pad == 0:
             # The reference's torch.cat of no rows raises ValueError; say why in words.
@@ -535,15 +563,56 @@ class AttentionCacheManager:
             table[B:].fill_(self.pool.null_block)
             seqlens[B:].fill_(prefill)
             seqstarts[B:].zero_()
-        cached = self._views.get(B + pad)
+        return self._views_of(B + pad, max_seqlen, max_span, prepared)
+
+    def _padding(self, pad_to, streams: int) -> int:
+        """Padding rows of a ``get_paged_caches`` call (checked as the reference does)."""
+        pad = 0 if pad_to is None else pad_to - streams
+        if pad < 0:
+            raise ValueError(f"get_paged_caches: pad_to={pad_to} is smaller than the {streams} streams")
+        if pad and not self.pad_lanes:
+            raise ValueError(f"get_paged_caches: pad_to={pad_to} needs a padding lane (pad_lanes=0)")
+        return pad
+
+    def _views_of(self, width: int, max_seqlen: int, max_span: int, prepared: tuple) -> list[PagedKVCache]:
+        """The per-layer records over width ``width``'s buffers, rebuilt only when a host number changed."""
+        cached = self._views.get(width)
         if cached is None or cached[:3] != (max_seqlen, max_span, prepared):
+            table, meta = self._cohort_buffers(width)
             bs, dtype = self.config.block_size_frames, self.config.dtype
             views = [
-                PagedKVCache(k, v, table, seqlens, seqstarts, bs, max_seqlen, max_span, layer, *scales, prepared, dtype)
+                PagedKVCache(k, v, table, meta[0], meta[1], bs, max_seqlen, max_span, layer, *scales, prepared, dtype)
                 for layer, ((k, v), scales) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
             ]
-            cached = self._views[B + pad] = (max_seqlen, max_span, prepared, views)
+            cached = self._views[width] = (max_seqlen, max_span, prepared, views)
         return list(cached[3])  # the records are frozen; the same ones serve while nothing in them changes
+
+    def _paged_one(self, stream_id, pad_to) -> list[PagedKVCache]:
+        """``get_paged_caches`` of one stream on a CPU device: the same checks in the same order, the
+        row and lengths copied through numpy views of the width's buffers (no torch op), the same records."""
+        slot = self.slots.slot_of(stream_id)
+        if not self._prepared[slot]:
+            self.get_paged_state_views(stream_id)  # raises the reference's error
+        pad = self._padding(pad_to, 1)
+        width = 1 + pad
+        host = self._host_cohorts.get(width)
+        if host is None:
+            host = self._host_cohorts[width] = tuple(t.numpy() for t in self._cohort_buffers(width))
+        table, meta = host
+        table[0] = self._host_table[slot]
+        meta[:, 0] = self._host_meta[:, slot]
+        seqlen = int(self._seqlen[slot])
+        max_seqlen, max_span = seqlen, seqlen - int(self._seqstart[slot])
+        chunk = self.config.chunk_size
+        prepared = (min(int(self._num_blocks[slot]) * self.config.block_size_frames - seqlen, chunk),)
+        if pad:
+            prefill = self.config.prefill_frames
+            table[1:] = self.pool.null_block
+            meta[0, 1:] = prefill
+            meta[1, 1:] = 0
+            max_seqlen, max_span = max(max_seqlen, prefill), max(max_span, prefill)
+            prepared += (chunk,) * pad
+        return self._views_of(width, max_seqlen, max_span, prepared)
 
     def cached_frames(self, stream_ids):
         """History a stream's next chunk attends to (``seqlen - seqstart``); a list for a list."""
