@@ -50,11 +50,22 @@ allocated once each cohort width has been seen once.
 One stream (dispatch by size): ``prepare_chunks_batched`` and
 ``commit_chunks_batched`` of a single id run ``_prepare_one`` / ``_commit_one``,
 the same checks, frees and allocations in Python ints instead of ~25 numpy
-vector calls (which cost more than the work at one stream on a CPU). Prepare
-still stages once; commit sends the stream's shifted host row and lengths in
-one ``_row_stager`` copy and writes them with two ``index_copy_``. Tables,
-errors and block order are the batched path's (the two-twin state machine
-drives both).
+vector calls (which cost more than the work at one stream on a CPU). On CUDA
+prepare still stages once; commit sends the stream's shifted host row and
+lengths in one ``_row_stager`` copy and writes them with two ``index_copy_``.
+Tables, errors and block order are the batched path's (the two-twin state
+machine drives both).
+
+One stream on a CPU device (dispatch by device, reported once, INFO
+``oasr.fast``): there is no host-to-device copy to avoid, so the manager keeps
+numpy views of ``block_table`` and of the length pair (``Tensor.numpy()``
+shares the storage) and the one-stream prepare and commit write the row and
+lengths through them, and ``get_paged_caches`` of one id copies them into the
+width's buffers through numpy views of those: no stager, no torch op but the
+views of new records. At one stream the two staged copies and the index ops
+cost more than all the rest of the tick. Cohorts of two or more take the
+staged path on every device; tests run the staged one-stream path on the CPU
+by dropping the views (``_host_table = None``).
 
 Graph-stable addresses
 ----------------------
