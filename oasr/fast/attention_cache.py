@@ -179,6 +179,13 @@ class AttentionCacheManager:
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
 
+    def _stage_like_cuda(self) -> None:
+        """Turn the CPU direct writes off for good: every call then stages and runs the device ops
+        exactly as on CUDA. The capture-safety checker (``watch_engine``) does this, so that a CPU run
+        checks the code a CUDA device runs; tests do it to cover that path on the CPU."""
+        self._host_table = self._host_meta = None
+        self._prepared_cohort = None
+
     # ---- helpers --------------------------------------------------------------
     def _frames(self, num_frames) -> int:
         n = self.config.chunk_size if num_frames is None else num_frames
@@ -272,6 +279,12 @@ class AttentionCacheManager:
             self._num_blocks[slots] -= drop
         self._seqlen[slots] = seqlen
         self._seqstart[slots] = seqstart
+        if self._host_table is not None:  # CPU: the host rows are the device rows; write them directly
+            self._host_meta[0, slots] = seqlen
+            self._host_meta[1, slots] = seqstart
+            if drop is not None:
+                self._host_table[slots, : self._active_cols] = self._table[slots, : self._active_cols]
+            return
 
         B = len(slots)
         slot_d, meta_d, col_d = self._commit_stager.stage(slots, np.concatenate([seqlen, seqstart]), columns)
@@ -391,6 +404,11 @@ class AttentionCacheManager:
             self._num_blocks[slots] = held + need
             flat = rows * self.config.max_blocks_per_seq + cols
         self._prepared[slots] = True
+        if self._host_table is not None:  # CPU: the tensor's own memory, no copy
+            if total:
+                self._host_table[rows, cols] = new_ids
+            self._prepared_cohort = None
+            return
         slot_d, flat_d, ids_d = self._prepare_stager.stage(slots, flat, new_ids)
         if total:
             self._flat_table.index_copy_(0, flat_d, ids_d)
@@ -556,14 +574,18 @@ class AttentionCacheManager:
             raise ValueError("get_paged_caches: an empty cohort (no stream ids, no padding) has no view")
 
         table, meta = self._cohort_buffers(B + pad)
-        seqlens, seqstarts = meta[0], meta[1]
         prefill, chunk = self.config.prefill_frames, self.config.chunk_size
         max_seqlen = max_span = prefill if pad else 0
         prepared = ()
-        if B:
+        host = self._host_buffers(B + pad)
+        if B and host is not None:  # CPU: gather through numpy views of the same storage
+            np.take(self._host_table, slots, axis=0, out=host[0][:B])
+            np.take(self._host_meta, slots, axis=1, out=host[1][:, :B])
+        elif B:
             slot_d = self._device_slots(ids, slots)
             torch.index_select(self.block_table, 0, slot_d, out=table[:B])
             torch.index_select(self._seq_meta, 1, slot_d, out=meta[:, :B])
+        if B:
             lens = self._seqlen[slots]
             max_seqlen = max(max_seqlen, int(lens.max()))
             max_span = max(max_span, int((lens - self._seqstart[slots]).max()))
@@ -571,10 +593,29 @@ class AttentionCacheManager:
             prepared = tuple(np.minimum(room, chunk).tolist())
         prepared += (chunk,) * pad
         if pad:
-            table[B:].fill_(self.pool.null_block)
-            seqlens[B:].fill_(prefill)
-            seqstarts[B:].zero_()
+            self._fill_padding(table, meta, host, B)
         return self._views_of(B + pad, max_seqlen, max_span, prepared)
+
+    def _host_buffers(self, width: int):
+        """CPU device only: numpy views of width ``width``'s ``(table, seq meta)`` buffers; else None."""
+        if self._host_table is None:
+            return None
+        host = self._host_cohorts.get(width)
+        if host is None:
+            host = self._host_cohorts[width] = tuple(t.numpy() for t in self._cohort_buffers(width))
+        return host
+
+    def _fill_padding(self, table, meta, host, B: int) -> None:
+        """Padding rows ``B:`` of a width's buffers: null blocks at length ``prefill_frames``, start 0."""
+        null, prefill = self.pool.null_block, self.config.prefill_frames
+        if host is not None:
+            host[0][B:] = null
+            host[1][0, B:] = prefill
+            host[1][1, B:] = 0
+        else:
+            table[B:].fill_(null)
+            meta[0, B:].fill_(prefill)
+            meta[1, B:].zero_()
 
     def _padding(self, pad_to, streams: int) -> int:
         """Padding rows of a ``get_paged_caches`` call (checked as the reference does)."""
@@ -605,25 +646,19 @@ class AttentionCacheManager:
         if not self._prepared[slot]:
             self.get_paged_state_views(stream_id)  # raises the reference's error
         pad = self._padding(pad_to, 1)
-        width = 1 + pad
-        host = self._host_cohorts.get(width)
-        if host is None:
-            host = self._host_cohorts[width] = tuple(t.numpy() for t in self._cohort_buffers(width))
-        table, meta = host
-        table[0] = self._host_table[slot]
-        meta[:, 0] = self._host_meta[:, slot]
+        host = self._host_buffers(1 + pad)
+        host[0][0] = self._host_table[slot]
+        host[1][:, 0] = self._host_meta[:, slot]
         seqlen = int(self._seqlen[slot])
         max_seqlen, max_span = seqlen, seqlen - int(self._seqstart[slot])
         chunk = self.config.chunk_size
         prepared = (min(int(self._num_blocks[slot]) * self.config.block_size_frames - seqlen, chunk),)
         if pad:
+            self._fill_padding(None, None, host, 1)
             prefill = self.config.prefill_frames
-            table[1:] = self.pool.null_block
-            meta[0, 1:] = prefill
-            meta[1, 1:] = 0
             max_seqlen, max_span = max(max_seqlen, prefill), max(max_span, prefill)
             prepared += (chunk,) * pad
-        return self._views_of(width, max_seqlen, max_span, prepared)
+        return self._views_of(1 + pad, max_seqlen, max_span, prepared)
 
     def cached_frames(self, stream_ids):
         """History a stream's next chunk attends to (``seqlen - seqstart``); a list for a list."""
