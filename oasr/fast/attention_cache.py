@@ -56,16 +56,21 @@ lengths in one ``_row_stager`` copy and writes them with two ``index_copy_``.
 Tables, errors and block order are the batched path's (the two-twin state
 machine drives both).
 
-One stream on a CPU device (dispatch by device, reported once, INFO
-``oasr.fast``): there is no host-to-device copy to avoid, so the manager keeps
-numpy views of ``block_table`` and of the length pair (``Tensor.numpy()``
-shares the storage) and the one-stream prepare and commit write the row and
-lengths through them, and ``get_paged_caches`` of one id copies them into the
-width's buffers through numpy views of those: no stager, no torch op but the
-views of new records. At one stream the two staged copies and the index ops
-cost more than all the rest of the tick. Cohorts of two or more take the
-staged path on every device; tests run the staged one-stream path on the CPU
-by dropping the views (``_host_table = None``).
+On a CPU device (dispatch by device, reported once, INFO ``oasr.fast``)
+there is no host-to-device copy to avoid, so the manager keeps numpy views of
+``block_table`` and of the length pair (``Tensor.numpy()`` shares the storage)
+and writes through them what the staged path sends: prepare the new ids,
+commit the lengths and, on eviction, the shifted host rows;
+``get_paged_caches`` gathers rows into the width's buffers with ``np.take``
+through numpy views of those buffers. No stager runs and no torch op but the
+views of new records. At one stream the staged copies and index ops cost more
+than the rest of the tick; at every size they cost more than the numpy writes.
+``get_paged_caches`` of one id also checks in scalars (``_paged_one``). The
+numbers the views and tables hold are the staged path's (tests compare them
+tick by tick). ``_stage_like_cuda()`` switches a CPU manager to the staged
+path for good: the capture-safety checker's ``watch_engine`` does it so that a
+CPU run checks the code CUDA runs, and the tests and the two-twin state
+machine run both paths.
 
 Graph-stable addresses
 ----------------------
@@ -116,8 +121,8 @@ def _report_cpu_direct() -> None:
     if not _reported:
         _reported.append(True)
         _logger.info(
-            "oasr.fast: attention cache: on a CPU device one-stream prepare / get_paged_caches / commit write "
-            "the persistent tables directly (numpy views of their storage); cohorts, and CUDA, are staged"
+            "oasr.fast: attention cache: on a CPU device prepare / get_paged_caches / commit write the persistent "
+            "tables directly (numpy views of their storage, one stream in scalars); CUDA stages one copy per call"
         )
 
 
@@ -154,8 +159,8 @@ class AttentionCacheManager:
         self._seq_meta[0, streams:].fill_(config.prefill_frames)
         self.cache_seqlens, self.cache_seqstarts = self._seq_meta[0], self._seq_meta[1]
         self._flat_table = self.block_table.view(-1)
-        # CPU (dispatch by device): numpy views of the persistent tensors' own storage; the one-stream
-        # paths write rows through them instead of staging (on a CPU there is no host-to-device copy).
+        # CPU (dispatch by device): numpy views of the persistent tensors' own storage; every call writes
+        # rows through them instead of staging (on a CPU there is no host-to-device copy).
         self._host_table = self._host_meta = None
         if self.block_table.device.type == "cpu":
             self._host_table, self._host_meta = self.block_table.numpy(), self._seq_meta.numpy()
@@ -556,7 +561,7 @@ class AttentionCacheManager:
         """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows);
         ``prepared_frames`` and ``model_dtype`` as in the reference (host numbers, no device read)."""
         ids = as_id_list(stream_ids)
-        if len(ids) == 1 and self._host_table is not None:  # dispatch by device and size (module docstring)
+        if len(ids) == 1 and self._host_table is not None:  # one stream on a CPU: scalar checks (module docstring)
             return self._paged_one(ids[0], pad_to)
         if len(set(ids)) != len(ids):
             raise ValueError(f"get_paged_caches: duplicate stream ids in {ids}")
