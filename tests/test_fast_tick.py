@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,7 +42,9 @@ GEOMETRIES = {
 }
 
 
-def build(geometry, streams=4, device="cpu", **overrides):
+def build(geometry, streams=4, device="cpu", direct=False, **overrides):
+    """A manager with ``streams`` admitted streams; on the CPU it runs the staged (CUDA) path unless
+    ``direct``."""
     fields = dict(
         num_layers=3, n_kv_head=2, head_dim=4, max_batch_size=streams, max_num_blocks=64 * streams,
         max_blocks_per_seq=8, device=device,
@@ -54,6 +57,8 @@ def build(geometry, streams=4, device="cpu", **overrides):
     ids = [f"s{i}" for i in range(streams)]
     for sid in ids:
         att.allocate_stream(sid)
+    if not direct:
+        att._stage_like_cuda()
     return cfg, att, ids
 
 
@@ -153,8 +158,9 @@ def test_detector_accepts_views_and_out():
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 @pytest.mark.parametrize("pad", [0, 2])
 @pytest.mark.parametrize("size", [1, 3])  # 1: the one-stream path of prepare / commit
-def test_steady_tick_allocates_nothing(geometry, pad, size):
-    cfg, att, ids = build(geometry)
+@pytest.mark.parametrize("direct", [False, True])  # True: the CPU direct writes
+def test_steady_tick_allocates_nothing(geometry, pad, size, direct):
+    cfg, att, ids = build(geometry, direct=direct)
     cohort = ids[1 : 1 + size]  # not the slot order of the whole pool: a real gather
     pad_to = len(cohort) + pad if pad else None
     for _ in range(6):  # warm up: past the window, every width seen once
@@ -163,7 +169,7 @@ def test_steady_tick_allocates_nothing(geometry, pad, size):
         for _ in range(3):
             tick(att, cohort, pad_to)
     assert rec.allocations() == []
-    if cfg.eviction and geometry != "prefill" and size > 1:
+    if cfg.eviction and geometry != "prefill" and size > 1 and not direct:
         assert "aten.gather.out" in rec.names()  # eviction did run, and moved rows on the device
 
 
@@ -192,8 +198,8 @@ def test_tick_reads_nothing_back(geometry):
 
 @pytest.mark.parametrize("geometry", ["aligned", "straddling", "unlimited"])
 def test_one_stream_tick_reads_nothing_back(geometry):
-    """The one-stream path: prepare stages once, commit sends the shifted row with the lengths in
-    one staged copy; nothing is read back and torch writes no host buffer."""
+    """The one-stream path as on CUDA: prepare stages once, commit sends the shifted row with the
+    lengths in one staged copy; nothing is read back and torch writes no host buffer."""
     cfg, att, ids = build(geometry)
     for _ in range(6):
         tick(att, ids[2:3], pad_to=2)
@@ -210,6 +216,30 @@ def test_one_stream_tick_reads_nothing_back(geometry):
     assert issued == [1, 0, 0, 1, 0] and len(copies) == 2  # prepare's stager, then the row stager
 
 
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+@pytest.mark.parametrize("pad", [0, 1])
+def test_one_stream_tick_on_cpu_writes_the_tables_directly(geometry, pad):
+    """On a CPU device the one-stream tick runs no torch op but views (no stage, no copy, no index op):
+    the rows go through numpy views of the persistent tensors, and the views served are the same
+    as the staged path's, tick by tick, including across eviction."""
+    (_, att, ids), (_, ref, _) = build(geometry, direct=True), build(geometry)
+    cohort = ids[2:3]
+    for step in range(8):
+        copies_before = [s.copies for s in stagers(att)]
+        with OpRecorder() as rec:
+            views = tick(att, cohort, pad_to=1 + pad)
+        ref_views = tick(ref, cohort, pad_to=1 + pad)
+        if step >= 2:  # the width's buffers exist: only views (new records while the window fills)
+            assert set(rec.names()) <= {"aten.select.int"} and [s.copies for s in stagers(att)] == copies_before
+        for got, want in zip(views, ref_views, strict=True):
+            for field in ("block_table", "cache_seqlens", "cache_seqstarts"):
+                assert torch.equal(getattr(got, field), getattr(want, field))
+            assert (got.max_seqlen, got.max_span, got.prepared_frames) == (
+                want.max_seqlen, want.max_span, want.prepared_frames)
+        assert torch.equal(att.block_table, ref.block_table) and torch.equal(att._seq_meta, ref._seq_meta)
+        assert np.array_equal(att.block_table.numpy(), att._table)
+
+
 def test_new_block_ids_go_through_one_staged_copy():
     """Admitting four fresh streams at once: the new ids of all of them travel in one copy."""
     cfg, att, ids = build("aligned")
@@ -223,11 +253,12 @@ def test_new_block_ids_go_through_one_staged_copy():
 
 
 @pytest.mark.parametrize("geometry", ["aligned", "straddling"])
-def test_tick_work_does_not_grow_with_the_cohort(geometry):
+@pytest.mark.parametrize("direct", [False, True])
+def test_tick_work_does_not_grow_with_the_cohort(geometry, direct):
     """Same aten ops and the same number of Python calls for 2 streams and for 24."""
 
     def measure(streams):
-        cfg, att, ids = build(geometry, streams=streams)
+        cfg, att, ids = build(geometry, streams=streams, direct=direct)
         for _ in range(6):
             tick(att, ids, pad_to=streams + 1)
         calls = 0

@@ -69,8 +69,8 @@ def run_both(op):
 
 
 class TwinMachine(RuleBasedStateMachine):
-    @initialize(geometry=st.sampled_from(GEOMETRIES), seed=st.integers(0, 2**31 - 1))
-    def setup(self, geometry, seed):
+    @initialize(geometry=st.sampled_from(GEOMETRIES), seed=st.integers(0, 2**31 - 1), staged=st.booleans())
+    def setup(self, geometry, seed, staged):
         fields = dict(
             num_layers=2, n_kv_head=2, head_dim=4, hidden_dim=3, kernel_size=3, max_num_blocks=16,
             max_batch_size=4, max_blocks_per_seq=8,
@@ -80,6 +80,8 @@ class TwinMachine(RuleBasedStateMachine):
         self.gen = torch.Generator().manual_seed(seed)
         self.pools = [t.BlockPool(self.cfg, scratch_blocks=1) for t in TWINS]
         self.atts = [t.AttentionCacheManager(p, self.cfg, pad_lanes=1) for t, p in zip(TWINS, self.pools, strict=True)]
+        if staged:  # the fast twin as on CUDA (staged copies); else its CPU direct writes
+            self.atts[1]._stage_like_cuda()
         self.cnns = [t.CnnCacheManager(self.cfg, pad_lanes=1) for t in TWINS]
         specs = [
             oasr.reference.StreamStateSpec("tail", (3, 2), slot_axis=1),

@@ -50,11 +50,27 @@ allocated once each cohort width has been seen once.
 One stream (dispatch by size): ``prepare_chunks_batched`` and
 ``commit_chunks_batched`` of a single id run ``_prepare_one`` / ``_commit_one``,
 the same checks, frees and allocations in Python ints instead of ~25 numpy
-vector calls (which cost more than the work at one stream on a CPU). Prepare
-still stages once; commit sends the stream's shifted host row and lengths in
-one ``_row_stager`` copy and writes them with two ``index_copy_``. Tables,
-errors and block order are the batched path's (the two-twin state machine
-drives both).
+vector calls (which cost more than the work at one stream on a CPU). On CUDA
+prepare still stages once; commit sends the stream's shifted host row and
+lengths in one ``_row_stager`` copy and writes them with two ``index_copy_``.
+Tables, errors and block order are the batched path's (the two-twin state
+machine drives both).
+
+On a CPU device (dispatch by device, reported once, INFO ``oasr.fast``)
+there is no host-to-device copy to avoid, so the manager keeps numpy views of
+``block_table`` and of the length pair (``Tensor.numpy()`` shares the storage)
+and writes through them what the staged path sends: prepare the new ids,
+commit the lengths and, on eviction, the shifted host rows;
+``get_paged_caches`` gathers rows into the width's buffers with ``np.take``
+through numpy views of those buffers. No stager runs and no torch op but the
+views of new records. At one stream the staged copies and index ops cost more
+than the rest of the tick; at every size they cost more than the numpy writes.
+``get_paged_caches`` of one id also checks in scalars (``_paged_one``). The
+numbers the views and tables hold are the staged path's (tests compare them
+tick by tick). ``_stage_like_cuda()`` switches a CPU manager to the staged
+path for good: the capture-safety checker's ``watch_engine`` does it so that a
+CPU run checks the code CUDA runs, and the tests and the two-twin state
+machine run both paths.
 
 Graph-stable addresses
 ----------------------
@@ -75,6 +91,7 @@ each, four host copies per stager on CUDA).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -96,6 +113,17 @@ from oasr.validate import (
 )
 
 _I32, _I64 = torch.int32, torch.int64
+_logger = logging.getLogger("oasr.fast")
+_reported = []
+
+
+def _report_cpu_direct() -> None:
+    if not _reported:
+        _reported.append(True)
+        _logger.info(
+            "oasr.fast: attention cache: on a CPU device prepare / get_paged_caches / commit write the persistent "
+            "tables directly (numpy views of their storage, one stream in scalars); CUDA stages one copy per call"
+        )
 
 
 
@@ -131,6 +159,12 @@ class AttentionCacheManager:
         self._seq_meta[0, streams:].fill_(config.prefill_frames)
         self.cache_seqlens, self.cache_seqstarts = self._seq_meta[0], self._seq_meta[1]
         self._flat_table = self.block_table.view(-1)
+        # CPU (dispatch by device): numpy views of the persistent tensors' own storage; every call writes
+        # rows through them instead of staging (on a CPU there is no host-to-device copy).
+        self._host_table = self._host_meta = None
+        if self.block_table.device.type == "cpu":
+            self._host_table, self._host_meta = self.block_table.numpy(), self._seq_meta.numpy()
+            _report_cpu_direct()
         self._active_table = self.block_table[:, :active]
         self._shift_src = torch.full((streams, active + 1), null, dtype=_I32, device=device)  # col K stays null
         self._shift_dst = torch.empty((streams, active), dtype=_I32, device=device)
@@ -145,9 +179,17 @@ class AttentionCacheManager:
         self._dense_stager = Stager([(per_chunk, _I64), (per_chunk, _I32), (chunk, _I64), (chunk, _I64)], device)
         self._prepared_cohort = None  # (slot epoch, ids, staged device slots) of the last prepare
         self._cohorts: dict[int, tuple] = {}  # width -> (block_table (w, W), seq meta (2, w))
+        self._host_cohorts: dict[int, tuple] = {}  # CPU only: width -> numpy views of those two buffers
         self._views: dict[int, tuple] = {}  # width -> (max_seqlen, max_span, prepared_frames, views per layer)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
+
+    def _stage_like_cuda(self) -> None:
+        """Turn the CPU direct writes off for good: every call then stages and runs the device ops
+        exactly as on CUDA. The capture-safety checker (``watch_engine``) does this, so that a CPU run
+        checks the code a CUDA device runs; tests do it to cover that path on the CPU."""
+        self._host_table = self._host_meta = None
+        self._prepared_cohort = None
 
     # ---- helpers --------------------------------------------------------------
     def _frames(self, num_frames) -> int:
@@ -242,6 +284,12 @@ class AttentionCacheManager:
             self._num_blocks[slots] -= drop
         self._seqlen[slots] = seqlen
         self._seqstart[slots] = seqstart
+        if self._host_table is not None:  # CPU: the host rows are the device rows; write them directly
+            self._host_meta[0, slots] = seqlen
+            self._host_meta[1, slots] = seqstart
+            if drop is not None:
+                self._host_table[slots, : self._active_cols] = self._table[slots, : self._active_cols]
+            return
 
         B = len(slots)
         slot_d, meta_d, col_d = self._commit_stager.stage(slots, np.concatenate([seqlen, seqstart]), columns)
@@ -361,6 +409,11 @@ class AttentionCacheManager:
             self._num_blocks[slots] = held + need
             flat = rows * self.config.max_blocks_per_seq + cols
         self._prepared[slots] = True
+        if self._host_table is not None:  # CPU: the tensor's own memory, no copy
+            if total:
+                self._host_table[rows, cols] = new_ids
+            self._prepared_cohort = None
+            return
         slot_d, flat_d, ids_d = self._prepare_stager.stage(slots, flat, new_ids)
         if total:
             self._flat_table.index_copy_(0, flat_d, ids_d)
@@ -380,14 +433,19 @@ class AttentionCacheManager:
         if held + need > self.config.blocks_per_stream:
             raise StreamCapacityError(ids[0], held + need, self.config.blocks_per_stream)
         new_ids = self.pool.allocate_array(need, self._owner)  # raises PoolExhaustedError before any change
-        slots = np.array([slot])
-        flat = np.empty(0, dtype=np.int64)
         if need:
             self._table[slot, held : held + need] = new_ids
             self._num_blocks[slot] = held + need
-            flat = slot * self.config.max_blocks_per_seq + np.arange(held, held + need)
         self._prepared[slot] = True
-        slot_d, flat_d, ids_d = self._prepare_stager.stage(slots, flat, new_ids)
+        if self._host_table is not None:  # CPU: the tensor's own memory, no copy
+            if need:
+                self._host_table[slot, held : held + need] = new_ids
+            self._prepared_cohort = None
+            return
+        flat = np.empty(0, dtype=np.int64)
+        if need:
+            flat = slot * self.config.max_blocks_per_seq + np.arange(held, held + need)
+        slot_d, flat_d, ids_d = self._prepare_stager.stage(np.array([slot]), flat, new_ids)
         if need:
             self._flat_table.index_copy_(0, flat_d, ids_d)
         self._prepared_cohort = (self.slots.epoch, ids, slot_d)
@@ -457,6 +515,12 @@ class AttentionCacheManager:
             self._num_blocks[slot] -= drop
         self._seqlen[slot] = seqlen
         self._seqstart[slot] = seqstart
+        if self._host_table is not None:  # CPU: write the persistent tensors' memory directly
+            if drop:
+                self._host_table[slot] = row
+            self._host_meta[0, slot] = seqlen
+            self._host_meta[1, slot] = seqstart
+            return
         slot_d, row_d, meta_d = self._row_stager.stage(np.array([slot]), row, np.array([seqlen, seqstart]))
         if drop:
             self.block_table.index_copy_(0, slot_d, row_d.view(1, -1))
@@ -497,6 +561,8 @@ class AttentionCacheManager:
         """One ``PagedKVCache`` per layer over the cohort ``stream_ids`` (padded to ``pad_to`` rows);
         ``prepared_frames`` and ``model_dtype`` as in the reference (host numbers, no device read)."""
         ids = as_id_list(stream_ids)
+        if len(ids) == 1 and self._host_table is not None:  # one stream on a CPU: scalar checks (module docstring)
+            return self._paged_one(ids[0], pad_to)
         if len(set(ids)) != len(ids):
             raise ValueError(f"get_paged_caches: duplicate stream ids in {ids}")
         try:
@@ -506,25 +572,25 @@ class AttentionCacheManager:
         if slots is None or not self._prepared[slots].all():
             for stream_id in ids:  # raise the reference's error for the first bad id
                 self.get_paged_state_views(stream_id)
-        pad = 0 if pad_to is None else pad_to - len(ids)
-        if pad < 0:
-            raise ValueError(f"get_paged_caches: pad_to={pad_to} is smaller than the {len(ids)} streams")
-        if pad and not self.pad_lanes:
-            raise ValueError(f"get_paged_caches: pad_to={pad_to} needs a padding lane (pad_lanes=0)")
+        pad = self._padding(pad_to, len(ids))
         B = len(ids)
         if B + pad == 0:
             # The reference's torch.cat of no rows raises ValueError; say why in words.
             raise ValueError("get_paged_caches: an empty cohort (no stream ids, no padding) has no view")
 
         table, meta = self._cohort_buffers(B + pad)
-        seqlens, seqstarts = meta[0], meta[1]
         prefill, chunk = self.config.prefill_frames, self.config.chunk_size
         max_seqlen = max_span = prefill if pad else 0
         prepared = ()
-        if B:
+        host = self._host_buffers(B + pad)
+        if B and host is not None:  # CPU: gather through numpy views of the same storage
+            np.take(self._host_table, slots, axis=0, out=host[0][:B])
+            np.take(self._host_meta, slots, axis=1, out=host[1][:, :B])
+        elif B:
             slot_d = self._device_slots(ids, slots)
             torch.index_select(self.block_table, 0, slot_d, out=table[:B])
             torch.index_select(self._seq_meta, 1, slot_d, out=meta[:, :B])
+        if B:
             lens = self._seqlen[slots]
             max_seqlen = max(max_seqlen, int(lens.max()))
             max_span = max(max_span, int((lens - self._seqstart[slots]).max()))
@@ -532,18 +598,72 @@ class AttentionCacheManager:
             prepared = tuple(np.minimum(room, chunk).tolist())
         prepared += (chunk,) * pad
         if pad:
-            table[B:].fill_(self.pool.null_block)
-            seqlens[B:].fill_(prefill)
-            seqstarts[B:].zero_()
-        cached = self._views.get(B + pad)
+            self._fill_padding(table, meta, host, B)
+        return self._views_of(B + pad, max_seqlen, max_span, prepared)
+
+    def _host_buffers(self, width: int):
+        """CPU device only: numpy views of width ``width``'s ``(table, seq meta)`` buffers; else None."""
+        if self._host_table is None:
+            return None
+        host = self._host_cohorts.get(width)
+        if host is None:
+            host = self._host_cohorts[width] = tuple(t.numpy() for t in self._cohort_buffers(width))
+        return host
+
+    def _fill_padding(self, table, meta, host, B: int) -> None:
+        """Padding rows ``B:`` of a width's buffers: null blocks at length ``prefill_frames``, start 0."""
+        null, prefill = self.pool.null_block, self.config.prefill_frames
+        if host is not None:
+            host[0][B:] = null
+            host[1][0, B:] = prefill
+            host[1][1, B:] = 0
+        else:
+            table[B:].fill_(null)
+            meta[0, B:].fill_(prefill)
+            meta[1, B:].zero_()
+
+    def _padding(self, pad_to, streams: int) -> int:
+        """Padding rows of a ``get_paged_caches`` call (checked as the reference does)."""
+        pad = 0 if pad_to is None else pad_to - streams
+        if pad < 0:
+            raise ValueError(f"get_paged_caches: pad_to={pad_to} is smaller than the {streams} streams")
+        if pad and not self.pad_lanes:
+            raise ValueError(f"get_paged_caches: pad_to={pad_to} needs a padding lane (pad_lanes=0)")
+        return pad
+
+    def _views_of(self, width: int, max_seqlen: int, max_span: int, prepared: tuple) -> list[PagedKVCache]:
+        """The per-layer records over width ``width``'s buffers, rebuilt only when a host number changed."""
+        cached = self._views.get(width)
         if cached is None or cached[:3] != (max_seqlen, max_span, prepared):
+            table, meta = self._cohort_buffers(width)
             bs, dtype = self.config.block_size_frames, self.config.dtype
             views = [
-                PagedKVCache(k, v, table, seqlens, seqstarts, bs, max_seqlen, max_span, layer, *scales, prepared, dtype)
+                PagedKVCache(k, v, table, meta[0], meta[1], bs, max_seqlen, max_span, layer, *scales, prepared, dtype)
                 for layer, ((k, v), scales) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
             ]
-            cached = self._views[B + pad] = (max_seqlen, max_span, prepared, views)
+            cached = self._views[width] = (max_seqlen, max_span, prepared, views)
         return list(cached[3])  # the records are frozen; the same ones serve while nothing in them changes
+
+    def _paged_one(self, stream_id, pad_to) -> list[PagedKVCache]:
+        """``get_paged_caches`` of one stream on a CPU device: the same checks in the same order, the
+        row and lengths copied through numpy views of the width's buffers (no torch op), the same records."""
+        slot = self.slots.slot_of(stream_id)
+        if not self._prepared[slot]:
+            self.get_paged_state_views(stream_id)  # raises the reference's error
+        pad = self._padding(pad_to, 1)
+        host = self._host_buffers(1 + pad)
+        host[0][0] = self._host_table[slot]
+        host[1][:, 0] = self._host_meta[:, slot]
+        seqlen = int(self._seqlen[slot])
+        max_seqlen, max_span = seqlen, seqlen - int(self._seqstart[slot])
+        chunk = self.config.chunk_size
+        prepared = (min(int(self._num_blocks[slot]) * self.config.block_size_frames - seqlen, chunk),)
+        if pad:
+            self._fill_padding(None, None, host, 1)
+            prefill = self.config.prefill_frames
+            max_seqlen, max_span = max(max_seqlen, prefill), max(max_span, prefill)
+            prepared += (chunk,) * pad
+        return self._views_of(1 + pad, max_seqlen, max_span, prepared)
 
     def cached_frames(self, stream_ids):
         """History a stream's next chunk attends to (``seqlen - seqstart``); a list for a list."""

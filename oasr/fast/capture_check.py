@@ -423,7 +423,15 @@ def engine_device_roots(engine) -> list:
 
 
 def watch_engine(engine) -> CaptureSafetyChecker:
-    """A checker watching each model step of ``engine`` from now on (``engine.tick_monitor``)."""
+    """A checker watching each model step of ``engine`` from now on (``engine.tick_monitor``).
+
+    A fast attention manager on a CPU device writes its tables directly through numpy views (no
+    host-to-device copy exists there, and numpy is invisible to this checker); it is switched to
+    the staged path a CUDA device runs, so that what is checked is the CUDA tick.
+    """
+    stage_like_cuda = getattr(engine.att, "_stage_like_cuda", None)
+    if stage_like_cuda is not None:
+        stage_like_cuda()
     checker = CaptureSafetyChecker()
     checker.declare_device(*engine_device_roots(engine))
     engine.tick_monitor = checker
