@@ -27,9 +27,12 @@ SPLIT, TOTAL, TICKS_BEFORE = 70, 150, 3
 DECOY_BLOCKS = 5
 
 
-def make_model(fmt: str = "fp32", num_left_chunks: int = 2, seed: int = 3) -> StreamingConformer:
+def make_model(fmt: str = "fp32", num_left_chunks: int = 2, seed: int = 3, **geometry) -> StreamingConformer:
+    """The small session model; ``geometry`` overrides ConformerConfig fields (e.g. ``head_dim=64``: the
+    CUDA kernels tile head_dim 64 or 128)."""
     dtype, _ = FORMATS[fmt]
-    return StreamingConformer(ConformerConfig(num_left_chunks=num_left_chunks, chunk_size=4, seed=seed)).to(dtype)
+    config = ConformerConfig(num_left_chunks=num_left_chunks, chunk_size=4, seed=seed, **geometry)
+    return StreamingConformer(config).to(dtype)
 
 
 def make_engine(model, twin: str, fmt: str = "fp32", decoder: str = "beam", rescore: bool = False,

@@ -1,5 +1,6 @@
 """The command line: the demo (the main job) and the bench harness run and say what they claim."""
 
+import argparse
 import json
 import re
 import subprocess
@@ -91,6 +92,7 @@ def no_demo_work(monkeypatch):
     (["--layers", "0"], "--layers must be >= 1"),
     (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
     (["--beam", "0"], "--beam must be >= 1"),
+    (["--head-dim", "0"], "--head-dim must be >= 1, got 0"),
     (["--check-sample", "-1"], "--check-sample must be >= 0"),
     (["--suspend-every", "-1"], "--suspend-every must be >= 0"),
     (["--num-left-chunks", "-5"], "--num-left-chunks must be -1 (unlimited history) or >= 0, got -5"),
@@ -167,3 +169,16 @@ def test_help_shows_every_option_with_help_and_default(capsys, command):
     for name in names:
         assert re.search(rf"^\s+{name}\b", options, re.MULTILINE), f"{name} has no help line"
     assert options.count("(default") == len(names), options
+
+
+def test_demo_head_dim_follows_the_device():
+    """The CPU demo keeps its small heads; on CUDA it takes head_dim 64, which the kernels tile
+    (head_dim 16 there ended in 'no kernel for head_dim=16' on the first GPU run)."""
+    from oasr.commands import demo
+
+    args = argparse.Namespace(head_dim=None, device="cpu")
+    assert demo.demo_head_dim(args) == 16
+    args.device = "cuda"
+    assert demo.demo_head_dim(args) == 64 and 64 in demo.CUDA_HEAD_DIMS
+    args.head_dim = 128
+    assert demo.demo_head_dim(args) == 128

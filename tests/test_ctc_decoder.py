@@ -690,12 +690,13 @@ def test_cuda_decoder_syncs_a_constant_number_of_times():
         dec.decode_chunks(states, [x.cuda() for x in lps])
         for state in states:
             dec.reset_state(state, 1, 7)
+        inputs = [x.cuda() for x in lps]  # uploaded outside the counted region: an empty chunk uploads nothing
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                dec.decode_chunks(states, [x.cuda() for x in lps])
+                dec.decode_chunks(states, inputs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         syncs[T] = len(caught)

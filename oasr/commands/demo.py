@@ -27,6 +27,7 @@ from oasr.commands import CommandParser, check_at_least, check_device, check_fit
 from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine import StreamingEngine, decode_utterance, memory_utilisation
+from oasr.fast.kernels.registry import HEAD_DIMS as CUDA_HEAD_DIMS  # what the CUDA kernels tile
 from oasr.memory import bytes_per_kv_block, footprint, format_bytes
 from oasr.models import ConformerConfig, StreamingConformer, twin_ready
 from oasr.reference.fp8 import dequantize, quantize
@@ -113,12 +114,22 @@ def suspend_session(engine: StreamingEngine, turn: int, sizes: list) -> bool:
     return True
 
 
+
+
+def demo_head_dim(args) -> int:
+    """``--head-dim``, else 16 on the CPU (a small, quick model) and 64 on CUDA (the kernels tile 64 or 128)."""
+    if args.head_dim is not None:
+        return args.head_dim
+    return 64 if torch.device(args.device).type == "cuda" else 16
+
+
 def configs(args) -> tuple[ConformerConfig, CacheConfig]:
     """The model's and the caches' configs for the options (cheap: builds no model; raises ``ValueError``)."""
     num_left_chunks = args.num_left_chunks
     if num_left_chunks is None:
         num_left_chunks = 4 if args.eviction or args.prefill else -1
-    mcfg = ConformerConfig(input_dim=40, hidden_dim=64, num_layers=args.layers, n_head=4, n_kv_head=2, head_dim=16,
+    mcfg = ConformerConfig(input_dim=40, hidden_dim=64, num_layers=args.layers, n_head=4, n_kv_head=2,
+                           head_dim=demo_head_dim(args),
                            ffn_dim=128, kernel_size=15, vocab_size=64, chunk_size=16,
                            num_left_chunks=num_left_chunks, subsample_channels=64, seed=args.seed)
     max_frames = int(12.0 / FRAME_SECONDS) // mcfg.subsampling_rate
@@ -298,6 +309,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"{flag} needs a bounded window, but --num-left-chunks -1 asks for unlimited history; "
                      f"give --num-left-chunks >= 1 or leave it out (4)")
     check_device(parser, args.device)
+    if args.head_dim is not None and args.head_dim < 1:
+        parser.error(f"--head-dim must be >= 1, got {args.head_dim}")
+    on_cuda = torch.device(args.device).type == "cuda"
+    if on_cuda and args.twin == "fast" and demo_head_dim(args) not in CUDA_HEAD_DIMS:
+        parser.error(f"--head-dim {args.head_dim} on CUDA: the fast twin's kernels tile head_dim {CUDA_HEAD_DIMS}")
     if args.cuda_graphs and (torch.device(args.device).type != "cuda" or args.twin != "fast"):
         parser.error(f"--cuda-graphs needs --device cuda and --twin fast (got --device {args.device}, --twin "
                      f"{args.twin}): graphs capture the fast twin's model step on a GPU; the CPU runs eager")
@@ -350,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill a zeroed K/V window (implies --eviction; needs num_left_chunks >= 1)")
     parser.add_argument("--kv-cache-dtype", choices=("fp8_e4m3",), default=None,
                         help="store K/V pages as fp8 e4m3 with one fp32 scale per vector (default: model dtype)")
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help="attention head size (default: 16 on the CPU; 64 on CUDA, whose kernels tile 64 or 128)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="concurrent streams")
     parser.add_argument("--decoder", choices=("beam", "greedy"), default="beam",
                         help="CTC prefix beam search with pooled states, or greedy")
