@@ -118,8 +118,9 @@ def suspend_session(engine: StreamingEngine, turn: int, sizes: list) -> bool:
 
 def demo_head_dim(args) -> int:
     """``--head-dim``, else 16 on the CPU (a small, quick model) and 64 on CUDA (the kernels tile 64 or 128)."""
-    if args.head_dim is not None:
-        return args.head_dim
+    head_dim = getattr(args, "head_dim", None)  # callers that build their own Namespace may leave it out
+    if head_dim is not None:
+        return head_dim
     return 64 if torch.device(args.device).type == "cuda" else 16
 
 
