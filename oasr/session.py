@@ -87,6 +87,7 @@ DTYPE_CODES = {
 }
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MODEL_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+MODEL_DTYPES = {code: dtype for dtype, code in MODEL_DTYPE_CODES.items()}
 KV_FORMATS = {0: None, 1: "fp8_e4m3"}  # K/V format code -> CacheConfig.kv_cache_dtype
 KV_FORMAT_CODES = {v: k for k, v in KV_FORMATS.items()}
 DECODERS = {1: "beam", 2: "greedy"}
@@ -243,10 +244,6 @@ def _dtype(code: int, where: str) -> torch.dtype:
     return DTYPES[code]
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 # ---- encoding -----------------------------------------------------------------------------------------
 
 
@@ -372,7 +369,7 @@ def _parse_header(data: bytes) -> tuple[SessionGeometry, int, int, int]:
     if flags & FLAG_DECODER_ROWS:
         raise SessionError("session carries decoder rows (flag bit 2): reserved for the autoregressive decoder's "
                            "K/V, which this build cannot load")
-    if dtype_code not in {v: k for k, v in MODEL_DTYPE_CODES.items()}:
+    if dtype_code not in MODEL_DTYPES:
         raise SessionError(f"session header: unknown model dtype code {dtype_code}")
     if kv_code not in KV_FORMATS:
         raise SessionError(f"session header: unknown K/V format code {kv_code}")
@@ -384,7 +381,7 @@ def _parse_header(data: bytes) -> tuple[SessionGeometry, int, int, int]:
             raise SessionError(f"session header: {name}={value}, must be >= 1")
     if left < -1:
         raise SessionError(f"session header: num_left_chunks={left}, must be -1 or >= 0")
-    dtype = {v: k for k, v in MODEL_DTYPE_CODES.items()}[dtype_code]
+    dtype = MODEL_DTYPES[dtype_code]
     geometry = SessionGeometry(layers, heads, head_dim, hidden, kernel, chunk, block, left, dtype,
                                KV_FORMATS[kv_code], bool(prefill))
     return geometry, flags, num_sections, body_bytes
@@ -429,7 +426,7 @@ def _decode_attention(raw: bytes, g: SessionGeometry) -> KVWindow:
     frames = seqlen - seqstart
     storage = config.kv_storage_dtype
     shape = (g.num_layers, frames, g.n_kv_head, g.head_dim)
-    size = math.prod(shape) * _element_size(storage)
+    size = math.prod(shape) * storage.itemsize
     k, v = _tensor_from(r.take(size), storage, shape), _tensor_from(r.take(size), storage, shape)
     k_scale = v_scale = None
     if config.kv_quantized:
@@ -457,7 +454,7 @@ def _decode_states(raw: bytes) -> list:
             raise SessionError(f"slot state {name!r}: persistent byte {persistent}, reserved byte {reserved}")
         shape = r.unpack(f"{ndim}I")
         nbytes = r.one("Q")
-        if nbytes != math.prod(shape) * _element_size(dtype):
+        if nbytes != math.prod(shape) * dtype.itemsize:
             raise SessionError(f"slot state {name!r}: {nbytes} bytes for shape {shape} of {dtype}")
         if name in names:
             raise SessionError(f"slot states section: {name!r} appears twice")
@@ -529,7 +526,7 @@ def _decode_engine(raw: bytes) -> EngineStream:
     dtype = _dtype(code, "engine stream pending input")
     if frames < 0:
         raise SessionError(f"engine stream section: {frames} pending frames")
-    pending = _tensor_from(r.take(frames * input_dim * _element_size(dtype)), dtype, (frames, input_dim))
+    pending = _tensor_from(r.take(frames * input_dim * dtype.itemsize), dtype, (frames, input_dim))
     if not pending.is_floating_point() or not bool(torch.isfinite(pending).all()):
         raise SessionError("engine stream section: pending input must be finite floating-point features")
     log_probs = None
