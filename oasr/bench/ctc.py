@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from oasr.bench import clock
+from oasr.bench import clock, sync
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.fast.ctc_decoder import StreamingCtcDecoder as FastDecoder
 from oasr.reference.ctc_decoder import StreamingCtcDecoder as ReferenceDecoder
@@ -47,11 +47,6 @@ def ctc_posteriors(streams: int, frames: int, vocab: int, seed: int = 0) -> torc
     return logits.log_softmax(-1)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _ms_per_frame(decoder, lp: torch.Tensor, repeats: int, device: torch.device = CPU) -> float:
     """Median over ``repeats`` of (time to decode ``lp`` from reset states) / frames."""
     streams, frames, vocab = lp.shape
@@ -62,10 +57,10 @@ def _ms_per_frame(decoder, lp: torch.Tensor, repeats: int, device: torch.device 
     for i in range(repeats + 1):  # the first run warms up and is dropped
         for state in states:
             decoder.reset_state(state, 1, vocab)
-        _sync(device)
+        sync(device)
         start = now()
         decoder.decode_chunks(states, chunks)
-        _sync(device)
+        sync(device)
         if i:
             times.append((now() - start) * 1e3 / frames)
     return statistics.median(times)
