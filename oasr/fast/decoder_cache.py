@@ -391,8 +391,7 @@ class DecoderKVCacheManager:
         """One decode step for many rows, ``k, v (L, B, H, D)``: one staged copy, one append_kv per layer."""
         ids = np.array(check_rows(rows, self._is_admitted, "append"), dtype=np.int64)
         check_step_kv(self.config, k, v, ids.size)
-        self._step_needs(ids)  # validate before the allocation
-        self._prepare(ids)
+        self._prepare(ids)  # validates every row's ceiling before its one allocation
         rows_d = self._sync(ids)
         for layer, view in enumerate(self._self_views(ids, rows_d)):
             append_kv(view, k[layer][:, None], v[layer][:, None], backend=self.backend)

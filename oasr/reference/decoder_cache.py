@@ -362,8 +362,7 @@ class DecoderKVCacheManager:
         """One decode step for many rows: ``k, v (L, B, H, D)``, row ``b`` gets token ``length[b]``."""
         ids = check_rows(rows, self._admitted, "append")
         check_step_kv(self.config, k, v, len(ids))
-        self._step_needs(ids)  # validate before the allocation
-        self.prepare_step(ids)
+        self.prepare_step(ids)  # validates every row's ceiling before its one allocation
         for layer, view in enumerate(self.self_caches(ids)):
             append_kv(view, k[layer][:, None], v[layer][:, None])
         self.commit_step(ids)
