@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from oasr.decoder_common import check_cross_fill, check_kv, select_sources
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 
 
@@ -102,8 +103,6 @@ class DenseDecoderKV:
             raise KeyError(f"{op}: row {b!r} outside the group's [0, {self.batch_size})")
 
     def prefill(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        from oasr.decoder_common import check_kv
-
         self._check_row(b, "prefill")
         T = check_kv(self.config, k, v, "prefill", (), convert=False)
         if self.lengths[b]:
@@ -117,8 +116,6 @@ class DenseDecoderKV:
 
     def fill_cross(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Same rules as the manager's: idempotent same-length refill, converted dtype."""
-        from oasr.decoder_common import check_cross_fill, check_kv
-
         self._check_row(b, "fill_cross")
         T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
         check_cross_fill(b, T, self.cross_capacity, self.cross_lengths[b])
@@ -192,10 +189,7 @@ class DenseDecoderKV:
 
     def select(self, idx) -> DenseDecoderKV:
         """A new group of rows ``idx`` (repeats allowed: beam expansion); data and scales move together."""
-        picks = [int(i) for i in idx]
-        bad = [i for i in picks if not 0 <= i < self.batch_size]
-        if bad:
-            raise ValueError(f"select: index {bad[0]} outside [0, {self.batch_size})")
+        picks = select_sources(list(range(self.batch_size)), idx)
         index = torch.tensor(picks, dtype=torch.long, device=self.config.device)
         tensors = {}
         for name in self._TENSORS:
