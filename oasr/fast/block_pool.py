@@ -268,9 +268,11 @@ class BlockPool:
             if k:
                 in_range = (ids >= 0) & (ids < n)
                 safe = np.where(in_range, ids, 0)
-                bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner)
-                if k > 1:  # an id given more times than it has holders
-                    bad |= np.bincount(safe, minlength=max(n, 1))[safe] > self._refs[safe]
+                times = 1  # how often each id is given; more than its holders is a double free (a parked
+                if k > 1:  # block has none), as in the reference's loop
+                    _, where, counts = np.unique(safe, return_inverse=True, return_counts=True)
+                    times = counts[where]
+                bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner) | (times > self._refs[safe])
                 if bad.any():
                     self._raise_free_error(ids.tolist() if as_given is None else as_given, owner)
                 np.subtract.at(self._refs, ids, 1)
