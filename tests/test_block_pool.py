@@ -160,3 +160,18 @@ def test_unowned_blocks_are_not_a_managers_to_free(twin):
         pool.free(plain, 1)
     pool.free(plain)
     assert att.pool is pool
+
+
+@pytest.mark.parametrize("ids", [[0], [0, 0], [1, 0]])
+def test_freeing_a_parked_block_is_a_double_free_and_changes_nothing(twin, ids):
+    pool = twin.BlockPool(small_config(max_num_blocks=8, max_batch_size=2))
+    owner = pool.new_owner("test")
+    pool.allocate(2, owner)
+    pool.publish([0], ["key"], owner)
+    pool.free([0], owner)  # count 0 with a key: parked, not free
+    assert pool.parked_block_ids() == [0] and pool.ref_count(0) == 0
+    before = (snapshot(pool), pool.ref_counts(), pool.parked_block_ids())
+    with pytest.raises(ValueError, match="block 0 is already free"):
+        pool.free(ids, owner)
+    assert_same_snapshot(before[0], snapshot(pool))
+    assert (pool.ref_counts(), pool.parked_block_ids()) == before[1:]
