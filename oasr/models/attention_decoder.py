@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder_kv import PagedDecoderKV
 from oasr.models.layers import FeedForward, masked_attention
 
 
@@ -335,8 +336,6 @@ class AttentionDecoder(nn.Module):
         from a host memo of this call. ``scope`` must name the utterance: past the first layer the K/V
         depend on ``enc`` (``oasr.prefix_cache``). Returns ``(scores, tokens computed)``.
         """
-        from oasr.decoder_kv import PagedDecoderKV
-
         cfg, device = self.config, self.out.weight.device
         memo: dict[tuple, torch.Tensor] = {}  # prefix tokens -> log-probs of the next token
         scores, computed = [], 0
