@@ -5,13 +5,13 @@
 # everything into DIR:
 #   0. DIR/env.txt: nvidia-smi, python, torch, cuda-python, flashinfer versions; DIR/install.log
 #   1. the cuda-marked tests                     -> DIR/junit-cuda.xml, DIR/pytest-cuda.log
-#   4. (last) the NVRTC kernel report for sm_80, sm_90 and this device's arch (+ --sass when the pip
-#      nvdisasm is present)                      -> DIR/kernels.json, DIR/kernels.log
-#   3. `python -m oasr bench --quick --device cuda` (its attention section compares v1, v2, SDPA on
+#   2. `python -m oasr bench --quick --device cuda` (its attention section compares v1, v2, SDPA on
 #      gathered K/V and FlashInfer at the ASR shape: oasr/bench/attention_gpu.py)
 #                                                -> DIR/bench.json (rows), DIR/bench.log (tables)
-#   4. the graphs bench (engine tick, CUDA-graphed vs eager) -> DIR/bench-graphs.json, DIR/bench-graphs.log
+#   3. the graphs bench (engine tick, CUDA-graphed vs eager) -> DIR/bench-graphs.json, DIR/bench-graphs.log
 #      (the graphed-engine tests, tests/test_graphs_cuda.py, run with the cuda tests in step 1)
+#   4. the NVRTC kernel report for sm_80, sm_90 and this device's arch (+ --sass when the pip
+#      nvdisasm is present)                      -> DIR/kernels.json, DIR/kernels.log
 #   DIR/summary.txt: the exit codes.
 # The device machine may have no network. Wheels carried in ./wheels are installed when present
 # (all optional): e.g. `pip download -d wheels pytest hypothesis tqdm numpy cuda-python

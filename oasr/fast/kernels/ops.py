@@ -194,8 +194,13 @@ def choose_num_splits_by_waves(ctas: int, max_keys: int, slots: int) -> int:
     SMs: 4 resident -> 1 split (0.97 waves); 3 resident -> 3 splits (4 waves of
     a third each, 1.33, against 2 whole waves at 1 split).
     """
-    ctas, slots = max(1, ctas), max(1, slots)
     most = max(1, min(MAX_SPLITS, max_keys // MIN_KEYS_PER_SPLIT))
+    return _fewest_splits_by_waves(max(1, ctas), most, max(1, slots))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fewest_splits_by_waves(ctas: int, most: int, slots: int) -> int:
+    """choose_num_splits_by_waves's search over 1..most splits, computed once per (geometry, device)."""
     modelled = {s: math.ceil(ctas * s / slots) / s for s in range(1, most + 1)}
     best = min(modelled.values())
     return min(s for s, t in modelled.items() if t <= WAVE_SLACK * best)

@@ -49,9 +49,13 @@ class Kernel:
 
     def emu_symbol(self, targs: tuple[str, ...]) -> str:
         """The extern "C" launcher the emulation build exports for one instantiation."""
-        short = self.name.split("::")[-1]
         tail = "_".join(re.sub(r"[^0-9A-Za-z]+", "", a) for a in targs)
-        return f"oasr_emu_{short}__{tail}"
+        return f"oasr_emu_{short_name(self)}__{tail}"
+
+
+def short_name(kernel: Kernel) -> str:
+    """The template's name without its namespace, the key of ``BY_NAME``."""
+    return kernel.name.split("::")[-1]
 
 
 _COPY_UNITS = tuple((u,) for u in UNIT_ARG.values())
@@ -200,7 +204,7 @@ KERNELS: tuple[Kernel, ...] = (
     ),
 )
 
-BY_NAME = {k.name.split("::")[-1]: k for k in KERNELS}
+BY_NAME = {short_name(k): k for k in KERNELS}
 
 # CUDA's grid limits (every arch the kernels target): x up to 2**31 - 1 blocks, y and z up to 65535.
 MAX_GRID = (2**31 - 1, 65535, 65535)
@@ -232,11 +236,6 @@ def read_sources(family: str, *, emulation: bool = False) -> dict[str, str]:
     """The texts a build of ``family`` depends on, by path relative to kernels_cu/ (for cache keys)."""
     names = [f"{family}.cu", *SHARED_HEADERS, *(EMULATION_HEADERS if emulation else ())]
     return {name: (KERNELS_DIR / name).read_text() for name in names}
-
-
-def short_name(kernel: Kernel) -> str:
-    """The template's name without its namespace, the key of ``BY_NAME``."""
-    return kernel.name.split("::")[-1]
 
 
 _ATTENTION_PARAMS = {"q", "k_cache", "v_cache", "block_table", "out"}

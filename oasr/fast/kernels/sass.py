@@ -52,6 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from oasr.fast.kernels import ops
+
 # -- the model's constants: the ONE place ------------------------------------------------------
 
 
@@ -165,10 +167,11 @@ class Tiling:
     split_rule: str  # "v1": ops.choose_num_splits; "waves": fill SMs x resident CTAs
 
 
-# By registry short name. A registered attention kernel missing here is reported without a model.
+# By registry short name, from the launcher's own constants (ops). A registered attention kernel
+# missing here is reported without a model.
 TILINGS = {
-    "paged_chunk_attention_kernel": Tiling(keys_per_iteration=32, rows_per_cta=16, split_rule="v1"),
-    "paged_chunk_attention_v2_kernel": Tiling(keys_per_iteration=32, rows_per_cta=64, split_rule="waves"),
+    "paged_chunk_attention_kernel": Tiling(ops.TILE_KEYS, ops.ROWS_PER_CTA, split_rule="v1"),
+    "paged_chunk_attention_v2_kernel": Tiling(ops.TILE_KEYS, ops.V2_ROWS_PER_CTA, split_rule="waves"),
 }
 
 # -- finding the tools ---------------------------------------------------------------------------
@@ -518,8 +521,6 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
                     tiling: Tiling, page: str, shape: AttentionShape = ASR_SHAPE,
                     machine: Machine = H200) -> dict:  # fmt: skip
     """The modelled tick of one attention kernel at ``shape`` with ``page`` ("bf16"/"fp8") pages."""
-    from oasr.fast.kernels import ops
-
     resident, limiter = ctas_per_sm(registers, shared_bytes, threads, arch)
     q_tiles = math.ceil(shape.group * shape.chunk / tiling.rows_per_cta)
     base = shape.streams * shape.n_kv_head * q_tiles
