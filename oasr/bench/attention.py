@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from oasr.bench import median_ms, paired_ms
+from oasr.bench import paired_ms
 from oasr.fast import cpu_rows
 from oasr.paged import PagedKVCache
 
@@ -57,13 +57,6 @@ def bytes_moved(streams: int, history: int, elem: int) -> int:
     return LAYERS * per_layer * elem
 
 
-def copy_bandwidth_gbs(device) -> float:
-    x = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    ms = median_ms(lambda: y.copy_(x), repeats=10, warmup=3, device=device)
-    return 2 * x.numel() / (ms * 1e-3) / 1e9
-
-
 def section(quick: bool, device="cpu") -> list[dict]:
     from oasr import fast, reference
 
@@ -72,7 +65,11 @@ def section(quick: bool, device="cpu") -> list[dict]:
     grid = [(1, 0), (8, 256), (32, 1024), (128, 0)] if quick else [
         (s, h) for s in (1, 8, 32, 128) for h in (0, 256, 1024)
     ]
-    peak = copy_bandwidth_gbs(device) if device.type == "cuda" else None
+    peak = None
+    if device.type == "cuda":  # one measurement of the copy bandwidth serves both tables
+        from oasr.bench import attention_gpu
+
+        peak = attention_gpu.copy_bandwidth_gbs(device)
     rows = []
     for streams, history in grid:
         caches, q, k = _cohort(streams, history, device, dtype)
@@ -84,7 +81,7 @@ def section(quick: bool, device="cpu") -> list[dict]:
         )
         if device.type == "cpu":
             row["fast_path"] = "rows" if cpu_rows.use_row_loop(caches[0], streams, CHUNK) else "tiles"
-        moved = bytes_moved(streams, history, torch.empty((), dtype=dtype).element_size())
+        moved = bytes_moved(streams, history, dtype.itemsize)
         row["MB_moved"] = moved / 1e6
         if peak:
             achieved = moved / (row["fast_ms"] * 1e-3) / 1e9
@@ -92,7 +89,5 @@ def section(quick: bool, device="cpu") -> list[dict]:
             row["of_copy_bw"] = achieved / peak
         rows.append(row)
     if device.type == "cuda":  # one layer at the ASR shape: v1, v2, SDPA, FlashInfer (oasr/bench/attention_gpu.py)
-        from oasr.bench import attention_gpu
-
-        rows += attention_gpu.section(quick, device)
+        rows += attention_gpu.section(quick, device, peak=peak)
     return rows
