@@ -82,25 +82,18 @@ def check_lens_values(op: str, cache, lens: torch.Tensor, num_frames: int, what:
     ``lens``: the normalised lengths (reads them: host data, or the reference). Raises
     ``ValueError`` for the first bad row, before the caller writes anything.
     """
-    lens = lens.cpu().long()
-    bad = (lens < 0) | (lens > num_frames)
+    values = lens.tolist()  # one read; then Python ints (a few rows: cheaper than tensor ops per call)
     prepared = cache.prepared_frames
-    if prepared is not None:
-        if len(prepared) != lens.shape[0]:
-            raise ValueError(f"{op}: the view's prepared_frames has {len(prepared)} rows, the cohort {lens.shape[0]}")
-        limit = torch.tensor(prepared, dtype=torch.long)
-        bad |= lens > limit
-    rows = bad.nonzero()
-    if not len(rows):
-        return
-    b = int(rows[0, 0])
-    n = int(lens[b])
-    if not 0 <= n <= num_frames:
-        raise ValueError(f"{op}: chunk_lens[{b}]={n} outside [0, T={num_frames}]")
-    raise ValueError(
-        f"{op}: row {b} has a chunk of {n} {what}, more than the {prepared[b]} frames prepared for it "
-        f"(prepare_chunk with num_frames >= {n} first, or pass chunk_lens)"
-    )
+    if prepared is not None and len(prepared) != len(values):
+        raise ValueError(f"{op}: the view's prepared_frames has {len(prepared)} rows, the cohort {len(values)}")
+    for b, n in enumerate(values):
+        if not 0 <= n <= num_frames:
+            raise ValueError(f"{op}: chunk_lens[{b}]={n} outside [0, T={num_frames}]")
+        if prepared is not None and n > prepared[b]:
+            raise ValueError(
+                f"{op}: row {b} has a chunk of {n} {what}, more than the {prepared[b]} frames prepared for it "
+                f"(prepare_chunk with num_frames >= {n} first, or pass chunk_lens)"
+            )
 
 
 def _check_dtype(op: str, name: str, t: torch.Tensor, cache) -> None:

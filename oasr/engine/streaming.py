@@ -748,7 +748,7 @@ class StreamingEngine:
             return tokens
         from oasr.models.attention_decoder import attention_rescore
 
-        enc = torch.cat(s.encoder_out) if s.encoder_out else torch.zeros(0, self.model.config.hidden_dim)
+        enc = self._kept_encoder_out(s)
         s.encoder_out = []
         best, _ = attention_rescore(self.rescorer, enc, nbest, self.ctc_weight)
         return best

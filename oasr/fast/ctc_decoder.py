@@ -195,11 +195,10 @@ def _extend_keys(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def _key_of(tokens) -> int:
     """The packed rolling hash of a whole prefix: ``_extend_keys`` folded over it from the empty key 0."""
-    h1 = h2 = 0
+    key = 0
     for token in tokens:
-        h1 = (h1 * _HASH_MUL[0] + token + 1) % _HASH_MOD
-        h2 = (h2 * _HASH_MUL[1] + token + 1) % _HASH_MOD
-    return (h1 << 31) | h2
+        key = _extend_key(key, token)
+    return key
 
 
 def _top_set(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -82,14 +82,19 @@ def _host_lens(cache: PagedKVCache, chunk_lens, num_frames: int, op: str, what: 
     return lens
 
 
+def _check_full_rows(cache: PagedKVCache, num_frames: int, op: str, what: str) -> None:
+    """``chunk_lens=None`` (every row has ``T`` frames) against the view's ``prepared_frames``, in Python
+    ints: no tensor op unless a row was prepared for fewer frames (then the shared check raises)."""
+    batch, prepared = cache.batch_size, cache.prepared_frames
+    if prepared is not None and (len(prepared) != batch or any(p < num_frames for p in prepared)):
+        check_lens_values(op, cache, torch.full((batch,), num_frames), num_frames, what)
+
+
 def _host_lens_list(cache: PagedKVCache, chunk_lens, num_frames: int, op: str, what: str = "frames") -> list[int]:
-    """``_host_lens`` as a Python list; ``None`` (every row has ``T`` frames) costs no tensor op
-    unless a row was prepared for fewer frames (then the shared check raises its error)."""
+    """``_host_lens`` as a Python list; ``None`` is checked by ``_check_full_rows``."""
     if chunk_lens is None:
-        batch, prepared = cache.batch_size, cache.prepared_frames
-        if prepared is not None and (len(prepared) != batch or any(p < num_frames for p in prepared)):
-            check_lens_values(op, cache, torch.full((batch,), num_frames), num_frames, what)
-        return [num_frames] * batch
+        _check_full_rows(cache, num_frames, op, what)
+        return [num_frames] * cache.batch_size
     return _host_lens(cache, chunk_lens, num_frames, op, what).tolist()
 
 
@@ -97,8 +102,7 @@ def _kernel_lens(cache: PagedKVCache, chunk_lens, num_frames: int, device: torch
     """None (every row has T frames) or an int32 (B,) tensor on ``device`` for the kernels."""
     batch = cache.batch_size
     if chunk_lens is None:
-        if cache.prepared_frames is not None:  # every row writes T: check T against each row, on the host
-            check_lens_values(op, cache, torch.full((batch,), num_frames), num_frames, what)
+        _check_full_rows(cache, num_frames, op, what)
         return None
     if isinstance(chunk_lens, torch.Tensor) and chunk_lens.device.type == "cuda":
         if chunk_lens.device != device:
