@@ -270,24 +270,41 @@ class StreamingConformer(nn.Module):
         if given, maps every layer's keys and values ``(B, T, n_kv_head, head_dim)``
         before attention: what a cache stores them as (e.g. an fp8 round trip).
         """
+        hidden, lens = self.encode(xs, xs_lens, num_left_chunks=num_left_chunks, prefill_window=prefill_window,
+                                   kv_transform=kv_transform)
+        if hidden.shape[1] == 0:
+            return self._empty_output(xs.shape[0], xs), lens
+        return self._head(hidden), lens
+
+    def encode(self, xs: torch.Tensor, xs_lens=None, chunk_size: int | None = None,
+               num_left_chunks: int | None = None, prefill_window: bool = False, kv_transform=None):
+        """The offline encoder without the CTC head, differentiable: ``(hidden (B, T, hidden_dim), lens (B,))``.
+
+        ``forward_offline`` is this under ``no_grad`` followed by the head; training calls it directly.
+        ``chunk_size`` (default the model's) and ``num_left_chunks`` (default the model's; -1: all
+        left chunks; a ``chunk_size`` of at least ``T`` is full context) shape the attention mask,
+        which is how one set of weights learns to serve several chunk sizes (dynamic chunk training).
+        Frames past a row's length are zero.
+        """
         cfg = self.config
-        self._check_features(xs, "forward_offline")
+        self._check_features(xs, "encode")
         B, T_in, _ = xs.shape
+        C = cfg.chunk_size if chunk_size is None else chunk_size
         L = cfg.num_left_chunks if num_left_chunks is None else num_left_chunks
         prefill = 0
         if prefill_window:
             if L < 1:
                 raise ValueError("forward_offline: prefill_window needs num_left_chunks >= 1")
-            prefill = L * cfg.chunk_size
+            prefill = L * C
         lens_in = self._lens(xs_lens, B, T_in, xs.device)
         x, lens, _ = self.subsample(xs, self.subsample.zero_tails(B, xs), lens_in)
         T = x.shape[1]
         if T == 0:
-            return self._empty_output(B, xs), lens
+            return x, lens
         valid = (torch.arange(T, device=xs.device)[None, :] < lens[:, None])[..., None].to(x.dtype)
         x = x * valid  # padded frames stay finite and never reach a valid frame
         cos, sin = self._cos_sin(torch.arange(T, device=xs.device).expand(B, T))
-        allowed = chunk_attention_mask(T, cfg.chunk_size, L, lens, prefill)
+        allowed = chunk_attention_mask(T, C, L, lens, prefill)
         zeros_kv = x.new_zeros((B, prefill, cfg.n_kv_head, cfg.head_dim))
         zero_context = x.new_zeros((B, cfg.kernel_size - 1, cfg.hidden_dim))
 
@@ -299,7 +316,7 @@ class StreamingConformer(nn.Module):
         for layer in self.layers:
             x, _ = layer(x, cos, sin, attend, zero_context)
             x = x * valid
-        return self._head(x), lens
+        return x, lens
 
     # ---- 2. one stream, dense caches ---------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,103 @@
+"""The speech model on disk: one safetensors file, read without pickle, checked before it is used.
+
+Layout: tensors ``encoder.*`` (the ``StreamingConformer``), ``decoder.*`` (the ``AttentionDecoder``),
+``cmvn.mean`` and ``cmvn.istd``; the header's string metadata holds ``format`` (``FORMAT``),
+``spec`` (``AsrSpec`` as JSON: geometry, alphabet, rescoring weight), ``info`` (JSON: how it was
+trained) and ``sha256``, a digest of every tensor's name, dtype, shape and bytes.
+
+``load_checkpoint`` refuses, with one ``ValueError`` naming what is wrong, a file that is not
+safetensors, a foreign safetensors file (no or another ``format``), a spec this code cannot build,
+missing, extra or misshapen tensors, a digest mismatch (a corrupted or edited file) and non-finite
+weights. Nothing of the file is executed: safetensors stores raw bytes and JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from oasr.asr.features import GlobalCmvn
+from oasr.asr.model import AsrSpec, build
+
+FORMAT = "oasr-asr-1"
+
+
+def _digest(tensors: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def checkpoint_tensors(encoder, decoder, cmvn: GlobalCmvn) -> dict:
+    tensors = {f"encoder.{k}": v.detach().cpu().contiguous() for k, v in encoder.state_dict().items()}
+    tensors.update({f"decoder.{k}": v.detach().cpu().contiguous() for k, v in decoder.state_dict().items()})
+    tensors["cmvn.mean"] = cmvn.mean.detach().cpu().float().contiguous()
+    tensors["cmvn.istd"] = cmvn.istd.detach().cpu().float().contiguous()
+    return tensors
+
+
+def save_checkpoint(path, encoder, decoder, spec: AsrSpec, cmvn: GlobalCmvn, info: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tensors = checkpoint_tensors(encoder, decoder, cmvn)
+    meta = {"format": FORMAT, "spec": json.dumps(spec.to_dict(), sort_keys=True),
+            "info": json.dumps(info or {}, sort_keys=True), "sha256": _digest(tensors)}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def read_header(path) -> dict:
+    """The string metadata of a checkpoint file (``ValueError`` if it is not safetensors)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for a malformed header
+        raise ValueError(f"{path}: not a safetensors file ({exc})") from None
+
+
+def load_checkpoint(path, **encoder_overrides):
+    """``(encoder, decoder, spec, cmvn, info)`` from ``path``; ``encoder_overrides`` (e.g. ``chunk_size``,
+    ``num_left_chunks``) change serving fields of the encoder config, never its geometry."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = read_header(path)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: not an oasr speech model (format {meta.get('format')!r}, expected {FORMAT!r})")
+    try:
+        spec = AsrSpec.from_dict(json.loads(meta["spec"]))
+        info = json.loads(meta.get("info", "{}"))
+        encoder, decoder = build(spec, **encoder_overrides)
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: the model description cannot be built ({exc})") from None
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:
+        raise ValueError(f"{path}: the tensor data cannot be read ({exc})") from None
+    if _digest(tensors) != meta.get("sha256"):
+        raise ValueError(f"{path}: checksum mismatch: the file is corrupted or was edited")
+    expected = checkpoint_tensors(encoder, decoder, GlobalCmvn(torch.zeros(80), torch.ones(80)))
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{path}: tensors do not match the model (missing {missing[:5]}, unexpected {extra[:5]})")
+    for name, ref in expected.items():
+        t = tensors[name]
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            raise ValueError(f"{path}: {name} is {t.dtype}{tuple(t.shape)}, "
+                             f"the model needs {ref.dtype}{tuple(ref.shape)}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"{path}: {name} holds non-finite values")
+    encoder.load_state_dict({k[8:]: v for k, v in tensors.items() if k.startswith("encoder.")})
+    decoder.load_state_dict({k[8:]: v for k, v in tensors.items() if k.startswith("decoder.")})
+    encoder.eval()
+    decoder.eval()
+    return encoder, decoder, spec, GlobalCmvn(tensors["cmvn.mean"], tensors["cmvn.istd"]), info

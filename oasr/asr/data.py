@@ -1,0 +1,81 @@
+"""Training data for the recipe: synthesized utterances as fbank shards, and batches drawn from them.
+
+A shard is one ``.npz`` file of ``count`` utterances: ``feats`` (all frames, float16, concatenated),
+``lens``, ``texts`` (one per utterance) and the CMVN sums of its frames. Shard ``i`` of a data set with
+seed ``s`` is made from ``random.Random((s, i))``, so any shard can be (re)built alone, in any order
+and in parallel, with the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+
+from oasr.asr.features import fbank
+from oasr.asr.text import SentenceGenerator
+
+
+def shard_path(directory, index: int) -> Path:
+    return Path(directory) / f"shard_{index:04d}.npz"
+
+
+def make_shard(directory, index: int, count: int, seed: int, held_out: bool = False) -> Path:
+    """Synthesize shard ``index`` (``count`` utterances) into ``directory``; skips an existing one."""
+    from oasr.asr.synth import TEST_VARIANTS, TRAIN_VARIANTS, draw_utterance
+
+    path = shard_path(directory, index)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(f"{seed}/{index}")
+    sentences = SentenceGenerator(rng.getrandbits(32), held_out=held_out)
+    variants = TEST_VARIANTS if held_out else TRAIN_VARIANTS
+    feats, lens, texts, voices = [], [], [], []
+    for _ in range(count):
+        text = next(sentences)
+        pcm, desc = draw_utterance(rng, text, variants)
+        f = fbank(pcm)
+        feats.append(f)
+        lens.append(len(f))
+        texts.append(text)
+        voices.append(json.dumps(desc))
+    allf = np.concatenate(feats).astype(np.float64)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, feats=np.concatenate(feats).astype(np.float16), lens=np.array(lens, np.int64),
+             texts=np.array(texts), voices=np.array(voices), sum=allf.sum(0), sum_sq=(allf**2).sum(0),
+             frames=np.int64(len(allf)))
+    tmp.rename(path)
+    return path
+
+
+class ShardSet:
+    """All utterances of the shards in a directory, held in memory as float16 features."""
+
+    def __init__(self, directory):
+        paths = sorted(Path(directory).glob("shard_*.npz"))
+        if not paths:
+            raise ValueError(f"no shards in {directory}")
+        feats, lens, self.texts = [], [], []
+        total = total_sq = 0.0
+        frames = 0
+        for p in paths:
+            with np.load(p) as z:
+                feats.append(z["feats"])
+                lens.append(z["lens"])
+                self.texts.extend(z["texts"].tolist())
+                total = total + z["sum"]
+                total_sq = total_sq + z["sum_sq"]
+                frames += int(z["frames"])
+        self.feats = np.concatenate(feats)
+        self.lens = np.concatenate(lens)
+        self.starts = np.concatenate([[0], np.cumsum(self.lens)[:-1]])
+        self.stats = (total, total_sq, frames)
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def utterance(self, i: int) -> np.ndarray:
+        return self.feats[self.starts[i] : self.starts[i] + self.lens[i]]

@@ -1,0 +1,60 @@
+"""Characters in, token ids out: the tokenizer stored with the speech model.
+
+Ids: ``0`` is the CTC blank, then the symbols of the alphabet in order (``" "`` is the word
+separator), and the last id is the attention decoder's start/end symbol (``sos == eos``).
+``encode`` refuses text outside the alphabet (after lower-casing and collapsing whitespace), so a
+transcript is never silently changed; ``normalize`` is the same mapping a reference transcript
+goes through before scoring.
+"""
+
+from __future__ import annotations
+
+import re
+
+BLANK = "<blank>"
+SOS_EOS = "<sos/eos>"
+ALPHABET = " '" + "abcdefghijklmnopqrstuvwxyz"
+
+
+def normalize(text: str) -> str:
+    """Lower case, whitespace collapsed to single spaces, trimmed."""
+    return " ".join(text.lower().split())
+
+
+class CharTokenizer:
+    def __init__(self, alphabet: str = ALPHABET):
+        if len(set(alphabet)) != len(alphabet) or not alphabet:
+            raise ValueError(f"CharTokenizer: the alphabet must be distinct characters, got {alphabet!r}")
+        self.alphabet = alphabet
+        self.symbols = [BLANK, *alphabet, SOS_EOS]
+        self._ids = {c: i + 1 for i, c in enumerate(alphabet)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.symbols)
+
+    @property
+    def blank_id(self) -> int:
+        return 0
+
+    @property
+    def sos_eos_id(self) -> int:
+        return len(self.symbols) - 1
+
+    def encode(self, text: str) -> list[int]:
+        text = normalize(text)
+        bad = sorted(set(text) - set(self._ids))
+        if bad:
+            raise ValueError(f"CharTokenizer.encode: characters outside the alphabet {self.alphabet!r}: {bad}")
+        return [self._ids[c] for c in text]
+
+    def decode(self, ids) -> str:
+        """Token ids (blank and sos/eos are skipped) to text, whitespace normalized."""
+        chars = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(self.symbols):
+                raise ValueError(f"CharTokenizer.decode: id {i} outside [0, {len(self.symbols)})")
+            if 0 < i < self.sos_eos_id:
+                chars.append(self.alphabet[i - 1])
+        return re.sub(" +", " ", "".join(chars)).strip()
