@@ -9,6 +9,9 @@ COMMANDS = {
     "demo": ("oasr.commands.demo", "run the streaming demo (the main job)"),
     "bench": ("oasr.commands.bench", "reference against fast, as ratios measured in one run"),
     "kernels": ("oasr.commands.kernels", "compile every CUDA kernel with NVRTC and report resources"),
+    "transcribe": ("oasr.commands.transcribe", "stream audio files through the engine and print their text"),
+    "eval": ("oasr.commands.evaluate", "word and character error rates on the shipped test set"),
+    "train": ("oasr.commands.train", "the training recipe: synthesize speech, train, export the model"),
 }
 
 

@@ -1,0 +1,225 @@
+"""Speech in, text out: the trained model served by ``StreamingEngine`` over the paged caches.
+
+``Recognizer`` owns one engine. Audio reaches it stream by stream: ``open_stream()`` returns an
+``AudioStream`` whose ``accept(pcm)`` runs the online fbank (``oasr.asr.features.OnlineFbank``),
+normalizes with the model's CMVN and pushes the frames; ``end()`` closes the input. ``step()``
+runs one engine tick (a chunk for every stream with enough audio, batched) and updates each
+stream's partial transcript. ``transcribe(clips)`` is the whole loop for a list of files or PCM
+arrays, at most ``max_streams`` at once.
+
+Decoding is the engine's CTC prefix beam search; ``rescore=True`` adds the attention decoder's
+second pass over the CTC n-best when a stream ends. ``full_context=True`` does not stream: each
+utterance is encoded whole with unrestricted attention, then decoded the same way (the accuracy
+ceiling the streaming configurations are measured against).
+
+Per chunk the stream records the latency from the moment its last audio sample was accepted to the
+moment the tick that turned it into a partial result returned (``AudioStream.latencies``).
+A bad file or bad PCM is refused with ``AudioError`` before anything reaches the engine, so the
+other streams are unaffected.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oasr.asr.audio import check_pcm, load_audio
+from oasr.asr.checkpoint import load_checkpoint
+from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE, OnlineFbank
+from oasr.ctc_config import CtcDecoderConfig
+
+
+def default_model_path() -> Path:
+    """The model shipped with the package (``oasr/assets/model/model.safetensors``)."""
+    return Path(str(resources.files("oasr") / "assets" / "model" / "model.safetensors"))
+
+
+@dataclass
+class Transcript:
+    """One finished utterance: its text, the first pass's text (differs only with rescoring), timings."""
+
+    id: object
+    text: str
+    first_pass: str
+    audio_seconds: float
+    partials: list = field(default_factory=list)  # (audio seconds consumed, text) each time the text changed
+    latencies: list = field(default_factory=list)  # seconds, one per chunk
+
+
+class AudioStream:
+    """One live utterance inside a ``Recognizer`` (from ``Recognizer.open_stream``)."""
+
+    def __init__(self, recognizer: Recognizer, stream_id):
+        self.recognizer = recognizer
+        self.id = stream_id
+        self.fbank = OnlineFbank()
+        self.samples = 0
+        self.frames_pushed = 0
+        self.frames_done = 0  # feature frames turned into encoder output so far
+        self.text = ""
+        self.partials: list = []
+        self.latencies: list = []
+        self._arrivals: list = []  # (feature frames available, time)
+
+    def accept(self, pcm, sample_rate: int = SAMPLE_RATE) -> None:
+        """Take the next piece of audio (mono samples at ``sample_rate``); ``AudioError`` for bad input."""
+        x = check_pcm(pcm, sample_rate, f"stream {self.id!r}") if np.asarray(pcm).size else np.zeros(0, np.float32)
+        self._push(self.fbank.accept(x))
+        self.samples += x.size
+
+    def end(self) -> None:
+        self._push(self.fbank.finish())
+        self.recognizer.engine.end_stream(self.id)
+
+    def _push(self, feats: np.ndarray) -> None:
+        if len(feats):
+            self.recognizer.engine.push(self.id, self.recognizer.cmvn.normalize(feats))
+            self.frames_pushed += len(feats)
+            self._arrivals.append((self.frames_pushed, time.perf_counter()))
+
+    def _advance(self, encoder_frames: int, now: float) -> None:
+        """A tick turned ``encoder_frames`` more frames into output at ``now``: record the chunk's latency,
+        counted from the push that completed its audio (the first push reaching past its last frame)."""
+        if not encoder_frames:
+            return
+        rate = self.recognizer.encoder.config.subsampling_rate
+        self.frames_done += encoder_frames * rate
+        completing = next((t for frames, t in self._arrivals if frames >= self.frames_done), None)
+        if completing is None and self._arrivals:
+            completing = self._arrivals[-1][1]
+        if completing is not None:
+            self.latencies.append(now - completing)
+        while self._arrivals and self._arrivals[0][0] <= self.frames_done:
+            self._arrivals.pop(0)
+
+
+class Recognizer:
+    """A trained model behind one ``StreamingEngine``; see the module docstring."""
+
+    def __init__(self, model_path=None, *, twin: str = "fast", device: str = "cpu", kv_cache_dtype=None,
+                 chunk_size: int | None = None, num_left_chunks: int | None = None, rescore: bool = False,
+                 full_context: bool = False, beam_size: int = 8, max_streams: int = 16, cuda_graphs=None,
+                 max_seconds: float = 60.0):
+        overrides = {k: v for k, v in (("chunk_size", chunk_size), ("num_left_chunks", num_left_chunks))
+                     if v is not None}
+        path = Path(model_path) if model_path is not None else default_model_path()
+        self.encoder, self.decoder, self.spec, self.cmvn, self.info = load_checkpoint(path, **overrides)
+        self.tokenizer = self.spec.tokenizer()
+        self.device = torch.device(device)
+        self.encoder.to(self.device)
+        self.decoder.to(self.device)
+        self.rescore, self.full_context = bool(rescore), bool(full_context)
+        self.ctc_config = CtcDecoderConfig(beam_size=beam_size, nbest=min(beam_size, 8) if rescore else 1)
+        cfg = self.encoder.config
+        frames = int(max_seconds * SAMPLE_RATE / FRAME_SHIFT) // cfg.subsampling_rate + cfg.chunk_size
+        blocks_per_seq = -(-frames // cfg.chunk_size) + 1
+        self.cache_config = cfg.cache_config(max_batch_size=max_streams, max_blocks_per_seq=blocks_per_seq,
+                                             device=self.device, kv_cache_dtype=kv_cache_dtype)
+        self.twin = twin
+        from oasr.engine.streaming import StreamingEngine
+
+        self.engine = StreamingEngine(self.encoder, self.cache_config, twin=twin, decoder="beam",
+                                      ctc_config=self.ctc_config, rescore=self.rescore and not self.full_context,
+                                      rescorer=self.decoder if self.rescore else None,
+                                      ctc_weight=self.spec.ctc_weight, cuda_graphs=cuda_graphs)
+        self.streams: dict = {}
+        self.busy_seconds = 0.0  # time spent in feature extraction and engine ticks
+
+    # ---- streaming -------------------------------------------------------------------------
+    def open_stream(self, stream_id=None) -> AudioStream:
+        sid = self.engine.add_stream(stream_id)
+        stream = self.streams[sid] = AudioStream(self, sid)
+        return stream
+
+    def step(self) -> list:
+        """One engine tick; returns the ``Transcript`` of every stream that finished in it."""
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        now = time.perf_counter()
+        self.busy_seconds += now - t0
+        done = []
+        for sid, out in outputs.items():
+            stream = self.streams[sid]
+            stream._advance(out.num_frames, now)
+            if out.partial is not None and out.num_frames:
+                text = self.tokenizer.decode(out.partial)
+                if text != stream.text:
+                    stream.text = text
+                    stream.partials.append((stream.frames_done * FRAME_SHIFT / SAMPLE_RATE, text))
+            if out.finished:
+                done.append(self._finish(sid))
+        return done
+
+    def _finish(self, sid) -> Transcript:
+        stream = self.streams.pop(sid)
+        result = self.engine.result(sid)
+        text = self.tokenizer.decode(result.tokens)
+        first = self.tokenizer.decode(result.first_pass) if result.first_pass is not None else text
+        if stream.partials and stream.partials[-1][1] != text:
+            stream.partials.append((stream.samples / SAMPLE_RATE, text))
+        return Transcript(sid, text, first, stream.samples / SAMPLE_RATE, stream.partials, stream.latencies)
+
+    # ---- whole clips ------------------------------------------------------------------------
+    def transcribe(self, clips, piece_seconds: float = 0.32) -> list[Transcript]:
+        """Transcripts of ``clips`` (paths or 16 kHz float PCM arrays), in order.
+
+        Every clip is validated (read, resampled) before any reaches the engine. The audio is
+        fed in ``piece_seconds`` pieces, as a live source would send it, to ``max_streams`` streams
+        at a time.
+        """
+        audio = [load_audio(c) if isinstance(c, (str, Path)) else check_pcm(c, SAMPLE_RATE) for c in clips]
+        if self.full_context:
+            return [self.transcribe_full_context(pcm, i) for i, pcm in enumerate(audio)]
+        piece = max(1, int(piece_seconds * SAMPLE_RATE))
+        results: dict = {}
+        queue = list(enumerate(audio))
+        live: dict = {}  # stream id -> (index, pcm, samples fed)
+        while queue or live or self.streams:
+            while queue and len(live) < self.cache_config.max_batch_size:
+                index, pcm = queue.pop(0)
+                stream = self.open_stream()
+                live[stream.id] = [index, pcm, 0]
+            t0 = time.perf_counter()
+            for sid, entry in list(live.items()):
+                index, pcm, fed = entry
+                if fed >= len(pcm):
+                    continue  # input ended, the engine is still encoding what is buffered
+                self.streams[sid].accept(pcm[fed : fed + piece])
+                entry[2] = fed + piece
+                if entry[2] >= len(pcm):
+                    self.streams[sid].end()
+            self.busy_seconds += time.perf_counter() - t0
+            for transcript in self.step():
+                index = live.pop(transcript.id)[0]
+                transcript.id = index
+                results[index] = transcript
+            for sid in [s for s in live if s not in self.streams]:
+                del live[sid]
+        return [results[i] for i in range(len(audio))]
+
+    @torch.no_grad()
+    def transcribe_full_context(self, pcm, clip_id=0) -> Transcript:
+        """Encode a whole utterance with unrestricted attention, then the same beam search (and rescoring)."""
+        from oasr.asr.features import fbank
+        from oasr.models.attention_decoder import attention_rescore
+        from oasr.reference import StreamingCtcDecoder
+
+        t0 = time.perf_counter()
+        x = self.cmvn.normalize(fbank(pcm))[None].to(self.device)
+        hidden, _ = self.encoder.encode(x, chunk_size=max(1, x.shape[1]), num_left_chunks=-1)
+        log_probs = torch.log_softmax(self.encoder.ctc(hidden), -1).float().cpu()
+        decoder = StreamingCtcDecoder(self.ctc_config)
+        state = decoder.create_state(1, log_probs.shape[-1])
+        decoder.decode_chunk(state, log_probs)
+        nbest = decoder.finalize_stream(state)[0]
+        tokens = list(nbest[0].tokens) if nbest else []
+        first = self.tokenizer.decode(tokens)
+        if self.rescore and nbest:
+            tokens, _ = attention_rescore(self.decoder, hidden[0], nbest, self.spec.ctc_weight)
+        self.busy_seconds += time.perf_counter() - t0
+        return Transcript(clip_id, self.tokenizer.decode(tokens), first, len(pcm) / SAMPLE_RATE)

@@ -1,0 +1,67 @@
+"""The held-out test set shipped with the package: FLAC clips and their transcripts.
+
+``make_testset(directory, count, seed)`` (recipe only, needs espeak-ng) speaks ``count`` held-out
+sentences (``oasr.asr.text.is_held_out``: never in the training stream) with the held-out voice variants
+(``oasr.asr.synth.TEST_VARIANTS``: never heard in training), perturbed like the training data, and writes
+``NNNN.flac`` (16 kHz, 16-bit, mono) and ``transcripts.tsv`` (``id<TAB>text<TAB>voice``).
+``load_testset()`` reads it back: the shipped copy under ``oasr/assets/testset`` by default.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from oasr.asr.text import SentenceGenerator
+
+
+@dataclass(frozen=True)
+class Clip:
+    id: str
+    path: Path
+    text: str
+    voice: str
+
+
+def shipped_testset_dir() -> Path:
+    return Path(str(resources.files("oasr") / "assets" / "testset"))
+
+
+def make_testset(directory, count: int = 120, seed: int = 20261201) -> Path:
+    import soundfile as sf
+
+    from oasr.asr.features import SAMPLE_RATE
+    from oasr.asr.synth import TEST_VARIANTS, draw_utterance
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    sentences = SentenceGenerator(seed, held_out=True)
+    seen, rows = set(), []
+    while len(rows) < count:
+        text = next(sentences)
+        if text in seen:
+            continue
+        seen.add(text)
+        pcm, desc = draw_utterance(rng, text, TEST_VARIANTS)
+        clip_id = f"{len(rows):04d}"
+        sf.write(directory / f"{clip_id}.flac", pcm, SAMPLE_RATE, subtype="PCM_16", format="FLAC")
+        rows.append(f"{clip_id}\t{text}\t{json.dumps(desc, sort_keys=True)}")
+    (directory / "transcripts.tsv").write_text("\n".join(rows) + "\n")
+    return directory
+
+
+def load_testset(directory=None, limit: int | None = None) -> list[Clip]:
+    """The clips of a test set directory (default: the shipped one), in id order."""
+    directory = Path(directory) if directory is not None else shipped_testset_dir()
+    table = directory / "transcripts.tsv"
+    if not table.exists():
+        raise ValueError(f"no test set at {directory} (transcripts.tsv missing)")
+    clips = []
+    for line in table.read_text().splitlines():
+        clip_id, text, voice = line.split("\t")
+        clips.append(Clip(clip_id, directory / f"{clip_id}.flac", text, json.loads(voice)["voice"]))
+    return clips[:limit] if limit is not None else clips

@@ -1,0 +1,69 @@
+"""``python -m oasr eval``: word and character error rates on the shipped held-out test set."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from oasr.commands import CommandParser, check_output_path
+from oasr.commands.asr_options import add_model_options, check_model_options, configuration, recognizer
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="python -m oasr eval",
+                           description="WER and CER of a configuration on the held-out test set (sentences and "
+                                       "voices never trained on).")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+    parser.add_argument("--testset", default=None, help="a test set directory (default: the shipped one)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N clips")
+    parser.add_argument("--show", type=int, default=0, help="print the first N errors with their references")
+    add_model_options(parser)
+    return parser
+
+
+def evaluate(rec, clips) -> dict:
+    """Transcribe ``clips`` with ``rec``; WER/CER of the final and (if rescoring) first-pass texts, and timing."""
+    from oasr.asr.metrics import error_rates
+
+    t0 = time.perf_counter()
+    transcripts = rec.transcribe([c.path for c in clips])
+    wall = time.perf_counter() - t0
+    refs = [c.text for c in clips]
+    rates = error_rates(refs, [t.text for t in transcripts])
+    first = error_rates(refs, [t.first_pass for t in transcripts])
+    audio = sum(t.audio_seconds for t in transcripts)
+    return {**rates, "first_pass_wer": first["wer"], "first_pass_cer": first["cer"], "audio_seconds": audio,
+            "wall_seconds": wall, "rtf": wall / audio,
+            "hypotheses": [{"id": c.id, "ref": c.text, "hyp": t.text} for c, t in zip(clips, transcripts, strict=True)]}
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_model_options(parser, args)
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit}")
+    if args.json:
+        check_output_path(parser, args.json, "--json")
+    from oasr.asr.testset import load_testset
+
+    try:
+        clips = load_testset(args.testset, args.limit)
+    except ValueError as exc:
+        parser.error(str(exc))
+    rec = recognizer(args)
+    result = evaluate(rec, clips)
+    result["configuration"] = configuration(args, rec)
+    print(f"{result['utterances']} utterances, {result['audio_seconds']:.0f} s of audio: "
+          f"WER {100 * result['wer']:.2f}% CER {100 * result['cer']:.2f}%"
+          + (f" (first pass WER {100 * result['first_pass_wer']:.2f}%)" if args.rescore else "")
+          + f", real-time factor {result['rtf']:.3f}")
+    shown = 0
+    for h in result["hypotheses"]:
+        if shown < args.show and h["ref"] != h["hyp"]:
+            print(f"  {h['id']} ref: {h['ref']}\n  {' ' * len(h['id'])} hyp: {h['hyp']}")
+            shown += 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0

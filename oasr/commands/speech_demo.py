@@ -1,0 +1,161 @@
+"""``python -m oasr demo``: many concurrent live streams of the shipped test clips, transcribed.
+
+The clips are played as live sources: each stream starts at its own time and sends its audio in
+``--piece-ms`` pieces at real time (``--no-realtime`` sends them as fast as the engine takes them).
+The engine batches whatever chunks are ready into one tick. At the end the demo prints a few
+transcripts beside their references, the WER and CER over all clips, the real-time factor (time
+spent in feature extraction and engine ticks over seconds of audio), the per-chunk latency
+percentiles (from the moment a chunk's last audio sample was sent to its partial result) and what
+the caches hold in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from oasr.commands import CommandParser, check_output_path
+from oasr.commands.asr_options import add_model_options, check_model_options, configuration, recognizer
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="python -m oasr demo", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("--clips", type=int, default=None, help="how many shipped clips to play (default: all)")
+    parser.add_argument("--concurrency", type=int, default=24,
+                        help="streams live at once on average (start times are staggered to keep this many)")
+    parser.add_argument("--piece-ms", type=int, default=40, help="audio per message a live source sends")
+    parser.add_argument("--realtime", action=argparse.BooleanOptionalAction, default=True,
+                        help="send audio at real time (latency is meaningful only then)")
+    parser.add_argument("--show", type=int, default=6, help="transcripts to print beside their references")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the numbers as JSON")
+    add_model_options(parser, streams_default=32)
+    return parser
+
+
+def play(rec, audio: list, concurrency: int, piece: int, realtime: bool) -> tuple[list, dict]:
+    """Stream ``audio`` (16 kHz arrays) through ``rec`` as staggered live sources; transcripts in order."""
+    rate = 16000
+    mean = float(np.mean([len(a) for a in audio])) / rate
+    starts = [i * mean / concurrency for i in range(len(audio))]
+    results, live, peak = {}, {}, 0
+    t0 = time.perf_counter()
+    virtual = 0.0
+    next_clip = 0
+    while next_clip < len(audio) or live or rec.streams:
+        now = (time.perf_counter() - t0) if realtime else virtual
+        while next_clip < len(audio) and starts[next_clip] <= now:
+            live[rec.open_stream().id] = [next_clip, 0]
+            next_clip += 1
+        t_feed = time.perf_counter()
+        for sid, entry in list(live.items()):
+            index, fed = entry
+            pcm = audio[index]
+            due = len(pcm) if not realtime else min(len(pcm), int((now - starts[index]) * rate) // piece * piece)
+            while fed < due:  # one push per piece, as a live source sends them
+                rec.streams[sid].accept(pcm[fed : fed + piece])
+                fed += piece
+            entry[1] = fed
+            if fed >= len(pcm) and not rec.engine.input_ended(sid):
+                rec.streams[sid].end()
+        rec.busy_seconds += time.perf_counter() - t_feed
+        peak = max(peak, len(rec.streams))
+        while True:  # every chunk that is ready now
+            done = rec.step()
+            for transcript in done:
+                results[live.pop(transcript.id)[0]] = transcript
+            if not rec.engine.stats[-1].cohort and not done:
+                break
+        if realtime:
+            wake = now + piece / rate  # the next piece is due, or the next stream starts, whichever is first
+            if next_clip < len(audio):
+                wake = min(wake, starts[next_clip])
+            time.sleep(max(0.0, t0 + wake - time.perf_counter()))
+        else:
+            virtual = now + piece / rate
+    wall = time.perf_counter() - t0
+    return [results[i] for i in range(len(audio))], {"wall_seconds": wall, "peak_streams": peak}
+
+
+def memory_lines(rec) -> list[str]:
+    from oasr.memory import bytes_per_kv_block, footprint, format_bytes
+
+    engine, cfg = rec.engine, rec.cache_config
+    fp = footprint(cfg, scratch_blocks=1, pad_lanes=1)
+    peak = max(engine.stats, key=lambda s: s.used_blocks)
+    window = "unlimited" if cfg.num_left_chunks < 0 else f"{cfg.num_left_chunks} chunks"
+    per_frame = bytes_per_kv_block(cfg) / cfg.block_size_frames
+    return [
+        f"memory: K/V pages {cfg.kv_cache_dtype or str(cfg.dtype).replace('torch.', '')}, "
+        f"{format_bytes(bytes_per_kv_block(cfg))} per block of {cfg.block_size_frames} frames "
+        f"({format_bytes(int(per_frame))} per 40 ms frame, all {cfg.num_layers} layers), left window {window}",
+        f"  peak pool use {peak.used_blocks}/{cfg.max_num_blocks} blocks "
+        f"({format_bytes(int(peak.used_blocks * bytes_per_kv_block(cfg)))}) with {peak.active} streams active",
+        fp.format(),
+    ]
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_model_options(parser, args)
+    for name in ("concurrency", "piece_ms", "show"):
+        low = 0 if name == "show" else 1
+        if getattr(args, name) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.clips is not None and args.clips < 1:
+        parser.error(f"--clips must be >= 1, got {args.clips}")
+    if args.full_context:
+        parser.error("the demo streams; --full-context is for python -m oasr eval")
+    if args.json:
+        check_output_path(parser, args.json, "--json")
+    from oasr.asr.audio import load_audio
+    from oasr.asr.metrics import error_rates
+    from oasr.asr.testset import load_testset
+
+    clips = load_testset(limit=args.clips)
+    audio = [load_audio(c.path) for c in clips]
+    rec = recognizer(args)
+    cfg = rec.encoder.config
+    print(f"oasr demo: {len(clips)} held-out clips ({sum(map(len, audio)) / 16000:.0f} s of speech, voices and "
+          f"sentences never trained on) as live streams, ~{args.concurrency} at once, {args.piece_ms} ms pieces"
+          f"{' in real time' if args.realtime else ', as fast as possible'}; {args.threads} torch thread(s)")
+    print(f"  model: {sum(p.numel() for p in rec.encoder.parameters()):,}-parameter streaming Conformer "
+          f"({cfg.num_layers} layers) + {sum(p.numel() for p in rec.decoder.parameters()):,}-parameter attention "
+          f"decoder; chunk {cfg.chunk_size} frames ({cfg.chunk_size * 40} ms), left context "
+          f"{'unlimited' if cfg.num_left_chunks < 0 else f'{cfg.num_left_chunks} chunks'}; twin {rec.twin}; "
+          f"{rec.engine.execution_note}")
+    transcripts, run = play(rec, audio, args.concurrency, max(1, args.piece_ms * 16), args.realtime)
+    refs = [c.text for c in clips]
+    rates = error_rates(refs, [t.text for t in transcripts])
+    latencies = np.array([x for t in transcripts for x in t.latencies]) * 1000
+    audio_s = sum(t.audio_seconds for t in transcripts)
+    print(f"transcripts (first {min(args.show, len(clips))}; * marks an error):")
+    for clip, t in list(zip(clips, transcripts, strict=True))[: args.show]:
+        mark = " " if t.text == clip.text else "*"
+        print(f" {mark} {clip.id} [{clip.voice}] {t.text}")
+        if t.text != clip.text:
+            print(f"   {' ' * len(clip.id)}  reference: {clip.text}")
+    first = error_rates(refs, [t.first_pass for t in transcripts])
+    print(f"accuracy: WER {100 * rates['wer']:.2f}% ({rates['word_errors']}/{rates['words']} words), "
+          f"CER {100 * rates['cer']:.2f}%" + (f"; first pass alone WER {100 * first['wer']:.2f}%"
+                                                if args.rescore else "") + f" over {len(clips)} clips")
+    print(f"speed: real-time factor {rec.busy_seconds / audio_s:.3f} (compute {rec.busy_seconds:.2f} s for "
+          f"{audio_s:.1f} s of audio; wall {run['wall_seconds']:.1f} s), peak {run['peak_streams']} streams held, "
+          f"{rec.engine.tick} ticks")
+    if len(latencies):
+        p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
+        print(f"latency per chunk (last sample sent -> partial result, {len(latencies)} chunks): p50 {p50:.1f} ms, "
+              f"p95 {p95:.1f} ms, p99 {p99:.1f} ms" + ("" if args.realtime else " (not real time: queueing only)"))
+    for line in memory_lines(rec):
+        print(line)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({**{k: v for k, v in rates.items()}, "rtf": rec.busy_seconds / audio_s,
+                       "latency_ms": dict(zip(("p50", "p95", "p99"), map(float, np.percentile(latencies, [50, 95, 99])),
+                                              strict=True)) if len(latencies) else None,
+                       **run, "configuration": configuration(args, rec)}, f, indent=1)
+    return 0

@@ -1,0 +1,41 @@
+"""``python -m oasr transcribe FILE...``: stream each audio file through the engine and print its text."""
+
+from __future__ import annotations
+
+import sys
+
+from oasr.commands import CommandParser
+from oasr.commands.asr_options import add_model_options, check_model_options, recognizer
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="python -m oasr transcribe",
+                           description="Transcribe audio files (WAV, FLAC, OGG; resampled to 16 kHz) by streaming "
+                                       "them through the engine, one line of text per file.")
+    parser.add_argument("files", nargs="+", metavar="FILE", help="audio files")
+    parser.add_argument("--partials", action="store_true",
+                        help="also print each partial result as it changes, with the audio time it was reached")
+    add_model_options(parser)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_model_options(parser, args)
+    from oasr.asr.audio import AudioError, load_audio
+
+    audio = []
+    for path in args.files:  # every file is read and checked before any is transcribed
+        try:
+            audio.append(load_audio(path))
+        except AudioError as exc:
+            parser.error(str(exc))
+    rec = recognizer(args, max_seconds=max(60.0, max(len(a) for a in audio) / 16000 + 1))
+    for path, transcript in zip(args.files, rec.transcribe(audio), strict=True):
+        if args.partials:
+            for seconds, text in transcript.partials:
+                print(f"{path} [{seconds:6.2f} s] {text}")
+        print(f"{path}: {transcript.text}" if len(args.files) > 1 or args.partials else transcript.text)
+    sys.stdout.flush()
+    return 0
