@@ -35,6 +35,12 @@ class AsrSpec:
     alphabet: str = ALPHABET
     ctc_weight: float = 0.5
 
+    def __post_init__(self):
+        self.encoder = dict(self.encoder)
+        if "subsample_kernels" in self.encoder:  # JSON gives a list
+            self.encoder["subsample_kernels"] = tuple(self.encoder["subsample_kernels"])
+        self.decoder = dict(self.decoder)
+
     def tokenizer(self) -> CharTokenizer:
         return CharTokenizer(self.alphabet)
 
