@@ -23,6 +23,8 @@ SECTIONS = {
     "graphs": ("oasr.bench.graphs", "section", True),  # CUDA only: one "skipped" row on the CPU
     "decoder": ("oasr.bench.decoder", "section", True),
     "shared_pages": ("oasr.bench.shared_pages", "section", True),
+    "accuracy": ("oasr.bench.accuracy", "section", True),  # WER per cache choice (the trained model)
+    "speech": ("oasr.bench.speech", "section", True),  # RTF and latency at 1/8/64 live streams, training speed
 }
 
 

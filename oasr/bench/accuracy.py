@@ -1,0 +1,78 @@
+"""What the cache choices cost in recognition: word error rate against K/V bytes per stream.
+
+Every row transcribes the shipped held-out clips (sentences and voices never trained on) through the
+engine with one configuration and reports its WER and CER beside the K/V memory it holds per stream.
+The grid: the left-context window (1, 2, 4, 8 chunks, unlimited) in the model dtype and in fp8 pages,
+with and without attention rescoring, the full-context (non-streaming) ceiling, and the default
+configuration on both twins. K/V bytes per stream are counted from the geometry: a stream holds
+``min(its encoder frames, (left + 1) * chunk)`` frames at its end, times the bytes one frame takes in
+every layer's pages (fp8: one byte per value plus a 4-byte scale per head vector), averaged over clips.
+"""
+
+from __future__ import annotations
+
+import time
+
+from oasr.asr.testset import load_testset
+
+WINDOWS = (1, 2, 4, 8, -1)
+NOTES = ("WER in % on the shipped held-out set; kv_bytes: mean K/V bytes a stream holds at its end; "
+         "rtf: wall seconds per second of audio in this process (1 thread)")
+
+
+def kv_bytes_per_stream(rec, clips_frames: list[int]) -> float:
+    from oasr.memory import bytes_per_kv_block
+
+    cfg = rec.cache_config
+    per_frame = bytes_per_kv_block(cfg) / cfg.block_size_frames
+    window = None if cfg.num_left_chunks < 0 else (cfg.num_left_chunks + 1) * cfg.chunk_size
+    held = [n if window is None else min(n, window) for n in clips_frames]
+    return per_frame * sum(held) / len(held)
+
+
+def run(config: dict, clips, model_path=None) -> dict:
+    """One row: transcribe ``clips`` under ``config`` (``Recognizer`` keyword arguments)."""
+    from oasr.asr.recognizer import Recognizer
+    from oasr.commands.evaluate import evaluate
+
+    rec = Recognizer(model_path, **config)
+    t0 = time.perf_counter()
+    result = evaluate(rec, clips)
+    frames = [int(_seconds(c) * 25) for c in clips]  # encoder frames: 100 fbank frames/s, subsampled 4x
+    return {"wer": 100 * result["wer"], "cer": 100 * result["cer"], "first_pass_wer": 100 * result["first_pass_wer"],
+            "kv_bytes": 0.0 if config.get("full_context") else kv_bytes_per_stream(rec, frames),
+            "rtf": (time.perf_counter() - t0) / result["audio_seconds"],
+            "texts": [h["hyp"] for h in result["hypotheses"]]}
+
+
+def _seconds(clip) -> float:
+    import soundfile as sf
+
+    return sf.info(str(clip.path)).duration
+
+
+def grid(quick: bool) -> list[tuple[str, dict]]:
+    cases = []
+    for kv in (None, "fp8_e4m3"):
+        for left in WINDOWS if not quick else (1, 4, -1):
+            name = f"left {'all' if left < 0 else left}, {kv or 'model dtype'}"
+            cases.append((name, {"num_left_chunks": left, "kv_cache_dtype": kv}))
+    cases.append(("left 4, model dtype, rescored", {"num_left_chunks": 4, "rescore": True}))
+    cases.append(("left 4, fp8_e4m3, rescored", {"num_left_chunks": 4, "kv_cache_dtype": "fp8_e4m3", "rescore": True}))
+    cases.append(("full context", {"full_context": True}))
+    cases.append(("full context, rescored", {"full_context": True, "rescore": True}))
+    cases.append(("left 4, model dtype, reference twin", {"num_left_chunks": 4, "twin": "reference"}))
+    return cases
+
+
+def section(quick: bool, device: str = "cpu") -> list[dict]:
+    clips = load_testset(limit=24 if quick else None)
+    rows, texts = [], {}
+    for name, config in grid(quick):
+        row = run({**config, "device": device}, clips)
+        texts[name] = row.pop("texts")
+        rows.append({"section": "accuracy", "case": name, "clips": len(clips), **row})
+    same = texts["left 4, model dtype"] == texts["left 4, model dtype, reference twin"]
+    rows.append({"section": "accuracy", "case": "twins give identical transcripts (left 4)", "clips": len(clips),
+                 "wer": None, "identical": same})
+    return rows
