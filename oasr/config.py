@@ -40,7 +40,15 @@ That is exact for aligned geometries (``bs == chunk``: ``num_left_chunks + 1``)
 and needs no "chunk <= block" restriction, which the design we started from had
 only because it allocated one block per chunk.
 
-With eviction off (``num_left_chunks == -1``) history is unlimited and each
+A sliding window of its own length: ``window_frames = W`` (with
+``num_left_chunks == -1``) bounds history to the last ``W`` frames, any ``W >= 0``,
+not only a multiple of ``chunk_size``. Then ``seqlen - W`` is no longer a multiple
+of ``g`` without a prefill: the first visible position sits at ``r = (-W) mod g``
+past a multiple of ``g``, so ``o <= bs - g + r`` and::
+
+     max_logical_blocks = ceil((bs - g + r + W + chunk_size) / bs)     (r = 0 with prefill)
+
+With eviction off (``num_left_chunks == -1``, no ``window_frames``) history is unlimited and each
 stream is capped at ``blocks_per_stream = min(max_blocks_per_seq,
 max_num_blocks // max_batch_size)`` blocks; ``max_stream_frames`` is that cap in
 frames. The manager's ``at_capacity`` says when a stream's next chunk would
@@ -128,6 +136,7 @@ class CacheConfig:
     device: torch.device | str = "cpu"
     dtype: torch.dtype | str = torch.float32
     kv_cache_dtype: str | None = None
+    window_frames: int | None = None
 
     def __post_init__(self):
         for name in _POSITIVE_FIELDS:
@@ -142,6 +151,15 @@ class CacheConfig:
             raise ValueError(
                 f"CacheConfig.num_left_chunks must be -1 (unlimited) or >= 0, got {self.num_left_chunks!r}"
             )
+        if self.window_frames is not None:
+            if isinstance(self.window_frames, bool) or not isinstance(self.window_frames, int) \
+                    or self.window_frames < 0:
+                raise ValueError(f"CacheConfig.window_frames must be None or an int >= 0, got {self.window_frames!r}")
+            if self.num_left_chunks != -1:
+                raise ValueError(
+                    f"CacheConfig: give the window once: window_frames={self.window_frames} or "
+                    f"num_left_chunks={self.num_left_chunks}, not both"
+                )
         self.device = torch.device(self.device)
         self.dtype = _as_dtype(self.dtype)
         self.prefill_kv_window = bool(self.prefill_kv_window)
@@ -157,7 +175,7 @@ class CacheConfig:
 
         if self.prefill_kv_window and self.history_frames is None:
             raise ValueError(
-                "CacheConfig.prefill_kv_window=True needs a window: set num_left_chunks >= 1 "
+                "CacheConfig.prefill_kv_window=True needs a window: set num_left_chunks >= 1 or window_frames >= 1 "
                 "(got num_left_chunks=-1, unlimited history)"
             )
         if self.prefill_kv_window and self.history_frames == 0:
@@ -212,12 +230,14 @@ class CacheConfig:
 
     @property
     def eviction(self) -> bool:
-        """True when history is bounded (``num_left_chunks >= 0``)."""
-        return self.num_left_chunks >= 0
+        """True when history is bounded (``num_left_chunks >= 0`` or ``window_frames`` set)."""
+        return self.num_left_chunks >= 0 or self.window_frames is not None
 
     @property
     def history_frames(self) -> int | None:
         """``W``: frames of history a chunk attends to, or None when unlimited."""
+        if self.window_frames is not None:
+            return self.window_frames
         return self.num_left_chunks * self.chunk_size if self.eviction else None
 
     @property
@@ -227,7 +247,9 @@ class CacheConfig:
             return None
         bs = self.block_size_frames
         g = math.gcd(self.chunk_size, bs)
-        return math.ceil((bs - g + self.history_frames + self.chunk_size) / bs)
+        W = self.history_frames
+        r = 0 if self.prefill_kv_window else (-W) % g
+        return math.ceil((bs - g + r + W + self.chunk_size) / bs)
 
     @property
     def blocks_per_stream(self) -> int:
