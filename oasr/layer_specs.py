@@ -133,6 +133,8 @@ class CacheLayout:
     (heads, head_dim, chunk and block size, dtype, batch, ``max_num_blocks`` of the
     shared pool, in blocks of ``unit`` layers); ``specs`` one attention spec per layer
     of ``config.num_layers`` plus any fixed states (None: ``uniform_specs(config)``).
+    A config whose pool was sized from a budget (``max_num_blocks=None``) is re-sized
+    here in blocks of ``unit`` layers, so the composition spends the same budget.
 
     Errors (``ValueError``): a spec of an unknown kind; not ``num_layers`` attention
     specs; two fixed states with one name; a pool smaller than ``max_batch_size``
@@ -164,6 +166,12 @@ class CacheLayout:
         for layer, window in enumerate(self.windows):
             groups.setdefault(window, []).append(layer)
         self.unit = math.gcd(*(len(g) for g in groups.values()))
+        budget = getattr(config, "pool_budget", None)
+        if budget is not None and self.unit != config.num_layers:  # a budget-sized pool, re-sized in our blocks
+            sized_from = config.pool_sized_from
+            config = dataclasses.replace(config, max_num_blocks=budget // self.bytes_per_block - 1)
+            config.pool_sized_from, config.pool_budget = sized_from, budget
+            self.config = config
         B, N = config.max_batch_size, config.max_num_blocks
         bands = []
         for window, layers in groups.items():
