@@ -258,3 +258,11 @@ def test_layout_for_budget():
     assert layout.bytes_per_block * (layout.config.max_num_blocks + 2) > budget
     per = 2 * 2 * 4 * 2 * 8 * torch.tensor([], dtype=torch.float32).element_size()  # 2 x unit x bs x H x D x 4
     assert layout.bytes_per_block == per
+
+
+def test_sessions_refuse_a_frame_window():
+    from oasr.session import SessionError, SessionGeometry
+
+    with pytest.raises(SessionError, match="window_frames=6"):
+        SessionGeometry.of(_config(window_frames=6))
+    assert SessionGeometry.of(_config(num_left_chunks=2)).num_left_chunks == 2

@@ -173,3 +173,14 @@ def test_mixed_windows_on_the_emulated_kernels(monkeypatch):
     streamed, _ = stream_alone(model, fast, feats, block_size_frames=4, max_batch_size=2)
     offline = model.forward_offline(feats[None])[0][0]
     assert (streamed - offline).abs().max().item() <= ATOL
+
+
+def test_prefilled_windows_per_layer_equal_offline_with_zero_keys(twin):
+    """Each band prefills its own window with zeros; offline puts each layer's own zero keys first."""
+    model = make_model(seed=6)
+    feats = features(16 * 7 + 9, 12)
+    streamed, runner = stream_alone(model, twin, feats, block_size_frames=3, max_batch_size=2,
+                                    prefill_kv_window=True)
+    assert runner.cache.cached_frames("s") == [6, 8, 6, 8]
+    assert (streamed - model.forward_offline(feats[None], prefill_window=True)[0][0]).abs().max().item() <= ATOL
+    assert (streamed - model.forward_offline(feats[None])[0][0]).abs().max().item() > 100 * ATOL

@@ -227,3 +227,14 @@ def test_cuda_graph_replay_equals_eager():
         offline = enc.forward_offline(f[None].cuda())[0][0].cpu()
         assert (graphed[sid] - offline).abs().max().item() <= 1e-5
         assert (stateful[sid] - offline).abs().max().item() <= 1e-5
+
+
+def test_paged_backend_refuses_per_layer_windows_it_cannot_reserve():
+    from oasr.layer_specs import FullAttention, SlidingWindow
+
+    mixed = StreamingConformer(ConformerConfig(chunk_size=4, attention_specs=(SlidingWindow(6), FullAttention(2))))
+    with pytest.raises(ValueError, match="per-layer windows.*LayeredCache"):
+        StreamingEngine(mixed, mixed.config.cache_config(), twin="reference")
+    uniform = StreamingConformer(ConformerConfig(chunk_size=4, attention_specs=(SlidingWindow(6),) * 2))
+    engine = StreamingEngine(uniform, uniform.config.cache_config(), twin="reference")
+    assert engine.config.window_frames == 6  # one window for every layer: the engine's own case

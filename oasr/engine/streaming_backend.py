@@ -149,6 +149,11 @@ class PagedStreamingBackend(StreamingEncoderBackend):
     construction and runs its tick over them (``pool``, ``att``, ``cnn``, ``states``)."""
 
     def __init__(self, model, config, twin="fast", pad_lanes: int = 1):
+        windows = set(getattr(model.config, "layer_windows", ()))
+        if len(windows) > 1:
+            raise ValueError(f"{type(model).__name__} has per-layer windows {sorted(windows, key=str)}: the engine's "
+                             f"paged tick reserves one window for every layer; stream it through a LayeredCache "
+                             f"(oasr.layered_cache) instead")
         ops = twin_module(twin)
         self.model, self.config = model, config
         self.pool = ops.BlockPool(config, scratch_blocks=1)

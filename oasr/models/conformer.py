@@ -108,7 +108,9 @@ class ConformerConfig:
 
         Defaults: ``block_size_frames = chunk_size``, ``max_batch_size = 8``,
         ``max_blocks_per_seq = 64``, and ``max_num_blocks`` just large enough for
-        ``max_batch_size`` streams at their ceiling.
+        ``max_batch_size`` streams at their ceiling. With ``attention_specs`` the config
+        carries the widest layer window (the geometry every band shares; each band's own
+        window comes from ``layer_specs``) and the pool covers every band's ceiling.
         """
         values = dict(
             num_layers=self.num_layers,
@@ -123,6 +125,13 @@ class ConformerConfig:
             max_blocks_per_seq=64,
             dtype=torch.float32,
         )
+        if self.attention_specs is not None:  # the shared config carries the widest window (None: unlimited)
+            windows = self.layer_windows
+            widest = None if None in windows else max(windows)
+            if widest is not None and widest % self.chunk_size:
+                values.update(num_left_chunks=-1, window_frames=widest)
+            else:
+                values["num_left_chunks"] = -1 if widest is None else widest // self.chunk_size
         values.update(overrides)
         if "max_num_blocks" not in overrides and self.attention_specs is not None:
             probe = CacheLayout(CacheConfig(**{**values, "max_num_blocks": 1 << 30}), self.attention_specs)
