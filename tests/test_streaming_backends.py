@@ -238,3 +238,24 @@ def test_paged_backend_refuses_per_layer_windows_it_cannot_reserve():
     uniform = StreamingConformer(ConformerConfig(chunk_size=4, attention_specs=(SlidingWindow(6),) * 2))
     engine = StreamingEngine(uniform, uniform.config.cache_config(), twin="reference")
     assert engine.config.window_frames == 6  # one window for every layer: the engine's own case
+
+
+@pytest.mark.parametrize("twin", ["reference", "fast"])
+def test_engine_streams_a_frame_window_equal_to_offline(twin):
+    """A window of 6 frames (chunk 4) through the engine's own tick: CacheConfig.window_frames end to end."""
+    from oasr.layer_specs import SlidingWindow
+
+    model = StreamingConformer(ConformerConfig(chunk_size=4, attention_specs=(SlidingWindow(6),) * 2, seed=9))
+    engine = StreamingEngine(model, model.config.cache_config(max_batch_size=2, block_size_frames=3), twin=twin,
+                             keep_log_probs=True)
+    g = torch.Generator().manual_seed(1)
+    feats = {sid: torch.randn(16 * 6 + 7 * sid, 20, generator=g) for sid in range(2)}
+    for sid, f in feats.items():
+        engine.add_stream(sid)
+        engine.push(sid, f)
+        engine.end_stream(sid)
+    engine.run()
+    for sid, f in feats.items():
+        offline = model.forward_offline(f[None])[0][0]
+        assert (engine.result(sid).log_probs - offline).abs().max().item() <= 1e-5
+    assert engine.longest_extent == 6 + 4  # a chunk saw exactly its 6 frames of history and itself
