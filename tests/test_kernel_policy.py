@@ -71,6 +71,12 @@ def test_slower_is_a_separate_count(monkeypatch):
     assert "tiny-gather  [gather_kv_blocks]  calls: 1" in format_gap_report()
 
 
+def test_a_gap_cannot_be_captured():
+    with pytest.raises(KernelGapError, match="during CUDA graph capture"):
+        kernel_policy.serve_gap("paged-attention-head-dim", "paged_attention", "head_dim=16", capturing=True)
+    assert not kernel_policy.gaps
+
+
 def test_a_gap_declared_for_another_op_does_not_cover_this_one():
     with pytest.raises(KernelGapError):
         kernel_policy.serve_gap("paged-attention-head-dim", "append_kv", "anything")

@@ -82,14 +82,18 @@ def serve_out_of_scope(op: str, device_type: str) -> None:
         logger.info("oasr.fast: %s is served by torch (out of scope: not a kernel target)", key)
 
 
-def serve_gap(name: str, op: str, detail: str) -> None:
-    """Count a declared gap, or raise ``KernelGapError`` for one nobody declared."""
+def serve_gap(name: str, op: str, detail: str, capturing: bool = False) -> None:
+    """Count a declared gap, or raise ``KernelGapError`` for one nobody declared, or for any gap reached
+    while a CUDA graph is being captured (``capturing``): torch's service of a gap reads host values."""
     gap = KERNEL_GAPS.get(name)
     if gap is None or gap.op != op:
         raise KernelGapError(
             f"{op}: no kernel serves {detail}, and this gap ({name!r}) is not declared in "
             f"oasr.fast.kernel_policy.KERNEL_GAPS; declare what is missing and who must close it, or add the kernel"
         )
+    if capturing:
+        raise KernelGapError(f"{op}: kernel gap {name!r} ({detail}) reached during CUDA graph capture; torch "
+                             f"serves a gap eagerly only: run eager (cuda_graphs=False) or close the gap")
     if not gaps[name]:
         logger.warning("oasr.fast: kernel gap %r: torch serves %s (%s)", name, detail, gap.missing)
     gaps[name] += 1

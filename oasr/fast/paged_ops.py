@@ -248,7 +248,8 @@ def paged_attention(
         check_fp8_supported(D, q.device, dtype=q.dtype, backend=name)
     elif cache.k_cache.dtype not in registry.DTYPE_ARG or D not in registry.HEAD_DIMS:  # in scope, no kernel
         kernel_policy.serve_gap("paged-attention-head-dim", "paged_attention",
-                                f"head_dim={D} with {cache.k_cache.dtype} pages on the {name!r} backend")
+                                f"head_dim={D} with {cache.k_cache.dtype} pages on the {name!r} backend",
+                                capturing=q.is_cuda and torch.cuda.is_current_stream_capturing())
         return reference_paged_attention(q, cache, chunk_lens, scale, causal)
     lens = _kernel_lens(cache, chunk_lens, T, q.device, "paged_attention", what)
     return ops.paged_attention(_executor(name, q.device), q, cache, lens, scale, causal, num_splits)
