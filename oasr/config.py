@@ -40,19 +40,43 @@ That is exact for aligned geometries (``bs == chunk``: ``num_left_chunks + 1``)
 and needs no "chunk <= block" restriction, which the design we started from had
 only because it allocated one block per chunk.
 
-With eviction off (``num_left_chunks == -1``) history is unlimited and each
+A sliding window of its own length: ``window_frames = W`` (with
+``num_left_chunks == -1``) bounds history to the last ``W`` frames, any ``W >= 0``,
+not only a multiple of ``chunk_size``. Then ``seqlen - W`` is no longer a multiple
+of ``g`` without a prefill: the first visible position sits at ``r = (-W) mod g``
+past a multiple of ``g``, so ``o <= bs - g + r`` and::
+
+     max_logical_blocks = ceil((bs - g + r + W + chunk_size) / bs)     (r = 0 with prefill)
+
+With eviction off (``num_left_chunks == -1``, no ``window_frames``) history is unlimited and each
 stream is capped at ``blocks_per_stream = min(max_blocks_per_seq,
 max_num_blocks // max_batch_size)`` blocks; ``max_stream_frames`` is that cap in
 frames. The manager's ``at_capacity`` says when a stream's next chunk would
 pass it, so a scheduler can finish the stream instead of failing mid-forward.
+
+Sizing the pool
+---------------
+``max_num_blocks=None`` sizes the pool from a byte budget instead of a count: the
+most blocks whose K/V (one scratch block included) fit in it. The budget is
+``pool_budget_bytes`` when given (any device). Otherwise, on a CUDA device, it is
+the device's free memory less a headroom of ``POOL_HEADROOM_FRACTION`` (10%) of its
+total memory, left for activations, CUDA graphs and the allocator; on the CPU there
+is no free-memory reading a pool may claim, so a budget is required. One INFO line
+on the ``oasr.config`` logger says which budget sized the pool and how many blocks
+it gave; ``pool_sized_from`` and ``pool_budget`` keep the answer.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("oasr.config")
+
+POOL_HEADROOM_FRACTION = 0.10  # of the device's total memory, kept free when sizing the pool from free memory
 
 _DTYPES = {
     "float32": torch.float32,
@@ -121,16 +145,25 @@ class CacheConfig:
     chunk_size: int = 16
     num_left_chunks: int = -1
     block_size_frames: int = 16
-    max_num_blocks: int = 1024
+    max_num_blocks: int | None = 1024
     max_batch_size: int = 32
     max_blocks_per_seq: int = 512
     prefill_kv_window: bool = False
     device: torch.device | str = "cpu"
     dtype: torch.dtype | str = torch.float32
     kv_cache_dtype: str | None = None
+    window_frames: int | None = None
+    pool_budget_bytes: int | None = None
 
     def __post_init__(self):
+        self.pool_sized_from, self.pool_budget = "max_num_blocks", None
+        size_pool = self.max_num_blocks is None
+        if not size_pool and self.pool_budget_bytes is not None:
+            raise ValueError(f"CacheConfig: give max_num_blocks={self.max_num_blocks} or pool_budget_bytes="
+                             f"{self.pool_budget_bytes} (with max_num_blocks=None), not both")
         for name in _POSITIVE_FIELDS:
+            if size_pool and name == "max_num_blocks":
+                continue
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
@@ -142,6 +175,15 @@ class CacheConfig:
             raise ValueError(
                 f"CacheConfig.num_left_chunks must be -1 (unlimited) or >= 0, got {self.num_left_chunks!r}"
             )
+        if self.window_frames is not None:
+            if isinstance(self.window_frames, bool) or not isinstance(self.window_frames, int) \
+                    or self.window_frames < 0:
+                raise ValueError(f"CacheConfig.window_frames must be None or an int >= 0, got {self.window_frames!r}")
+            if self.num_left_chunks != -1:
+                raise ValueError(
+                    f"CacheConfig: give the window once: window_frames={self.window_frames} or "
+                    f"num_left_chunks={self.num_left_chunks}, not both"
+                )
         self.device = torch.device(self.device)
         self.dtype = _as_dtype(self.dtype)
         self.prefill_kv_window = bool(self.prefill_kv_window)
@@ -154,10 +196,12 @@ class CacheConfig:
             )
         if self.kv_quantized:
             _check_fp8_supported(self.device)
+        if size_pool:
+            self._size_pool()
 
         if self.prefill_kv_window and self.history_frames is None:
             raise ValueError(
-                "CacheConfig.prefill_kv_window=True needs a window: set num_left_chunks >= 1 "
+                "CacheConfig.prefill_kv_window=True needs a window: set num_left_chunks >= 1 or window_frames >= 1 "
                 "(got num_left_chunks=-1, unlimited history)"
             )
         if self.prefill_kv_window and self.history_frames == 0:
@@ -189,6 +233,34 @@ class CacheConfig:
                     f"needs {one_chunk}"
                 )
 
+    def _size_pool(self) -> None:
+        """``max_num_blocks=None``: the most blocks a budget holds (see the module docstring)."""
+        from oasr.memory import bytes_per_kv_block  # oasr.memory imports this module
+
+        budget = self.pool_budget_bytes
+        device = torch.device(self.device)
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+                raise ValueError(f"CacheConfig.pool_budget_bytes must be a positive int, got {budget!r}")
+            source = f"pool_budget_bytes={budget}"
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(free - POOL_HEADROOM_FRACTION * total)
+            source = (f"free memory of {device}: {free} bytes free less {POOL_HEADROOM_FRACTION:.0%} of "
+                      f"{total} as headroom = {budget}")
+        else:
+            raise ValueError(f"CacheConfig.max_num_blocks=None on {device}: give pool_budget_bytes (only a CUDA "
+                             f"device has a free-memory reading to size the pool from)")
+        per_block = bytes_per_kv_block(self)
+        blocks = budget // per_block - 1  # one scratch block comes first
+        if blocks <= 0:
+            raise ValueError(f"CacheConfig: a budget of {budget} bytes ({source}) holds no block: one block is "
+                             f"{per_block} bytes and one scratch block comes first")
+        self.max_num_blocks = int(blocks)
+        self.pool_budget_bytes = None  # resolved: the config now reads as one sized by count
+        self.pool_sized_from, self.pool_budget = source, budget
+        logger.info("CacheConfig: max_num_blocks=%d (%d bytes a block) sized from %s", blocks, per_block, source)
+
     # ---- derived geometry -------------------------------------------------
     @property
     def kv_quantized(self) -> bool:
@@ -212,12 +284,14 @@ class CacheConfig:
 
     @property
     def eviction(self) -> bool:
-        """True when history is bounded (``num_left_chunks >= 0``)."""
-        return self.num_left_chunks >= 0
+        """True when history is bounded (``num_left_chunks >= 0`` or ``window_frames`` set)."""
+        return self.num_left_chunks >= 0 or self.window_frames is not None
 
     @property
     def history_frames(self) -> int | None:
         """``W``: frames of history a chunk attends to, or None when unlimited."""
+        if self.window_frames is not None:
+            return self.window_frames
         return self.num_left_chunks * self.chunk_size if self.eviction else None
 
     @property
@@ -227,7 +301,9 @@ class CacheConfig:
             return None
         bs = self.block_size_frames
         g = math.gcd(self.chunk_size, bs)
-        return math.ceil((bs - g + self.history_frames + self.chunk_size) / bs)
+        W = self.history_frames
+        r = 0 if self.prefill_kv_window else (-W) % g
+        return math.ceil((bs - g + r + W + self.chunk_size) / bs)
 
     @property
     def blocks_per_stream(self) -> int:

@@ -118,6 +118,9 @@ class SessionGeometry:
 
     @classmethod
     def of(cls, config: CacheConfig) -> SessionGeometry:
+        if config.window_frames is not None:  # the header has no field for it: refuse rather than lose it
+            raise SessionError(f"sessions record a chunk-aligned window (num_left_chunks); a cache with "
+                               f"window_frames={config.window_frames} cannot be suspended or resumed")
         return cls(config.num_layers, config.n_kv_head, config.head_dim, config.hidden_dim, config.kernel_size,
                    config.chunk_size, config.block_size_frames, config.num_left_chunks, config.dtype,
                    config.kv_cache_dtype, config.prefill_kv_window)

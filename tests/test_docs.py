@@ -15,7 +15,7 @@ def python_blocks(page: Path) -> list[str]:
     return FENCE.findall(page.read_text())
 
 
-@pytest.mark.parametrize("page", ["cache_manager.md"])
+@pytest.mark.parametrize("page", ["cache_manager.md", "layer_specs.md"])
 def test_page_examples_run(page):
     blocks = python_blocks(DOCS / page)
     assert blocks, f"docs/{page} has no python example"

@@ -12,6 +12,11 @@ main loop and instruction mix from the pip nvdisasm, CTAs per SM, and a MODEL
 (not a measurement) of the attention kernels on an H200 at the ASR shape, v1
 and v2 side by side when both are registered; with ``--json`` it goes under
 the "sass" key. Exits 1 if an attention kernel's K/V loop is not found.
+
+``--gaps`` prints the kernel policy's report instead (``oasr.fast.kernel_policy``): the
+declared kernel gaps (in scope, no kernel: torch serves them, counted), the declared
+"kernel slower than torch" routings, and what torch served out of scope. It compiles
+nothing and needs no NVRTC; the counts are this process's (zero from the command line).
 """
 
 from __future__ import annotations
@@ -63,7 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH (default: not written)")
     parser.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
     parser.add_argument("--sass", action="store_true", help="main-loop instruction mix and the attention speed model")
+    parser.add_argument("--gaps", action="store_true", help="print the declared kernel gaps and exit (no compile)")
     args = parser.parse_args(argv)
+    if args.gaps:
+        from oasr.fast.kernel_policy import format_gap_report
+
+        print(format_gap_report())
+        return 0
     archs = _check_args(parser, args)
 
     from oasr.fast.kernels import nvrtc, registry

@@ -50,6 +50,7 @@ import torch
 from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine.decoding import GreedyCtcDecoder
+from oasr.engine.streaming_backend import build_streaming_backend, paged_kind_or_refuse
 from oasr.engine.tick import FastModelTick
 from oasr.errors import StreamCapacityError
 from oasr.models.twins import twin_module, twin_name
@@ -178,6 +179,7 @@ class StreamingEngine:
             raise ValueError(f"StreamingEngine: max_wait_time must be an int >= 0 (ticks), got {max_wait_time!r}")
         if cuda_graphs not in (None, True, False):
             raise ValueError(f"StreamingEngine: cuda_graphs must be None, True or False, got {cuda_graphs!r}")
+        self.backend_kind = paged_kind_or_refuse(model)  # the encoder's streaming_kind, read before anything else
         model.check_cache_config(config)
         param = next(model.parameters())
         if param.device.type != config.device.type:
@@ -196,13 +198,9 @@ class StreamingEngine:
         self.chunk_input_frames = model.config.chunk_input_frames
         self.input_dim = model.config.input_dim
         self.rate = model.config.subsampling_rate
-        self.pool = self.ops.BlockPool(config, scratch_blocks=1)
-        self.att = self.ops.AttentionCacheManager(self.pool, config, pad_lanes=1)
-        self.cnn = self.ops.CnnCacheManager(config, pad_lanes=1)
-        self.states = self.ops.SlotStateCache(
-            model.streaming_state_specs, config.max_batch_size, pad_lanes=1, device=config.device,
-            dtype=config.dtype,
-        )
+        self.backend = build_streaming_backend(model, config, self.ops, pad_lanes=1)  # oasr.engine.streaming_backend
+        self.pool, self.att, self.cnn, self.states = self.backend.pool, self.backend.att, self.backend.cnn, \
+            self.backend.states
         self._streams: dict = {}
         self._waiting: list = []  # arrival order
         self._active: list = []  # admission order

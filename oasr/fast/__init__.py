@@ -11,6 +11,7 @@ from oasr.fast.block_pool import BlockPool
 from oasr.fast.ctc_decoder import CtcBeamState, StreamingCtcDecoder
 from oasr.fast.ctc_state import CtcStateCacheManager, StreamHandle
 from oasr.fast.decoder_cache import DecoderKVCacheManager, DenseDecoderKV
+from oasr.fast.layered_cache import LayeredCache
 from oasr.fast.paged_ops import append_kv, paged_attention
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.slot_state import CnnCacheManager, SlotStateCache, StateView
@@ -27,6 +28,7 @@ __all__ = [
     "CtcStateCacheManager",
     "DecoderKVCacheManager",
     "DenseDecoderKV",
+    "LayeredCache",
     "SlotStateCache",
     "StateView",
     "StreamContext",

@@ -43,11 +43,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from oasr.fast import cpu_rows
+from oasr.fast import cpu_rows, kernel_policy
 from oasr.fast.backend import choose_backend, resolve_backend
 from oasr.fast.kernels import ops, registry
 from oasr.fp8 import saturation_bound
 from oasr.paged import PagedKVCache
+from oasr.reference.paged_ops import paged_attention as reference_paged_attention  # serves a declared kernel gap
 from oasr.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
 
 FP8_DTYPE = registry.FP8_DTYPE
@@ -181,6 +182,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
     name = resolve_backend(k.device, backend)
     B, T = k.shape[:2]
     if name == "torch":
+        kernel_policy.serve_out_of_scope("append_kv", k.device.type)
         if cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
             cpu_rows.append_kv_rows(cache, k, v, _host_lens_list(cache, chunk_lens, T, "append_kv"))
         else:
@@ -236,6 +238,7 @@ def paged_attention(
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     what = "query frames (q's dim 2)"
     if name == "torch":
+        kernel_policy.serve_out_of_scope("paged_attention", q.device.type)
         if cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
             lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
             return cpu_rows.attend_rows(q, cache, lens, scale, causal)
@@ -243,6 +246,11 @@ def paged_attention(
         return _paged_attention_torch(q, cache, lens, scale, causal)
     if cache.quantized:
         check_fp8_supported(D, q.device, dtype=q.dtype, backend=name)
+    elif cache.k_cache.dtype not in registry.DTYPE_ARG or D not in registry.HEAD_DIMS:  # in scope, no kernel
+        kernel_policy.serve_gap("paged-attention-head-dim", "paged_attention",
+                                f"head_dim={D} with {cache.k_cache.dtype} pages on the {name!r} backend",
+                                capturing=q.is_cuda and torch.cuda.is_current_stream_capturing())
+        return reference_paged_attention(q, cache, chunk_lens, scale, causal)
     lens = _kernel_lens(cache, chunk_lens, T, q.device, "paged_attention", what)
     return ops.paged_attention(_executor(name, q.device), q, cache, lens, scale, causal, num_splits)
 

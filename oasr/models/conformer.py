@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr.config import CacheConfig
+from oasr.layer_specs import ATTENTION_SPECS, CacheLayout, FullAttention, conv_state_spec
 from oasr.models.layers import ConformerBlock, masked_attention, rope_cos_sin, rope_inv_freq
 from oasr.models.subsampling import CausalSubsampling4, last_valid_frames
 from oasr.models.twins import twin_module
@@ -61,11 +62,12 @@ class ConformerConfig:
     subsample_kernels: tuple = (5, 3)
     rope_base: float = 10000.0
     seed: int = 0
+    attention_specs: tuple | None = None  # per layer FullAttention / SlidingWindow; None: num_left_chunks for all
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("num_left_chunks", "rope_base", "seed", "subsample_kernels"):
+            if f.name in ("num_left_chunks", "rope_base", "seed", "subsample_kernels", "attention_specs"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ConformerConfig.{f.name} must be a positive int, got {value!r}")
@@ -75,6 +77,13 @@ class ConformerConfig:
             raise ValueError(f"ConformerConfig: n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"ConformerConfig: rotary positions need an even head_dim, got {self.head_dim}")
+        if self.attention_specs is not None:
+            self.attention_specs = tuple(self.attention_specs)
+            if len(self.attention_specs) != self.num_layers or not all(
+                isinstance(spec, ATTENTION_SPECS) for spec in self.attention_specs
+            ):
+                raise ValueError(f"ConformerConfig.attention_specs: one FullAttention / SlidingWindow per layer "
+                                 f"(num_layers={self.num_layers}), got {self.attention_specs!r}")
         self.subsample_kernels = tuple(int(k) for k in self.subsample_kernels)
         if len(self.subsample_kernels) != 2 or min(self.subsample_kernels) < 2:
             raise ValueError(f"ConformerConfig.subsample_kernels: two kernels >= 2, got {self.subsample_kernels}")
@@ -88,12 +97,20 @@ class ConformerConfig:
         """Feature frames in one full chunk: ``4 * chunk_size``."""
         return self.subsampling_rate * self.chunk_size
 
+    @property
+    def layer_windows(self) -> tuple:
+        """Per layer, the history frames its attention reads (None: unlimited)."""
+        specs = self.attention_specs or (FullAttention(self.num_left_chunks),) * self.num_layers
+        return tuple(spec.history_frames(self.chunk_size) for spec in specs)
+
     def cache_config(self, **overrides) -> CacheConfig:
         """A ``CacheConfig`` with this model's geometry; capacity fields (and anything else) overridable.
 
         Defaults: ``block_size_frames = chunk_size``, ``max_batch_size = 8``,
         ``max_blocks_per_seq = 64``, and ``max_num_blocks`` just large enough for
-        ``max_batch_size`` streams at their ceiling.
+        ``max_batch_size`` streams at their ceiling. With ``attention_specs`` the config
+        carries the widest layer window (the geometry every band shares; each band's own
+        window comes from ``layer_specs``) and the pool covers every band's ceiling.
         """
         values = dict(
             num_layers=self.num_layers,
@@ -108,8 +125,20 @@ class ConformerConfig:
             max_blocks_per_seq=64,
             dtype=torch.float32,
         )
+        if self.attention_specs is not None:  # the shared config carries the widest window (None: unlimited)
+            windows = self.layer_windows
+            widest = None if None in windows else max(windows)
+            if widest is not None and widest % self.chunk_size:
+                values.update(num_left_chunks=-1, window_frames=widest)
+            else:
+                values["num_left_chunks"] = -1 if widest is None else widest // self.chunk_size
         values.update(overrides)
-        if "max_num_blocks" not in overrides:
+        if "max_num_blocks" not in overrides and self.attention_specs is not None:
+            probe = CacheLayout(CacheConfig(**{**values, "max_num_blocks": 1 << 30}), self.attention_specs)
+            per_stream = sum(b.config.blocks_per_stream if b.window is not None else b.config.max_blocks_per_seq
+                             for b in probe.bands)
+            values["max_num_blocks"] = values["max_batch_size"] * per_stream
+        elif "max_num_blocks" not in overrides:
             probe = CacheConfig(**{**values, "max_num_blocks": 1 << 30})
             per_stream = probe.max_logical_blocks if probe.eviction else probe.max_blocks_per_seq
             values["max_num_blocks"] = probe.max_batch_size * per_stream
@@ -176,6 +205,25 @@ def chunk_attention_mask(num_frames: int, chunk_size: int, num_left_chunks: int,
     return allowed[None] & key_valid[:, None, :]
 
 
+def window_attention_mask(num_frames: int, chunk_size: int, window: int | None, lens: torch.Tensor,
+                          prefill: int = 0) -> torch.Tensor:
+    """``(B, T, prefill + T)`` bool for a layer reading ``window`` frames of history (None: all).
+
+    Query ``i`` in chunk ``c`` sees key positions ``p`` with ``c * chunk_size - window <= p <
+    (c + 1) * chunk_size`` that lie before the row's length: exactly what a streaming chunk
+    attends to when its cache keeps the last ``window`` frames. ``window = n * chunk_size`` is
+    ``chunk_attention_mask`` with ``num_left_chunks = n``.
+    """
+    device = lens.device
+    q_start = torch.arange(num_frames, device=device) // chunk_size * chunk_size
+    key_pos = torch.arange(-prefill, num_frames, device=device)
+    allowed = key_pos[None, :] < q_start[:, None] + chunk_size
+    if window is not None:
+        allowed &= key_pos[None, :] >= q_start[:, None] - window
+    key_valid = key_pos[None, :] < lens[:, None]
+    return allowed[None] & key_valid[:, None, :]
+
+
 def _row_values(values, B: int, high: int | None, device, what: str) -> torch.Tensor:
     """One int per row as a ``(B,)`` int64 tensor on ``device``, checked where the values are host data.
 
@@ -219,6 +267,19 @@ class StreamingConformer(nn.Module):
     def streaming_state_specs(self) -> tuple:
         """Fixed-extent per-stream state besides K/V and the conv cache: the subsampling tails."""
         return self.subsample.state_specs
+
+    @property
+    def streaming_kind(self) -> str:
+        """The streaming runtime this encoder needs: K/V that grows, paged (``oasr.engine.streaming_backend``)."""
+        return "paged"
+
+    def layer_specs(self, cache_config: CacheConfig) -> list:
+        """The whole per-stream cache as a declaration for ``LayeredCache``: one attention spec per
+        layer (``config.attention_specs``, else ``num_left_chunks`` for all), the conv left context
+        of every layer (``"cnn"``), and the subsampling tails."""
+        cfg = self.config
+        attention = cfg.attention_specs or (FullAttention(cfg.num_left_chunks),) * cfg.num_layers
+        return list(attention) + [conv_state_spec(cache_config)] + list(self.streaming_state_specs)
 
     def new_states(self, batch: int = 1) -> dict:
         """Zeroed ``DenseState`` per declared state, for running chunk forwards without a slot cache."""
@@ -289,6 +350,8 @@ class StreamingConformer(nn.Module):
         cfg = self.config
         self._check_features(xs, "encode")
         B, T_in, _ = xs.shape
+        if num_left_chunks is None and chunk_size is None and cfg.attention_specs is not None:
+            return self._offline_per_layer(xs, xs_lens, prefill_window, kv_transform)
         C = cfg.chunk_size if chunk_size is None else chunk_size
         L = cfg.num_left_chunks if num_left_chunks is None else num_left_chunks
         prefill = 0
@@ -314,6 +377,37 @@ class StreamingConformer(nn.Module):
             return masked_attention(q, torch.cat([zeros_kv, k], 1), torch.cat([zeros_kv, v], 1), allowed)
 
         for layer in self.layers:
+            x, _ = layer(x, cos, sin, attend, zero_context)
+            x = x * valid
+        return x, lens
+
+    def _offline_per_layer(self, xs, xs_lens, prefill_window: bool, kv_transform):
+        """``encode`` with each layer's own window (``config.attention_specs``): layer ``l`` gets
+        ``window_attention_mask`` of its window, and with ``prefill_window`` its own zero keys."""
+        cfg = self.config
+        B, T_in, _ = xs.shape
+        windows = cfg.layer_windows
+        if prefill_window and any(w is None or w < 1 for w in windows):
+            raise ValueError(f"forward_offline: prefill_window needs every layer's window >= 1, got {windows}")
+        lens_in = self._lens(xs_lens, B, T_in, xs.device)
+        x, lens, _ = self.subsample(xs, self.subsample.zero_tails(B, xs), lens_in)
+        T = x.shape[1]
+        if T == 0:
+            return x, lens
+        valid = (torch.arange(T, device=xs.device)[None, :] < lens[:, None])[..., None].to(x.dtype)
+        x = x * valid
+        cos, sin = self._cos_sin(torch.arange(T, device=xs.device).expand(B, T))
+        zero_context = x.new_zeros((B, cfg.kernel_size - 1, cfg.hidden_dim))
+        for layer, window in zip(self.layers, windows, strict=True):
+            prefill = window if prefill_window else 0
+            allowed = window_attention_mask(T, cfg.chunk_size, window, lens, prefill)
+            zeros_kv = x.new_zeros((B, prefill, cfg.n_kv_head, cfg.head_dim))
+
+            def attend(q, k, v, allowed=allowed, zeros_kv=zeros_kv):
+                if kv_transform is not None:
+                    k, v = kv_transform(k), kv_transform(v)
+                return masked_attention(q, torch.cat([zeros_kv, k], 1), torch.cat([zeros_kv, v], 1), allowed)
+
             x, _ = layer(x, cos, sin, attend, zero_context)
             x = x * valid
         return x, lens

@@ -9,6 +9,7 @@ from oasr.reference.block_pool import BlockPool
 from oasr.reference.ctc_decoder import CtcBeamState, StreamingCtcDecoder
 from oasr.reference.ctc_state import CtcStateCacheManager, StreamHandle
 from oasr.reference.decoder_cache import DecoderKVCacheManager, DenseDecoderKV
+from oasr.reference.layered_cache import LayeredCache
 from oasr.reference.paged_ops import append_kv, paged_attention
 from oasr.reference.slot_pool import StreamSlotPool
 from oasr.reference.slot_state import CnnCacheManager, SlotStateCache, StateView
@@ -23,6 +24,7 @@ __all__ = [
     "CtcStateCacheManager",
     "DecoderKVCacheManager",
     "DenseDecoderKV",
+    "LayeredCache",
     "SlotStateCache",
     "StateView",
     "StreamContext",

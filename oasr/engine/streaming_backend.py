@@ -1,0 +1,311 @@
+"""Streaming runtimes, chosen by what the encoder declares: ``encoder.streaming_kind``.
+
+=============  =============================  =========================================================
+kind           backend                        what it owns per stream
+=============  =============================  =========================================================
+``"paged"``    ``PagedStreamingBackend``      K/V that grows: a block pool, per-layer tables, conv rows,
+                                              declared state (``StreamingEngine`` runs its tick on them)
+``"slot"``     ``SlotStreamingBackend``       every tensor fixed-extent: one slot in a ``SlotStateCache``;
+                                              the step is batched, and captured per width (CUDA graphs)
+``"stateful"`` ``StatefulStreamingBackend``   a list of tensors threaded per request; nothing captured.
+                                              Serves any encoder with the list API; the slot runtime's oracle
+``"none"``     refused                        no chunk-wise path: a streaming engine refuses the model
+=============  =============================  =========================================================
+
+A runtime plugs in with ``@register_streaming_backend("kind")`` on a subclass of
+``StreamingEncoderBackend``; ``build_streaming_backend(model, ...)`` reads the
+declaration and builds it. An unknown kind, or ``"none"``, is a ``ValueError`` that
+names the model and the kinds registered.
+
+The slot and stateful runtimes share one surface (``allocate`` / ``free`` /
+``forward_step``), and the list API of the encoder
+(``get_streaming_init_states(batch)``, ``streaming_forward(xs, input_lens, states)``,
+``slot_state_specs`` giving each state's batch axis). One step for ``N`` ready
+streams is one forward at batch ``N`` (stateful) or at the width ``w >= N`` the slot
+runtime pads to through its padding lane (a row of length 0 whose state is zero and
+stays zero)::
+
+    slot:      slot cache --index_select(out=)--> static batch[w] --step(w) or replay(w)--> outputs[w]
+               outputs[w] --index_copy_--> slot cache                    (gather / scatter outside the graph)
+    stateful:  per-stream lists --cat--> batch N --streaming_forward--> split --> per-stream lists
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+
+import torch
+
+from oasr.engine.tick import engine_widths
+from oasr.models.twins import twin_module
+
+logger = logging.getLogger("oasr.engine")
+
+STREAMING_BACKENDS: dict[str, type] = {}
+NONE_KIND = "none"
+
+
+def register_streaming_backend(kind: str):
+    """Class decorator: serve encoders declaring ``streaming_kind == kind`` with this backend."""
+    if not isinstance(kind, str) or not kind or kind == NONE_KIND:
+        raise ValueError(f"register_streaming_backend: kind must be a non-empty str other than 'none', got {kind!r}")
+
+    def register(cls):
+        if kind in STREAMING_BACKENDS:
+            raise ValueError(f"register_streaming_backend: {kind!r} is already served by "
+                             f"{STREAMING_BACKENDS[kind].__name__}")
+        cls.kind = kind
+        STREAMING_BACKENDS[kind] = cls
+        return cls
+
+    return register
+
+
+def streaming_kind_of(model) -> str:
+    """The model's declared kind (``model.encoder.streaming_kind`` or ``model.streaming_kind``)."""
+    encoder = getattr(model, "encoder", model)
+    kind = getattr(encoder, "streaming_kind", None)
+    if not isinstance(kind, str):
+        raise ValueError(f"{type(model).__name__} declares no streaming_kind; one of "
+                         f"{sorted(STREAMING_BACKENDS) + [NONE_KIND]} is needed to stream it")
+    return kind
+
+
+def check_streamable(model) -> str:
+    """The model's kind if a registered backend serves it; ``ValueError`` for ``"none"`` or an unknown kind."""
+    kind = streaming_kind_of(model)
+    if kind == NONE_KIND:
+        raise ValueError(f"{type(model).__name__} declares streaming_kind='none': it has no chunk-wise path, so it "
+                         f"cannot be served by a streaming engine; transcribe it offline (forward_offline)")
+    if kind not in STREAMING_BACKENDS:
+        raise ValueError(f"{type(model).__name__} declares streaming_kind={kind!r}, which no backend serves; "
+                         f"registered: {sorted(STREAMING_BACKENDS)}")
+    return kind
+
+
+def paged_kind_or_refuse(model) -> str:
+    """``StreamingEngine``'s construction check: its tick drives paged K/V, so the model must declare
+    ``"paged"``; ``"none"``, an unknown kind, or a kind another runtime serves is a ``ValueError``
+    naming that runtime."""
+    kind = check_streamable(model)
+    if kind != "paged":
+        backend = STREAMING_BACKENDS[kind]
+        raise ValueError(f"{type(model).__name__} declares streaming_kind={kind!r}: StreamingEngine's tick runs "
+                         f"paged encoders; serve this one with {backend.__name__} "
+                         f"(build_streaming_backend(model, ...) in {__name__})")
+    return kind
+
+
+def build_streaming_backend(model, *args, **kwargs):
+    """The backend of the model's declared kind, built with ``(model, *args, **kwargs)``."""
+    return STREAMING_BACKENDS[check_streamable(model)](model, *args, **kwargs)
+
+
+class StreamingEncoderBackend:
+    """Base of the runtimes: per-stream state in, one batched chunk forward, state out.
+
+    ``allocate(stream_id)`` / ``free(stream_id)`` / ``has_stream``; ``forward_step(ids, xs,
+    input_lens)`` runs one chunk for the streams ``ids`` (``xs (N, T, input_dim)``, ``T <=
+    chunk_input_frames``; ``input_lens`` N ints) and returns ``(log_probs (N, T_out, vocab),
+    out_lens list)``. Geometry: ``chunk_input_frames``, ``subsampling_rate``.
+    """
+
+    kind = None
+
+    def allocate(self, stream_id) -> None:
+        raise NotImplementedError
+
+    def free(self, stream_id) -> None:
+        raise NotImplementedError
+
+    def has_stream(self, stream_id) -> bool:
+        raise NotImplementedError
+
+    def forward_step(self, stream_ids, xs: torch.Tensor, input_lens):
+        raise NotImplementedError
+
+    def _check_step(self, stream_ids, xs: torch.Tensor, input_lens) -> list:
+        ids = list(stream_ids)
+        if not ids or len(set(ids)) != len(ids):
+            raise ValueError(f"forward_step: need distinct stream ids, got {ids}")
+        for sid in ids:
+            if not self.has_stream(sid):
+                raise KeyError(f"unknown stream id {sid!r}")
+        T_in = self.chunk_input_frames
+        if xs.dim() != 3 or xs.shape[0] != len(ids) or xs.shape[1] > T_in or xs.shape[2] != self.input_dim:
+            raise ValueError(f"forward_step: xs must be ({len(ids)}, <= {T_in}, {self.input_dim}), "
+                             f"got {tuple(xs.shape)}")
+        lens = [int(n) for n in input_lens]
+        if len(lens) != len(ids) or any(not 0 <= n <= xs.shape[1] for n in lens):
+            raise ValueError(f"forward_step: input_lens must be {len(ids)} ints in [0, {xs.shape[1]}], got {lens}")
+        return lens
+
+
+@register_streaming_backend("paged")
+class PagedStreamingBackend(StreamingEncoderBackend):
+    """The paged Conformer's caches: a ``BlockPool``, an ``AttentionCacheManager``, a ``CnnCacheManager``
+    and the declared ``SlotStateCache`` (each with one padding lane). ``StreamingEngine`` builds this at
+    construction and runs its tick over them (``pool``, ``att``, ``cnn``, ``states``)."""
+
+    def __init__(self, model, config, twin="fast", pad_lanes: int = 1):
+        windows = set(getattr(model.config, "layer_windows", ()))
+        if len(windows) > 1:
+            raise ValueError(f"{type(model).__name__} has per-layer windows {sorted(windows, key=str)}: the engine's "
+                             f"paged tick reserves one window for every layer; stream it through a LayeredCache "
+                             f"(oasr.layered_cache) instead")
+        ops = twin_module(twin)
+        self.model, self.config = model, config
+        self.pool = ops.BlockPool(config, scratch_blocks=1)
+        self.att = ops.AttentionCacheManager(self.pool, config, pad_lanes=pad_lanes)
+        self.cnn = ops.CnnCacheManager(config, pad_lanes=pad_lanes)
+        self.states = ops.SlotStateCache(model.streaming_state_specs, config.max_batch_size, pad_lanes=pad_lanes,
+                                         device=config.device, dtype=config.dtype)
+
+
+class _ListStateBackend(StreamingEncoderBackend):
+    def __init__(self, model, max_batch_size: int = 8, device="cpu", dtype=torch.float32):
+        self.model = model
+        self.max_batch_size = int(max_batch_size)
+        self.device, self.dtype = torch.device(device), dtype
+        self.specs = tuple(model.slot_state_specs)
+        self.chunk_input_frames = model.streaming_chunk_frames
+        self.subsampling_rate = model.subsampling_rate
+        self.input_dim = model.config.input_dim
+
+
+@register_streaming_backend("stateful")
+class StatefulStreamingBackend(_ListStateBackend):
+    """Per stream, the encoder's list of state tensors (batch 1); a step concatenates the cohort's
+    lists along each state's batch axis, runs ``streaming_forward`` once at ``B = N`` and splits the
+    new states back. Readable and uncaptured: the slot runtime's parity oracle."""
+
+    def __init__(self, model, max_batch_size: int = 8, device="cpu", dtype=torch.float32):
+        super().__init__(model, max_batch_size, device, dtype)
+        self._states: dict = {}
+
+    def allocate(self, stream_id) -> None:
+        if stream_id in self._states:
+            raise ValueError(f"stream id {stream_id!r} is already allocated")
+        if len(self._states) >= self.max_batch_size:
+            raise RuntimeError(f"no free stream: all {self.max_batch_size} are in use")
+        self._states[stream_id] = [s.to(self.device, self.dtype) for s in self.model.get_streaming_init_states(1)]
+
+    def free(self, stream_id) -> None:
+        if stream_id not in self._states:
+            raise KeyError(f"unknown stream id {stream_id!r}")
+        del self._states[stream_id]
+
+    def has_stream(self, stream_id) -> bool:
+        return stream_id in self._states
+
+    def state_of(self, stream_id) -> list:
+        return self._states[stream_id]
+
+    def forward_step(self, stream_ids, xs, input_lens):
+        lens = self._check_step(stream_ids, xs, input_lens)
+        ids = list(stream_ids)
+        batched = [torch.cat([self._states[sid][i] for sid in ids], dim=spec.slot_axis)
+                   for i, spec in enumerate(self.specs)]
+        lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
+        log_probs, out_lens, new = self.model.streaming_forward(xs.to(self.device, self.dtype), lens_t, batched)
+        for i, spec in enumerate(self.specs):
+            for row, sid in enumerate(ids):
+                self._states[sid][i] = new[i].narrow(spec.slot_axis, row, 1).clone()
+        return log_probs, out_lens.tolist()
+
+
+@register_streaming_backend("slot")
+class SlotStreamingBackend(_ListStateBackend):
+    """The whole cache in slot-indexed tensors (the twin's ``SlotStateCache`` over ``slot_state_specs``,
+    one padding lane). A step pads the cohort to a width (``engine_widths``: powers of two, then
+    ``max_batch_size``), gathers the rows into that width's static batch, runs the capture-safe
+    ``step(width)`` -- eagerly, or as a CUDA graph replay with ``graphs=True`` -- and scatters the new
+    states back. ``capture`` replaces the CUDA capture (tests); ``graphs=True`` on a CPU device without
+    one is refused."""
+
+    def __init__(self, model, max_batch_size: int = 8, device="cpu", dtype=torch.float32, twin="fast",
+                 graphs: bool = False, capture=None):
+        super().__init__(model, max_batch_size, device, dtype)
+        self.ops = twin_module(twin)
+        self.state = self.ops.SlotStateCache(list(self.specs), self.max_batch_size, pad_lanes=1,
+                                             device=self.device, dtype=dtype)
+        self.widths = engine_widths(self.max_batch_size)
+        T, D = self.chunk_input_frames, self.input_dim
+        self._batches = {
+            w: dict(xs=torch.zeros((w, T, D), dtype=dtype, device=self.device),
+                    lens=torch.zeros((w,), dtype=torch.long, device=self.device),
+                    states=[torch.zeros(s.batch_shape(w), dtype=s.dtype or dtype, device=self.device)
+                            for s in self.specs])
+            for w in self.widths
+        }
+        on_cuda = self.device.type == "cuda"
+        self._host_xs = torch.zeros((max(self.widths), T, D), dtype=dtype, pin_memory=on_cuda)
+        self._host_lens = torch.zeros((max(self.widths),), dtype=torch.long, pin_memory=on_cuda)
+        for w in self.widths:  # build the slot cache's index stagers now, not inside a step
+            self.state.views([], pad_to=w)
+        self.step_monitor = None  # e.g. a CaptureSafetyChecker: its region(label) wraps each device step
+        self.runner = None
+        if graphs:
+            from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
+
+            if capture is None and not on_cuda:
+                raise ValueError(f"SlotStreamingBackend: graphs=True needs a CUDA device, got {self.device}")
+            capture = capture if capture is not None else CudaGraphCapture(self.device)
+            self.runner = GraphRunner(self.step, self.widths, capture)
+            self.runner.capture_all()
+
+    def pinned_host_tensors(self) -> list:
+        return [self._host_xs, self._host_lens]
+
+    def static_buffers(self, width: int) -> list:
+        b = self._batches[width]
+        return [b["xs"], b["lens"], *b["states"]]
+
+    def width_for(self, count: int) -> int:
+        return next(w for w in self.widths if w >= count)
+
+    def allocate(self, stream_id) -> None:
+        self.state.allocate_stream(stream_id)
+
+    def free(self, stream_id) -> None:
+        self.state.free_stream(stream_id)
+
+    def has_stream(self, stream_id) -> bool:
+        return self.state.has_stream(stream_id)
+
+    def step(self, width: int):
+        """The capture-safe forward at ``width``: the static batch in, ``(log_probs, out_lens, states)`` out."""
+        b = self._batches[width]
+        return self.model.streaming_forward(b["xs"], b["lens"], b["states"])
+
+    def forward_step(self, stream_ids, xs, input_lens):
+        lens = self._check_step(stream_ids, xs, input_lens)
+        ids = list(stream_ids)
+        N, width = len(ids), self.width_for(len(ids))
+        host_xs, host_lens = self._host_xs[:width], self._host_lens[:width]
+        host_xs.fill_(self.model.streaming_pad_value)
+        host_xs[:N, : xs.shape[1]] = xs
+        host_lens.zero_()
+        host_lens[:N] = torch.tensor(lens, dtype=torch.long)
+        monitor = self.step_monitor
+        with nullcontext() if monitor is None else monitor.region(f"slot step, width {width}"):
+            log_probs, out_lens = self._device_step(ids, width)
+        return log_probs[:N, : xs.shape[1]].clone(), out_lens[:N].tolist()
+
+    def _device_step(self, ids: list, width: int):
+        """Upload the pinned inputs, gather the rows, step (or replay), scatter: nothing reads the device."""
+        b = self._batches[width]
+        b["xs"].copy_(self._host_xs[:width], non_blocking=True)
+        b["lens"].copy_(self._host_lens[:width], non_blocking=True)
+        views = self.state.views(ids, pad_to=width)
+        for spec, out in zip(self.specs, b["states"], strict=True):
+            view = views[spec.name]
+            if hasattr(view, "index"):  # the fast twin: gather into the static batch, no new tensor
+                torch.index_select(view.buffer, spec.slot_axis, view.index, out=out)
+            else:
+                out.copy_(view.gather())
+        log_probs, out_lens, new = self.runner.replay(width) if self.runner else self.step(width)
+        for spec, tensor in zip(self.specs, new, strict=True):
+            views[spec.name].scatter(tensor)
+        return log_probs, out_lens
