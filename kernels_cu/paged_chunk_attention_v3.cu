@@ -106,7 +106,7 @@ constexpr int kRowsPerCta = kRowTiles * 16;         // 32
 constexpr int KT = 32;                              // keys per tile
 constexpr int KW = KT / kSlices;                    // keys per warp per tile: one 16-key k-step
 constexpr int kRingBudget = 40 * 1024;              // static shared memory for the ring
-constexpr int clamp_stages(int n) { return n < 2 ? 2 : (n > 6 ? 6 : n); }
+__host__ __device__ constexpr int clamp_stages(int n) { return n < 2 ? 2 : (n > 6 ? 6 : n); }
 }  // namespace attn3
 
 template <typename T, typename Page, int D, int BS>

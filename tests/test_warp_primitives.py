@@ -52,7 +52,9 @@ FP8X2 = Kernel(
     "oasr_test::fp8x2_kernel", "warp_primitives", (("in", "ptr"), ("out", "ptr"), ("n", "i32")),
     ((HALF,), (BF16,)),
 )  # fmt: skip
-EX2 = Kernel("oasr_test::ex2_kernel", "warp_primitives", (("in", "ptr"), ("out", "ptr"), ("n", "i32")), (("0",), ("1",)))
+EX2 = Kernel(
+    "oasr_test::ex2_kernel", "warp_primitives", (("in", "ptr"), ("out", "ptr"), ("n", "i32")), (("0",), ("1",))
+)
 BYTE_PERM = Kernel(
     "oasr_test::byte_perm_kernel", "warp_primitives",
     (("x", "ptr"), ("y", "ptr"), ("s", "ptr"), ("out", "ptr"), ("n", "i32")), (("0",),),
