@@ -103,8 +103,10 @@ constexpr int kThreads = kWarps * kWarp;
 constexpr int kRowTiles = 2;                        // 16-row MMA tiles per CTA
 constexpr int kSlices = kWarps / kRowTiles;         // key slices per tile
 constexpr int kRowsPerCta = kRowTiles * 16;         // 32
-constexpr int KT = 32;                              // keys per tile
-constexpr int KW = KT / kSlices;                    // keys per warp per tile: one 16-key k-step
+// Keys per tile: 32 on 16-bit pages, 64 on fp8 pages (half the bytes per key: the same bytes per stage,
+// and the per-tile work -- barrier, row max, rescale of O -- spread over twice the keys).
+template <bool kFp8>
+constexpr int kTileKeys = kFp8 ? 64 : 32;
 constexpr int kRingBudget = 40 * 1024;              // static shared memory for the ring
 __host__ __device__ constexpr int clamp_stages(int n) { return n < 2 ? 2 : (n > 6 ? 6 : n); }
 }  // namespace attn3
@@ -130,6 +132,10 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     constexpr bool kFp8 = Codec<Page>::kScaled;
     static_assert(kFp8 || sizeof(Page) == 2, "pages in the model dtype or fp8");
     using PV = typename Pick<kFp8, __nv_bfloat16, T>::type;
+    constexpr int KT = kTileKeys<kFp8>;  // keys per tile
+    constexpr int KW = KT / kSlices;     // keys per warp per tile
+    constexpr int NP = KW / 16;          // 16-key k-steps of P V per warp per tile (1 or 2)
+    constexpr int NN = KW / 8;           // 8-key n-tiles of S per warp per tile
     constexpr int PB = kFp8 ? D + 16 : 2 * (D + 8);  // page tile row stride in bytes (16 B of padding)
     constexpr int TS = PB / 2;                       // the same in 16-bit elements
     constexpr int kChunks = D * static_cast<int>(sizeof(Page)) / 16;  // 16-byte chunks per key row
@@ -266,32 +272,36 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 
         const unsigned char* stage = smem + (it % kStages) * kStageBytes;
         const int key0 = slice * KW;  // the warp's first key in the tile
-        float sc[2][4];
+        float sc[NN][4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+        for (int n = 0; n < NN; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
 
-        // S = Q K^T over the warp's 16 keys: n-tile n = keys key0 + 8n .. + 7
-        if constexpr (kFp8) {
+        // S = Q K^T over the warp's KW keys: n-tile n = keys key0 + 8n .. + 7
 #pragma unroll
-            for (int j = 0; j < DK / 2; ++j) {  // matrices: keys 0-7 / 8-15 x slabs 2j / 2j + 1
-                unsigned kf[4];
-                ldmatrix_x4(kf, stage + (key0 + ((lane / 8) % 2) * 8 + lane % 8) * PB + (2 * j + lane / 16) * 16);
+        for (int np = 0; np < NP; ++np) {
+            const int k16 = key0 + 16 * np;
+            if constexpr (kFp8) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    unsigned bfrag[2];
-                    warp::fp8x4_to<T>(kf[i], bfrag);
-                    mma_m16n8k16<T>(sc[i % 2], qf[2 * j + i / 2], bfrag, sc[i % 2]);
+                for (int j = 0; j < DK / 2; ++j) {  // matrices: keys 0-7 / 8-15 x slabs 2j / 2j + 1
+                    unsigned kf[4];
+                    ldmatrix_x4(kf, stage + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * PB + (2 * j + lane / 16) * 16);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        unsigned bfrag[2];
+                        warp::fp8x4_to<T>(kf[i], bfrag);
+                        mma_m16n8k16<T>(sc[2 * np + i % 2], qf[2 * j + i / 2], bfrag, sc[2 * np + i % 2]);
+                    }
                 }
-            }
-        } else {
-            const T* k_tile = reinterpret_cast<const T*>(stage);
+            } else {
+                const T* k_tile = reinterpret_cast<const T*>(stage);
 #pragma unroll
-            for (int kk = 0; kk < DK; ++kk) {
-                unsigned kf[4];
-                ldmatrix_x4(kf, k_tile + (key0 + (lane / 16) * 8 + lane % 8) * TS + kk * 16 + ((lane / 8) % 2) * 8);
-                const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-                mma_m16n8k16<T>(sc[0], qf[kk], b0, sc[0]);
-                mma_m16n8k16<T>(sc[1], qf[kk], b1, sc[1]);
+                for (int kk = 0; kk < DK; ++kk) {
+                    unsigned kf[4];
+                    ldmatrix_x4(kf, k_tile + (k16 + (lane / 16) * 8 + lane % 8) * TS + kk * 16 + ((lane / 8) % 2) * 8);
+                    const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+                    mma_m16n8k16<T>(sc[2 * np], qf[kk], b0, sc[2 * np]);
+                    mma_m16n8k16<T>(sc[2 * np + 1], qf[kk], b1, sc[2 * np + 1]);
+                }
             }
         }
 
@@ -299,7 +309,7 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         const float* scales = reinterpret_cast<const float*>(stage + 2 * KT * PB);
         if constexpr (kFp8) {
 #pragma unroll
-            for (int n = 0; n < 2; ++n) {
+            for (int n = 0; n < NN; ++n) {
                 const float2 ks = *reinterpret_cast<const float2*>(scales + key0 + 8 * n + 2 * qd);
                 sc[n][0] *= scale_log2 * ks.x;
                 sc[n][1] *= scale_log2 * ks.y;
@@ -310,13 +320,17 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         const int slice_lo = lo + it * KT + key0;
         if (slice_lo + KW > mask_from) {  // a boundary tile: keys past a row's limit (or the range) -> -inf
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+            for (int n = 0; n < NN; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     if (slice_lo + 8 * n + 2 * qd + e % 2 >= key_limit[e / 2]) sc[n][e] = neg_inf();
         }
-        float tile_max[2] = {fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1])),
-                             fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3]))};
+        float tile_max[2] = {fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[0][2], sc[0][3])};
+#pragma unroll
+        for (int n = 1; n < NN; ++n) {
+            tile_max[0] = fmaxf(tile_max[0], fmaxf(sc[n][0], sc[n][1]));
+            tile_max[1] = fmaxf(tile_max[1], fmaxf(sc[n][2], sc[n][3]));
+        }
         float alpha[2], m_use[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -328,17 +342,19 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             m_run[h] = m_new;
             l_run[h] *= alpha[h];
         }
-        float vs[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
+        float vs[NN][2];
+#pragma unroll
+        for (int n = 0; n < NN; ++n) vs[n][0] = vs[n][1] = 1.f;
         if constexpr (kFp8) {
 #pragma unroll
-            for (int n = 0; n < 2; ++n) {
+            for (int n = 0; n < NN; ++n) {
                 const float2 v2s = *reinterpret_cast<const float2*>(scales + KT + key0 + 8 * n + 2 * qd);
                 vs[n][0] = v2s.x;
                 vs[n][1] = v2s.y;
             }
         }
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < NN; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float p = ex2_approx_ftz(fmaf(sc[n][e], c_exp, -m_use[e / 2]));  // -inf scores -> 0
@@ -353,35 +369,40 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             o[n][3] *= alpha[1];
         }
 
-        // O += P V: P's A fragment straight from S's C fragments (the warp's 16 keys are one k-step).
-        const unsigned pa[4] = {pack2<PV>(sc[0][0], sc[0][1]), pack2<PV>(sc[0][2], sc[0][3]),
-                                pack2<PV>(sc[1][0], sc[1][1]), pack2<PV>(sc[1][2], sc[1][3])};
-        if constexpr (kFp8) {
-            const unsigned char* v_tile = stage + KT * PB;
+        // O += P V: P's A fragments straight from S's C fragments, one per 16-key k-step.
 #pragma unroll
-            for (int j = 0; j < DK / 2; ++j) {  // matrices: keys 0-7 / 8-15 x slabs 2j / 2j + 1
-                unsigned vf[4];
-                ldmatrix_x4_trans(vf, v_tile + (key0 + ((lane / 8) % 2) * 8 + lane % 8) * PB + (2 * j + lane / 16) * 16);
+        for (int np = 0; np < NP; ++np) {
+            const int k16 = key0 + 16 * np;
+            const unsigned pa[4] = {pack2<PV>(sc[2 * np][0], sc[2 * np][1]), pack2<PV>(sc[2 * np][2], sc[2 * np][3]),
+                                    pack2<PV>(sc[2 * np + 1][0], sc[2 * np + 1][1]),
+                                    pack2<PV>(sc[2 * np + 1][2], sc[2 * np + 1][3])};
+            if constexpr (kFp8) {
+                const unsigned char* v_tile = stage + KT * PB;
 #pragma unroll
-                for (int sl = 0; sl < 2; ++sl) {  // slab 2j + sl -> n-tiles 2 (2j + sl) (even dims) and + 1 (odd)
-                    unsigned lo_keys[2], hi_keys[2];
-                    warp::fp8x4_to_interleaved<PV>(vf[2 * sl], lo_keys);
-                    warp::fp8x4_to_interleaved<PV>(vf[2 * sl + 1], hi_keys);
-                    const unsigned even[2] = {lo_keys[0], hi_keys[0]}, odd[2] = {lo_keys[1], hi_keys[1]};
-                    const int n = 2 * (2 * j + sl);
-                    mma_m16n8k16<PV>(o[n], pa, even, o[n]);
-                    mma_m16n8k16<PV>(o[n + 1], pa, odd, o[n + 1]);
+                for (int j = 0; j < DK / 2; ++j) {  // matrices: keys 0-7 / 8-15 x slabs 2j / 2j + 1
+                    unsigned vf[4];
+                    ldmatrix_x4_trans(vf, v_tile + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * PB + (2 * j + lane / 16) * 16);
+#pragma unroll
+                    for (int sl = 0; sl < 2; ++sl) {  // slab 2j + sl -> n-tiles 2 (2j + sl) (even dims), + 1 (odd)
+                        unsigned lo_keys[2], hi_keys[2];
+                        warp::fp8x4_to_interleaved<PV>(vf[2 * sl], lo_keys);
+                        warp::fp8x4_to_interleaved<PV>(vf[2 * sl + 1], hi_keys);
+                        const unsigned even[2] = {lo_keys[0], hi_keys[0]}, odd[2] = {lo_keys[1], hi_keys[1]};
+                        const int n = 2 * (2 * j + sl);
+                        mma_m16n8k16<PV>(o[n], pa, even, o[n]);
+                        mma_m16n8k16<PV>(o[n + 1], pa, odd, o[n + 1]);
+                    }
                 }
-            }
-        } else {
-            const PV* v_tile = reinterpret_cast<const PV*>(stage) + KT * TS;
+            } else {
+                const PV* v_tile = reinterpret_cast<const PV*>(stage) + KT * TS;
 #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                unsigned vf[4];
-                ldmatrix_x4_trans(vf, v_tile + (key0 + ((lane / 8) % 2) * 8 + lane % 8) * TS + dp * 16 + (lane / 16) * 8);
-                const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-                mma_m16n8k16<PV>(o[2 * dp], pa, b0, o[2 * dp]);
-                mma_m16n8k16<PV>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+                for (int dp = 0; dp < DT / 2; ++dp) {
+                    unsigned vf[4];
+                    ldmatrix_x4_trans(vf, v_tile + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * TS + dp * 16 + (lane / 16) * 8);
+                    const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+                    mma_m16n8k16<PV>(o[2 * dp], pa, b0, o[2 * dp]);
+                    mma_m16n8k16<PV>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+                }
             }
         }
     }

@@ -406,3 +406,11 @@ def test_tensor_core_matches_reference_on_random_geometries(emu, geo, seed, caus
     assert (err <= v2_bound(ref32, ref_abs_v, out.dtype, fp8, FP32_FLOOR)).all(), f"max err {err.max():.3g}"
     for b, n in enumerate(s.chunk_lens.tolist()):
         assert (out[b, :, n:] == 0).all()
+
+
+def test_v3_split_count_fills_the_machine_first():
+    # v3 splits keys only when the grid leaves SMs with fewer than two CTAs: at 128 streams x 4 KV heads
+    # on an H200 that is 1 split even at 5 resident CTAs (the wave rule would take 5 and pay the partials).
+    assert ops.choose_num_splits_by_waves(512, 1040, 132 * 5) == 5
+    assert ops.choose_num_splits_filled(512, 1040, 132 * 5, 132) == 1
+    assert ops.choose_num_splits_filled(8, 1040, 132 * 5, 132) == ops.choose_num_splits_by_waves(8, 1040, 132 * 5) > 1

@@ -205,6 +205,16 @@ def choose_num_splits_by_waves(ctas: int, max_keys: int, slots: int) -> int:
     return _fewest_splits_by_waves(max(1, ctas), most, max(1, slots))
 
 
+def choose_num_splits_filled(ctas: int, max_keys: int, slots: int, sm_count: int) -> int:
+    """Attention v3's split count: 1 when the grid already gives every SM two CTAs or more (a memory-bound
+    kernel gains nothing from a smaller last wave, and each split adds fp32 partials and the combine
+    launch), else ``choose_num_splits_by_waves``. E.g. 128 streams x 4 KV heads (512 CTAs) on 132 SMs:
+    1 split whatever the residency; 2 streams x 4 KV heads: split by waves."""
+    if ctas >= 2 * sm_count:
+        return 1
+    return choose_num_splits_by_waves(ctas, max_keys, slots)
+
+
 @functools.lru_cache(maxsize=1024)
 def _fewest_splits_by_waves(ctas: int, most: int, slots: int) -> int:
     """choose_num_splits_by_waves's search over 1..most splits, computed once per (geometry, device)."""
@@ -247,8 +257,8 @@ def paged_attention(
 
     ``version`` None: ``choose_attention_version``; "v1", "v2" or "v3" by name (v2 and v3 raise
     ``ValueError`` where ``v2_supports`` is false). ``num_splits`` None: v1 sizes splits with
-    ``choose_num_splits`` (two waves of SMs), v2 and v3 with ``choose_num_splits_by_waves``; an int
-    forces the count.
+    ``choose_num_splits`` (two waves of SMs), v2 with ``choose_num_splits_by_waves``, v3 with
+    ``choose_num_splits_filled``; an int forces the count.
     """
     _check_pool(cache)
     B, H, T, D = q.shape
@@ -302,7 +312,10 @@ def paged_attention(
         q_tiles = math.ceil(group * T / (V2_ROWS_PER_CTA if version == "v2" else V3_ROWS_PER_CTA))
         if num_splits is None:
             slots = executor.sm_count * executor.resident_ctas(kernel, kernel_targs, THREADS)
-            num_splits = choose_num_splits_by_waves(B * Hkv * q_tiles, max_keys, slots)
+            if version == "v2":
+                num_splits = choose_num_splits_by_waves(B * Hkv * q_tiles, max_keys, slots)
+            else:
+                num_splits = choose_num_splits_filled(B * Hkv * q_tiles, max_keys, slots, executor.sm_count)
     else:
         kernel = registry.BY_NAME["paged_chunk_attention_kernel"]
         kernel_targs = (registry.DTYPE_ARG[dtype], page, str(D))
