@@ -30,20 +30,20 @@
 //   SM) or producer warps (the gather is a handful of cp.async per thread, too
 //   little to give a warp): docs/kernels.md, "v3".
 //
-// Per tile of KT = 32 keys, warp (row tile r, slice s):
-//   S (16 x 16) = Q_r (A fragments, registers, loaded from global once)
-//                 x K^T of its 16 keys (ldmatrix), D/16 x 2 mma
+// Per tile of KT keys (32 on 16-bit pages, 64 on fp8 pages), warp (row tile r, slice s), KW = KT / 2:
+//   S (16 x KW) = Q_r (A fragments, registers, loaded from global once)
+//                 x K^T of its KW keys (ldmatrix), D/16 x KW/8 mma
 //   scores -> masked to -inf only on boundary tiles (the last tile of the
 //     range, or past the warp's first causal limit); interior tiles skip it
 //   online softmax in fp32: p = 2^(s * c - m) with c = scale * log2(e) folded
 //     into one FFMA (fp8: c times the key's k scale, one FMUL first), on
 //     ex2.approx.ftz (warp_mma.cuh: subnormal weights flush to zero, as they
 //     do anyway once P is rounded to 16 bits)
-//   O (16 x D) += P (registers: S's C fragments are P's A fragment)
-//                 x V of its 16 keys (ldmatrix .trans), D/8 mma
+//   O (16 x D) += P (registers: S's C fragments are P's A fragments)
+//                 x V of its KW keys (ldmatrix .trans), KW/16 x D/8 mma
 //
 // Pipeline. A ring of kStages stages (the most that fit 40 KB of static
-//   shared memory, 2 to 6: 4 at D = 64 bf16, 6 for fp8, 2 at D = 128 bf16)
+//   shared memory, 2 to 6: 4 at D = 64 on 16-bit pages, 3 (of 64 keys) on fp8, 2 at D = 128)
 //   holds K, V (and fp8 scales) of kStages - 1 tiles in flight, gathered by
 //   cp.async in 16-byte chunks. Every thread always gathers the same chunk
 //   column of the same key rows of each tile, so its pool offsets are
@@ -58,7 +58,8 @@
 //   i + kStages - 1 into the stage tile i - 1 used, compute tile i.
 //
 // fp8 pages. cp.async moves raw e4m3 bytes; each warp converts only its own
-//   fragments in registers after ldmatrix (warp_mma.cuh, "fp8 e4m3 quads"):
+//   fragments in registers after ldmatrix (warp_mma.cuh, "fp8 e4m3 quads"),
+//   tiles of 64 keys (a stage moves the bytes of a 32-key 16-bit stage):
 //   K through fp8x4_to<T> with Q's A fragments loaded in the matching dim
 //   order (k 2q, 2q+1 <- dims 4q, 4q+1; k 2q+8, 2q+9 <- dims 4q+2, 4q+3), V
 //   through .trans and fp8x4_to_interleaved<bf16> (two n-tiles per 16-dim
