@@ -249,7 +249,7 @@ def _flex_runner(cache: PagedKVCache, q: torch.Tensor, keys: int):
 
     def run():
         out = flex(q_flat, k_phys, v_phys, block_mask=mask, enable_gqa=True, kernel_options=options)
-        return out.view(H, B, T, D).transpose(0, 1)
+        return out.reshape(H, B, T, D).transpose(0, 1)
 
     return run
 
