@@ -5,12 +5,12 @@
 # everything into DIR (on a lent device machine: DIR=$OUT, so it comes back):
 #   0. DIR/env.txt: nvidia-smi, python, torch, triton, cuda-python, flashinfer versions; DIR/install.log
 #   1. the cuda-marked tests (v1, v2, v3 against the reference, graph replay == eager, ...)
-#                                                -> DIR/junit-cuda.xml, DIR/pytest-cuda.log      (<= 210 s)
+#                                                -> DIR/junit-cuda.xml, DIR/pytest-cuda.log      (<= 240 s)
 #   2. `python -m oasr bench --quick --device cuda --sections attention`: v1, v2, v3, SDPA on gathered
 #      K/V, FlexAttention over the pages and FlashInfer (when it imports) at 128 streams x {256, 1024,
 #      4096} frames, bf16 and fp8 pages, each timed kernel-only (graph replay), per call with the
 #      launcher (events) and on the host clock (oasr/bench/attention_gpu.py)
-#                                                -> DIR/bench.json (rows), DIR/bench.log (tables) (<= 210 s)
+#                                                -> DIR/bench.json (rows), DIR/bench.log (tables) (<= 200 s)
 #   3. tools/gpu_report.py: those rows as markdown, appended to docs/kernels.md under a dated heading
 #      naming the device, and kept in DIR/kernels-md-append.md (the docs edit of a remote run is lost
 #      with the machine; that file is not)
@@ -55,12 +55,12 @@ PY=${PYTHON:-python3}
 cat "$DIR/env.txt"
 
 echo "== cuda tests"
-timeout 210 $PY -m pytest -m cuda tests -q -rs -p no:cacheprovider --junitxml="$DIR/junit-cuda.xml" 2>&1 \
+timeout 240 $PY -m pytest -m cuda tests -q -rs -p no:cacheprovider --junitxml="$DIR/junit-cuda.xml" 2>&1 \
     | tee "$DIR/pytest-cuda.log" | tail -15
 tests_rc=${PIPESTATUS[0]}
 
 echo "== attention bench (graph replay, events, host clock)"
-timeout 210 $PY -m oasr bench --quick --device cuda --sections attention --json "$DIR/bench.json" \
+timeout 200 $PY -m oasr bench --quick --device cuda --sections attention --json "$DIR/bench.json" \
     >"$DIR/bench.log" 2>&1
 bench_rc=$?
 echo "bench exit code $bench_rc" | tee -a "$DIR/bench.log"
