@@ -44,6 +44,31 @@
 //   (fp8x2_portable: the bits placed into a wider-biased 16-bit float, one
 //   packed multiply by a power of two; exact for normals and subnormals).
 //
+// ex2_approx_ftz(x): 2^x by the special-function unit (ex2.approx.ftz.f32):
+//   one MUFU, relative error at most 2^-22 (PTX ISA), with subnormal inputs
+//   read as zero and subnormal results flushed to zero (so 2^x = 0 for
+//   x < -126, and 2^(-inf) = 0). exp2f without --use_fast_math is the
+//   denormal-safe expansion around the same MUFU (about 10 instructions);
+//   softmax weights never need gradual underflow: a weight below 2^-126 of
+//   the row's largest is zero either way once rounded to bf16/fp16 P.
+//
+// byte_perm(x, y, s): PRMT (default mode): result byte i = byte (s >> 4i) & 7
+//   of the 8-byte value y:x (x bytes 0-3, y bytes 4-7). One instruction.
+//
+// fp8 e4m3 quads after ldmatrix: an fp8 tile moved by ldmatrix (.b16: each
+//   "element" is two adjacent bytes) hands each lane 4 bytes per matrix:
+//     plain  ldmatrix over rows of K (keys x dims, D bytes a row): r = K[key g][4q .. 4q+3]
+//            of the matrix's 16-dim slab. fp8x4_to<T>(r, out): out[0] = (byte 0, byte 1),
+//            out[1] = (byte 2, byte 3) as T pairs. With the mma's k index read as
+//            k 2q, 2q+1 -> dims 4q, 4q+1 and k 2q+8, 2q+9 -> dims 4q+2, 4q+3, out is
+//            K^T's B fragment; the A fragment of Q must use the same dim order.
+//     .trans ldmatrix over rows of V: r = (V[key 2q][2g, 2g+1], V[key 2q+1][2g, 2g+1]).
+//            fp8x4_to_interleaved<T>(r, out): out[0] = (byte 0, byte 2) = V[2q, 2q+1][dim 2g],
+//            out[1] = (byte 1, byte 3) = V[2q, 2q+1][dim 2g+1]: the B fragments (k = keys) of
+//            two n-tiles, the even and the odd dims of the slab (the output's columns are
+//            permuted the same way: the kernel stores them back in order).
+//   Both are exact (fp8x2_to) and convert only the lane's own fragment.
+//
 // Checked by: tests/test_warp_primitives.py (emulation, against torch).
 #pragma once
 
@@ -222,7 +247,37 @@ __device__ __forceinline__ unsigned fp8x2_to<__nv_bfloat16>(unsigned short two) 
 #endif
 }
 
+
+// 2^x on the special-function unit, subnormals flushed (see the header).
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// PRMT, default mode: byte i of the result = byte (s >> 4i) & 7 of y:x.
+__device__ __forceinline__ unsigned byte_perm(unsigned x, unsigned y, unsigned s) { return __byte_perm(x, y, s); }
+
 }  // namespace warp
 }  // namespace oasr
 
 #endif  // OASR_HOST_EMULATION
+
+namespace oasr {
+namespace warp {
+
+// Four e4m3 bytes (a lane's share of an fp8 ldmatrix) -> two packed T pairs: (0, 1) and (2, 3).
+template <typename T>
+__device__ __forceinline__ void fp8x4_to(unsigned four, unsigned (&out)[2]) {
+    out[0] = fp8x2_to<T>(static_cast<unsigned short>(four & 0xffffu));
+    out[1] = fp8x2_to<T>(static_cast<unsigned short>(four >> 16));
+}
+
+// The same, pairing bytes (0, 2) and (1, 3): V's B fragments of the even and odd dims after .trans.
+template <typename T>
+__device__ __forceinline__ void fp8x4_to_interleaved(unsigned four, unsigned (&out)[2]) {
+    fp8x4_to<T>(byte_perm(four, 0u, 0x3120u), out);
+}
+
+}  // namespace warp
+}  // namespace oasr

@@ -309,12 +309,12 @@ def test_append_saturates_near_the_model_dtype_max(backend, dtype):
 
 def _check_attention(out, s, causal, scale=None, version="v1"):
     """``out`` (model dtype) against the reference on the same fp8 pages: fp32 queries give the fp32
-    result, the model-dtype queries its own rounding (see low_precision_bound); v2 also rounds P to
-    bf16 for its P V (v2_bound)."""
+    result, the model-dtype queries its own rounding (see low_precision_bound); v2 and v3 also round P
+    to bf16 for their P V (v2_bound)."""
     lens = s.chunk_lens
     ref32 = ref.paged_attention(s.q.float(), s.cache, lens, softmax_scale=scale, causal=causal)
     assert out.dtype == s.q.dtype and not out.isnan().any()
-    if version == "v2":
+    if version in ("v2", "v3"):
         ref_abs_v = ref.paged_attention(s.q.float(), with_abs_v(s.cache), lens, softmax_scale=scale, causal=causal)
         bound = v2_bound(ref32, ref_abs_v, out.dtype, True, FP32_FLOOR)
     elif out.dtype == torch.float32:
@@ -347,38 +347,42 @@ V2_CASES = [
 ]
 
 
+@pytest.mark.parametrize("version", ["v2", "v3"])
 @pytest.mark.parametrize("dtype,head_dim,seed", V2_CASES)
-def test_attention_v2_matches_reference_on_the_same_pages(emu, dtype, head_dim, seed):
-    # The tensor-core kernel on fp8 pages: bytes widened in shared memory, scales folded into S and P.
+def test_attention_tensor_core_matches_reference_on_the_same_pages(emu, dtype, head_dim, seed, version):
+    # The tensor-core kernels on fp8 pages: bytes widened in shared memory (v2) or in registers after
+    # ldmatrix (v3), scales folded into S and P.
     geo = _geometry(400 + seed, head_dim, dtype, max_history=250, block_sizes=list(registry.V2_BLOCK_SIZES))
     s = to_fp8(make_scenario(400 + seed, **geo))
     ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
     causal = seed % 2 == 1
     scale = 0.3 if seed >= 2 else None
-    out = emulated_attention("v2", s.q, s.cache, s.chunk_lens, softmax_scale=scale, causal=causal)
-    _check_attention(out, s, causal, scale, version="v2")
+    out = emulated_attention(version, s.q, s.cache, s.chunk_lens, softmax_scale=scale, causal=causal)
+    _check_attention(out, s, causal, scale, version=version)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("dtype,head_dim,causal", [(torch.bfloat16, 128, True), (torch.float16, 64, False)],
                          ids=["bfloat16-D128-causal", "float16-D64"])  # fmt: skip
-def test_attention_v2_forced_splits(emu, dtype, head_dim, causal, num_splits):
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_attention_tensor_core_forced_splits(emu, dtype, head_dim, causal, num_splits, version):
     geo = _geometry(300 + num_splits, head_dim, dtype, max_history=300, block_sizes=list(registry.V2_BLOCK_SIZES))
     geo.update(batch=2, max_history=300)
     s = to_fp8(make_scenario(300 + num_splits, **geo))
     ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
-    out = emulated_attention("v2", s.q, s.cache, s.chunk_lens, causal=causal, num_splits=num_splits)
-    _check_attention(out, s, causal, version="v2")
+    out = emulated_attention(version, s.q, s.cache, s.chunk_lens, causal=causal, num_splits=num_splits)
+    _check_attention(out, s, causal, version=version)
 
 
-def test_attention_v2_empty_rows_write_zeros(emu):
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_attention_tensor_core_empty_rows_write_zeros(emu, version):
     s = to_fp8(make_scenario(5, batch=3, n_kv_head=2, group=2, num_frames=6, head_dim=128, block_size=8,
                              max_history=40, dtype=torch.float16))  # fmt: skip
     s.chunk_lens[:] = torch.tensor([0, 6, 0], dtype=torch.int32)
     ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
-    out = emulated_attention("v2", s.q, s.cache, s.chunk_lens)
+    out = emulated_attention(version, s.q, s.cache, s.chunk_lens)
     assert (out[0] == 0).all() and (out[2] == 0).all()
-    _check_attention(out, s, False, version="v2")
+    _check_attention(out, s, False, version=version)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])

@@ -109,3 +109,6 @@ def test_attention_v2_is_registered_for_everything_the_launcher_may_choose():
     }
     assert set(registry.BY_NAME["paged_chunk_attention_v2_kernel"].instances) == expect
     assert "paged_chunk_attention_v2" in registry.families()
+    # v3 serves what v2 serves (ops.ATTENTION_SERVES), so it has the same instantiations
+    assert set(registry.BY_NAME["paged_chunk_attention_v3_kernel"].instances) == expect
+    assert "paged_chunk_attention_v3" in registry.families()

@@ -80,12 +80,12 @@ def test_append_and_attention_match_reference(device, dtype, head_dim, seed):
 
 
 def _check_versions(executor, g, cpu_cache, q32, cache32, causal, ref32, v1_bound, quantized):
-    """v1, and v2 where it serves the geometry (the fast twin's default there), at the launcher's split
-    count and at 1 and 3 splits, against the fp32 reference (v2 with v2_bound)."""
-    versions = ["v1"] + (["v2"] if ops.v2_supports(cpu_cache, g.q.dtype, g.q.shape[-1]) else [])
+    """v1, and v2 and v3 where they serve the geometry (v3: the fast twin's default there), at the
+    launcher's split count and at 1 and 3 splits, against the fp32 reference (v2, v3 with v2_bound)."""
+    versions = ["v1"] + (["v2", "v3"] if ops.v2_supports(cpu_cache, g.q.dtype, g.q.shape[-1]) else [])
     for version in versions:
         bound = v1_bound
-        if version == "v2":
+        if version in ("v2", "v3"):
             ref_abs_v = ref.paged_attention(q32, with_abs_v(cache32), g.chunk_lens.cpu(), causal=causal)
             bound = v2_bound(ref32, ref_abs_v, g.q.dtype, quantized, FP32_FLOOR)
         for num_splits in (None, 1, 3):
@@ -203,9 +203,9 @@ def test_fp8_append_and_attention_match_reference(device, dtype, head_dim, seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fast_twin_runs_v2_and_zeroes_rows_past_their_length(device, dtype):
-    # On CUDA the fast twin picks v2 for 16-bit pools with a v2 block size; rows past their
-    # length are exact zeros even with NaN / Inf in visible V.
+def test_fast_twin_runs_its_tensor_core_kernel_and_zeroes_rows_past_their_length(device, dtype):
+    # On CUDA the fast twin picks v3 (ops.CUDA_ATTENTION_VERSION) for 16-bit pools with a v2/v3 block
+    # size; rows past their length are exact zeros even with NaN / Inf in visible V, in v2 and v3.
     s = make_scenario(8, batch=4, n_kv_head=2, group=2, num_frames=16, head_dim=64, block_size=16,
                       max_history=300, dtype=dtype)  # fmt: skip
     s.chunk_lens[:] = torch.tensor([16, 3, 0, 9], dtype=torch.int32)
@@ -215,12 +215,16 @@ def test_fast_twin_runs_v2_and_zeroes_rows_past_their_length(device, dtype):
     s.cache.v_cache[s.cache.block_table[1, pos // 16].long(), pos % 16, 0, :2] = poison
     g = s.to(device=device)
     executor = executor_for(device)
-    assert ops.choose_attention_version(executor, g.cache, dtype, 64) == "v2"
+    chosen = ops.choose_attention_version(executor, g.cache, dtype, 64)
+    assert chosen == ops.CUDA_ATTENTION_VERSION
     got = fast.paged_attention(g.q, g.cache, g.chunk_lens).cpu()
-    want = ops.paged_attention(executor, g.q, g.cache, g.chunk_lens, 0.125, False, version="v2").cpu()
+    want = ops.paged_attention(executor, g.q, g.cache, g.chunk_lens, 0.125, False, version=chosen).cpu()
     assert torch.equal(bits(got), bits(want))
-    for b, n in enumerate(s.chunk_lens.tolist()):
-        assert (got[b, :, n:] == 0).all()
+    other = ops.paged_attention(executor, g.q, g.cache, g.chunk_lens, 0.125, False,
+                                version="v2" if chosen == "v3" else "v3").cpu()  # fmt: skip
+    for out in (got, other):
+        for b, n in enumerate(s.chunk_lens.tolist()):
+            assert (out[b, :, n:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

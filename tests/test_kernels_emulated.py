@@ -40,8 +40,9 @@ pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"kernel emulation 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BLOCK_SIZES = [8, 16, 24, 32, 64]
-V2_DTYPES = [torch.float16, torch.bfloat16]  # v2 (tensor cores) serves 16-bit dtypes and these block sizes
+V2_DTYPES = [torch.float16, torch.bfloat16]  # v2 and v3 (tensor cores) serve 16-bit dtypes and these block sizes
 V2_BLOCK_SIZES = list(registry.V2_BLOCK_SIZES)
+TENSOR_CORE = ("v2", "v3")
 
 # fp32 kernels against the fp32 reference: the only difference is summation
 # order (keys tiled by 32, online rescaling, exp2 with a folded log2(e)). The
@@ -173,7 +174,8 @@ def test_append_default_chunk_lens(emu):
 # -- attention -------------------------------------------------------------------------------------
 
 ATTN_CASES = [pytest.param("v1", *p.values, id=f"v1-{p.id}") for p in _cases((64, 128), 6)] + [
-    pytest.param("v2", d, hd, seed, id=f"v2-{str(d).split('.')[-1]}-D{hd}-s{seed}")
+    pytest.param(v, d, hd, seed, id=f"{v}-{str(d).split('.')[-1]}-D{hd}-s{seed}")
+    for v in TENSOR_CORE
     for d in V2_DTYPES
     for hd in (64, 128)
     for seed in range(6)
@@ -183,13 +185,13 @@ ATTN_CASES = [pytest.param("v1", *p.values, id=f"v1-{p.id}") for p in _cases((64
 def _check_attention(out, s_lowp, s32, causal, scale=None, version="v1"):
     """out (kernel, pool dtype) against the fp32 reference on the same numbers.
 
-    v1 computes in fp32 and rounds once (low_precision_bound); v2 also rounds P
-    for its tensor-core P V (v2_bound: that rounding's worst case, from the
-    reference run on |V|)."""
+    v1 computes in fp32 and rounds once (low_precision_bound); v2 and v3 also
+    round P for their tensor-core P V (v2_bound: that rounding's worst case,
+    from the reference run on |V|)."""
     lens = s32.chunk_lens
     ref32 = ref.paged_attention(s32.q, s32.cache, lens, softmax_scale=scale, causal=causal)
     assert not out.isnan().any()
-    if version == "v2":
+    if version in TENSOR_CORE:
         ref_abs_v = ref.paged_attention(s32.q, with_abs_v(s32.cache), lens, softmax_scale=scale, causal=causal)
         bound = v2_bound(ref32, ref_abs_v, out.dtype, False, FP32_FLOOR)
     elif out.dtype == torch.float32:
@@ -205,7 +207,7 @@ def _check_attention(out, s_lowp, s32, causal, scale=None, version="v1"):
 
 @pytest.mark.parametrize("version,dtype,head_dim,seed", ATTN_CASES)
 def test_attention_matches_reference(emu, version, dtype, head_dim, seed):
-    blocks = V2_BLOCK_SIZES if version == "v2" else BLOCK_SIZES
+    blocks = V2_BLOCK_SIZES if version in TENSOR_CORE else BLOCK_SIZES
     s = make_scenario(100 + seed, **_geometry(100 + seed, head_dim, dtype, block_sizes=blocks))
     ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)  # the chunk's own K/V are part of the range
     s32 = s.to(torch.float32)
@@ -224,13 +226,16 @@ def test_attention_matches_reference(emu, version, dtype, head_dim, seed):
         ("v1", torch.float16, False),
         ("v2", torch.bfloat16, True),
         ("v2", torch.float16, False),
+        ("v3", torch.bfloat16, True),
+        ("v3", torch.float16, False),
     ],
-    ids=["v1-float32", "v1-bfloat16-causal", "v1-float16", "v2-bfloat16-causal", "v2-float16"],
+    ids=["v1-float32", "v1-bfloat16-causal", "v1-float16", "v2-bfloat16-causal", "v2-float16", "v3-bfloat16-causal",
+         "v3-float16"],
 )
 def test_attention_forced_splits(emu, version, dtype, causal, num_splits):
     # Long histories over few CTAs: the split path and its combine, whatever
     # the launcher would have chosen.
-    blocks = V2_BLOCK_SIZES if version == "v2" else BLOCK_SIZES
+    blocks = V2_BLOCK_SIZES if version in TENSOR_CORE else BLOCK_SIZES
     geo = _geometry(200 + num_splits, 64, dtype, max_history=300, block_sizes=blocks)
     geo.update(batch=2, max_history=300)
     s = make_scenario(200 + num_splits, **geo)
@@ -239,7 +244,7 @@ def test_attention_forced_splits(emu, version, dtype, causal, num_splits):
     _check_attention(out, s, s.to(torch.float32), causal, version=version)
 
 
-@pytest.mark.parametrize("version,dtype", [("v1", torch.float32), ("v2", torch.bfloat16)])
+@pytest.mark.parametrize("version,dtype", [("v1", torch.float32), ("v2", torch.bfloat16), ("v3", torch.bfloat16)])
 def test_attention_stale_max_span_never_drops_keys(emu, version, dtype):
     # The launcher sizes splits from the host-side max_span. If it is too small,
     # the last split still runs to the end of each row's range.
@@ -253,7 +258,7 @@ def test_attention_stale_max_span_never_drops_keys(emu, version, dtype):
     _check_attention(out, s, s.to(torch.float32), False, 0.125, version)
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 def test_attention_empty_rows_write_zeros(emu, version):
     # chunk_len 0, an empty range (seqstart == seqlen, chunk 0), and causal rows.
     s = make_scenario(5, batch=3, n_kv_head=2, group=2, num_frames=6, head_dim=128, block_size=8,
@@ -265,7 +270,7 @@ def test_attention_empty_rows_write_zeros(emu, version):
     _check_attention(out, s, s.to(torch.float32), False, version=version)
 
 
-@pytest.mark.parametrize("version,dtype", [("v1", torch.float32), ("v2", torch.float16)])
+@pytest.mark.parametrize("version,dtype", [("v1", torch.float32), ("v2", torch.float16), ("v3", torch.float16)])
 def test_attention_strided_table_and_chunk_lens_forms(emu, version, dtype):
     # A table that is a column slice of a wider one (row stride > W), and
     # chunk_lens given as a list and as None.
@@ -285,8 +290,9 @@ def test_attention_strided_table_and_chunk_lens_forms(emu, version, dtype):
         _check_attention(out, s, s.to(torch.float32), False, version=version)
 
 
-def test_v2_rows_past_their_length_are_zero_despite_nan_in_visible_v(emu):
-    # Queries t >= len see no key; v2 must write exact zeros there even when V
+@pytest.mark.parametrize("version", TENSOR_CORE)
+def test_tensor_core_rows_past_their_length_are_zero_despite_nan_in_visible_v(emu, version):
+    # Queries t >= len see no key; v2 and v3 must write exact zeros there even when V
     # holds NaN and Inf inside the visible range (p = 0 times NaN is NaN, so the
     # kernel has to select zero, not multiply by it). Causal rows too.
     s = make_scenario(31, batch=2, n_kv_head=2, group=2, num_frames=8, head_dim=64, block_size=16,
@@ -299,16 +305,17 @@ def test_v2_rows_past_their_length_are_zero_despite_nan_in_visible_v(emu):
         c.v_cache[c.block_table[b, pos // 16].long(), pos % 16, 0, :2] = torch.tensor([float("nan"), float("inf")])
     for causal in (False, True):
         want = ref.paged_attention(s.q, c, s.chunk_lens, causal=causal)
-        got = emulated_attention("v2", s.q, c, s.chunk_lens, causal=causal)
+        got = emulated_attention(version, s.q, c, s.chunk_lens, causal=causal)
         for b, n in enumerate(s.chunk_lens.tolist()):
             assert (got[b, :, n:] == 0).all() and (want[b, :, n:] == 0).all()
             # rows inside the length attend to the NaN: NaN exactly where the reference has it
             assert torch.equal(got[b, :, :n].isnan(), want[b, :, :n].isnan())
 
 
-def test_v2_long_range_reloads_its_block_table_window(emu):
-    # One CTA over more keys than its shared block-table window holds (128 entries x block 8 = 1024
-    # keys), in one split and with the last split running long (stale max_span).
+@pytest.mark.parametrize("version", TENSOR_CORE)
+def test_tensor_core_long_range(emu, version):
+    # One CTA over more keys than v2's shared block-table window holds (128 entries x block 8 = 1024
+    # keys; v3 reads the table per tile), in one split and with the last split running long (stale max_span).
     from dataclasses import replace
 
     s = make_scenario(16, batch=1, n_kv_head=1, group=2, num_frames=4, head_dim=64, block_size=8,
@@ -316,8 +323,8 @@ def test_v2_long_range_reloads_its_block_table_window(emu):
     assert int(s.cache.cache_seqlens[0]) > 1100  # the precondition this test is about
     ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
     for cache, splits in ((s.cache, 1), (replace(s.cache, max_span=1), 3)):
-        out = emulated_attention("v2", s.q, cache, s.chunk_lens, num_splits=splits)
-        _check_attention(out, s, s.to(torch.float32), False, version="v2")
+        out = emulated_attention(version, s.q, cache, s.chunk_lens, num_splits=splits)
+        _check_attention(out, s, s.to(torch.float32), False, version=version)
 
 
 def test_attention_version_choice_and_refusals(emu):
@@ -331,15 +338,19 @@ def test_attention_version_choice_and_refusals(emu):
     assert ops.choose_attention_version(Cuda, s.cache, torch.float16, 64) == "v1"  # block 24: no v2 instance
     s16 = make_scenario(1, batch=1, n_kv_head=1, group=1, num_frames=2, head_dim=64, block_size=16, max_history=8,
                         dtype=torch.float16)  # fmt: skip
-    assert ops.choose_attention_version(Cuda, s16.cache, torch.float16, 64) == "v2"
+    assert ops.choose_attention_version(Cuda, s16.cache, torch.float16, 64) == ops.CUDA_ATTENTION_VERSION == "v3"
     s32 = s16.to(torch.float32)
     assert ops.choose_attention_version(Cuda, s32.cache, torch.float32, 64) == "v1"  # fp32 pools stay on v1
     with pytest.raises(ValueError, match="block_size in"):
         ops.paged_attention(emu, s.q, s.cache, None, 0.125, False, version="v2")
+    with pytest.raises(ValueError, match="block_size in"):
+        ops.paged_attention(emu, s.q, s.cache, None, 0.125, False, version="v3")
     with pytest.raises(ValueError, match="v2 takes fp16/bf16"):
         ops.paged_attention(emu, s32.q, s32.cache, None, 0.125, False, version="v2")
+    with pytest.raises(ValueError, match="v3 takes fp16/bf16"):
+        ops.paged_attention(emu, s32.q, s32.cache, None, 0.125, False, version="v3")
     with pytest.raises(ValueError, match="version must be one of"):
-        ops.paged_attention(emu, s16.q, s16.cache, None, 0.125, False, version="v3")
+        ops.paged_attention(emu, s16.q, s16.cache, None, 0.125, False, version="v4")
 
 
 def test_split_count_by_waves():
@@ -351,7 +362,7 @@ def test_split_count_by_waves():
     assert ops.choose_num_splits_by_waves(3, 10_000, 8) == 5  # 15 CTAs, 2 waves: 0.4, within 10% of 3/8
 
 
-# -- v2 over random geometries (hypothesis) --------------------------------------------------------
+# -- v2 and v3 over random geometries (hypothesis) --------------------------------------------------------
 
 V2_GEOMETRIES = st.fixed_dictionaries(
     dict(
@@ -376,15 +387,16 @@ V2_GEOMETRIES = st.fixed_dictionaries(
     causal=st.booleans(),
     fp8=st.booleans(),
     num_splits=st.sampled_from([None, 1, 2, 3]),
+    version=st.sampled_from(TENSOR_CORE),
 )
-def test_v2_matches_reference_on_random_geometries(emu, geo, seed, causal, fp8, num_splits):
+def test_tensor_core_matches_reference_on_random_geometries(emu, geo, seed, causal, fp8, num_splits, version):
     from oasr.fast.kernels.testing import to_fp8
 
     s = make_scenario(seed, **geo)
     ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
     if fp8:
         s = to_fp8(s)
-    out = emulated_attention("v2", s.q, s.cache, s.chunk_lens, causal=causal, num_splits=num_splits)
+    out = emulated_attention(version, s.q, s.cache, s.chunk_lens, causal=causal, num_splits=num_splits)
     q32 = s.q.float()
     c32 = s.cache if fp8 else s.to(torch.float32).cache
     ref32 = ref.paged_attention(q32, c32, s.chunk_lens, causal=causal)
@@ -394,3 +406,11 @@ def test_v2_matches_reference_on_random_geometries(emu, geo, seed, causal, fp8, 
     assert (err <= v2_bound(ref32, ref_abs_v, out.dtype, fp8, FP32_FLOOR)).all(), f"max err {err.max():.3g}"
     for b, n in enumerate(s.chunk_lens.tolist()):
         assert (out[b, :, n:] == 0).all()
+
+
+def test_v3_split_count_fills_the_machine_first():
+    # v3 splits keys only when the grid leaves SMs with fewer than two CTAs: at 128 streams x 4 KV heads
+    # on an H200 that is 1 split even at 5 resident CTAs (the wave rule would take 5 and pay the partials).
+    assert ops.choose_num_splits_by_waves(512, 1040, 132 * 5) == 5
+    assert ops.choose_num_splits_filled(512, 1040, 132 * 5, 132) == 1
+    assert ops.choose_num_splits_filled(8, 1040, 132 * 5, 132) == ops.choose_num_splits_by_waves(8, 1040, 132 * 5) > 1

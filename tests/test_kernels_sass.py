@@ -147,12 +147,16 @@ def test_report_is_json_and_finds_v1_main_loop(attention_report):
 @needs_toolchain
 def test_model_rows_for_v1(attention_report):
     rows = [r for r in attention_report["attention_model"] if r["version"] == "v1"]
-    assert {(r["arch"], r["page"]) for r in rows} == {(a, p) for a in ARCHS for p in sass.PAGES}
+    assert {(r["arch"], r["page"], r["history"]) for r in rows} == {
+        (a, p, h) for a in ARCHS for p in sass.PAGES for h in sass.HISTORIES
+    }
     for r in rows:
-        low, high = r["modelled_us"]
-        assert r["memory_us"] <= low <= high
-        assert r["ctas"] == 128 * 4 * 2 and r["tiles_per_cta"] == 33  # 32 query rows per KV head, 16 per CTA
+        low, high = r["kernel_us"]
+        assert r["memory_us"] + r["fixed_us"] <= low + 0.1 and low <= high
+        assert r["event_us"][0] == pytest.approx(low + sass.CALIBRATION.host_us, abs=0.11)
         assert 0 < r["fraction_of_bw"][0] <= r["fraction_of_bw"][1] <= 1
+        if r["history"] == 1024:
+            assert r["ctas"] == 128 * 4 * 2 and r["tiles_per_cta"] == 33  # 32 query rows per KV head, 16 per CTA
     text = sass.format_report(attention_report)
     assert "| v1 | sm_90 | bf16 |" in text and "MODEL, NOT MEASURED" in text
 
@@ -197,3 +201,51 @@ def test_kernels_command_fails_when_an_attention_loop_is_lost(monkeypatch, capsy
     monkeypatch.setattr(sass, "format_report", lambda rep: "")
     assert main(["--arch", "sm_90", "--sass"]) == 1
     assert "no K/V main loop found in oasr::paged_chunk_attention_kernel<...> sm_90" in capsys.readouterr().err
+
+
+# -- the calibrated model and v3's ceilings -------------------------------------------------------
+
+V3 = [k for k in registry.attention_kernels() if registry.kernel_version(k) == 3]
+# v3's main loop on sm_90 (D 64, block 16, bf16 queries), per warp per 32 keys: the budget the kernel was
+# cut to (v2: about 550 on 16-bit pages, 670 on fp8).
+V3_CEILINGS = {"__nv_bfloat16": 360, "__nv_fp8_e4m3": 420}
+
+
+@needs_toolchain
+@pytest.mark.skipif(not V3, reason="no v3 attention kernel registered")
+def test_v3_main_loop_under_its_ceilings_without_spills(attention_report):
+    rows = [r for r in attention_report["kernels"] if r["version"] == 3]
+    assert rows and all(r["spill_bytes"] == 0 for r in rows), [r["kernel"] for r in rows if r["spill_bytes"]]
+    tiling = sass.TILINGS["paged_chunk_attention_v3_kernel"]
+    for page, ceiling in V3_CEILINGS.items():
+        name = f"oasr::paged_chunk_attention_v3_kernel<__nv_bfloat16, {page}, 64, 16>"
+        (r,) = [r for r in rows if r["kernel"] == name and r["arch"] == "sm_90"]
+        assert r["loop"] == "load-math-loop" and r["mix"]["HMMA"] > 0
+        per_32_keys = r["loop_instructions"] * 32 / tiling.keys("fp8" if "fp8" in page else "bf16")
+        assert per_32_keys <= ceiling, f"{name}: {per_32_keys:.0f} instructions per warp per 32 keys > {ceiling}"
+
+
+@needs_toolchain
+def test_calibrated_model_reproduces_the_measured_v2_points(attention_report):
+    check = sass.calibration_check(attention_report)
+    assert {(r["page"], r["history"]) for r in check} == set(sass.MEASURED_V2)
+    outside = [r for r in check if not r["inside"]]
+    assert not outside, f"the model misses measured v2 points: {outside}"
+    # the stored constants are the fit on the bf16 points (the fp8 points above were not fitted)
+    efficiency, host = sass.fit_calibration(attention_report)
+    assert efficiency == pytest.approx(sass.CALIBRATION.issue_efficiency, rel=0.03)
+    assert host == pytest.approx(sass.CALIBRATION.host_us, abs=3)
+
+
+@needs_toolchain
+@pytest.mark.skipif(not V3, reason="no v3 attention kernel registered")
+def test_model_prices_v3_against_v2(attention_report):
+    rows = {(r["version"], r["page"], r["history"]): r for r in attention_report["attention_model"]
+            if r["arch"] == "sm_90"}  # fmt: skip
+    for history in (1024, 4096):
+        v2, v3 = rows["v2", "bf16", history], rows["v3", "bf16", history]
+        assert v3["kernel_us"][1] < v2["kernel_us"][0]  # v3 is modelled faster than v2, kernel-only
+        assert v3["fraction_of_bw"][0] >= 0.8, v3  # and at 80% or more of the achievable bandwidth (bf16)
+        assert v3["live_warps"] == 4 and v2["live_warps"] == 2  # every v3 warp has rows; half of v2's idle
+    fp8, bf16 = rows["v3", "fp8", 4096], rows["v3", "bf16", 4096]
+    assert fp8["kernel_us"][1] < bf16["kernel_us"][0], (fp8["kernel_us"], bf16["kernel_us"])  # fp8 faster

@@ -11,6 +11,7 @@ the hardware would.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,31 @@ FP8X2 = Kernel(
     "oasr_test::fp8x2_kernel", "warp_primitives", (("in", "ptr"), ("out", "ptr"), ("n", "i32")),
     ((HALF,), (BF16,)),
 )  # fmt: skip
+EX2 = Kernel(
+    "oasr_test::ex2_kernel", "warp_primitives", (("in", "ptr"), ("out", "ptr"), ("n", "i32")), (("0",), ("1",))
+)
+BYTE_PERM = Kernel(
+    "oasr_test::byte_perm_kernel", "warp_primitives",
+    (("x", "ptr"), ("y", "ptr"), ("s", "ptr"), ("out", "ptr"), ("n", "i32")), (("0",),),
+)  # fmt: skip
+FP8X4 = Kernel(
+    "oasr_test::fp8x4_kernel", "warp_primitives", (("in", "ptr"), ("out", "ptr"), ("n", "i32")),
+    tuple((t, i) for t in (HALF, BF16) for i in ("0", "1")),
+)  # fmt: skip
+FP8_K_TILE = Kernel(
+    "oasr_test::fp8_k_tile_kernel", "warp_primitives", (("q", "ptr"), ("k", "ptr"), ("s_out", "ptr")),
+    tuple((t, m) for t in (HALF, BF16) for m in ("0", "1")),
+)  # fmt: skip
+FP8_V_TILE = Kernel(
+    "oasr_test::fp8_v_tile_kernel", "warp_primitives", (("p", "ptr"), ("v", "ptr"), ("o_out", "ptr")),
+    (("0",), ("1",)),
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def lib():
-    return emulation.build_source(SOURCE, (MMA, LDMATRIX, TILE_MMA, CP_ASYNC, FP8X2))
+    return emulation.build_source(SOURCE, (MMA, LDMATRIX, TILE_MMA, CP_ASYNC, FP8X2, EX2, BYTE_PERM, FP8X4,
+                                           FP8_K_TILE, FP8_V_TILE))
 
 
 def _run(lib, kernel, targs, args, block=32, grid=1):
@@ -217,3 +238,109 @@ def test_fp8x2_conversion_matches_torch_on_all_256_bytes(lib, targ):
         assert torch.equal(g.isnan(), want.isnan())
         ok = ~want.isnan()
         assert torch.equal(_bits16(g[ok]), _bits16(want[ok]))  # exact, signed zeros included
+
+
+# -- ex2.approx.ftz ----------------------------------------------------------------------------
+
+TINY = 2.0**-126  # the smallest normal fp32
+
+
+def test_ex2_approx_ftz_matches_exp2_and_flushes_like_the_hardware(lib):
+    normal = torch.linspace(-126, 127, 2001)
+    special = torch.tensor([-126.5, -127.0, -140.0, -149.0, -1000.0, float("-inf"), float("inf"), float("nan"),
+                            1e-40, -1e-40, 0.0, -0.0])  # fmt: skip
+    x = torch.cat([normal, special])
+    out = torch.full_like(x, 7.0)
+    _run(lib, EX2, ("0",), (x, out, x.numel()), block=128, grid=math.ceil(x.numel() / 128))
+    want = torch.exp2(normal.double())
+    # the hardware's ex2.approx is within 2^-22 relative (PTX ISA); the emulator is exact std::exp2 in fp32
+    assert ((out[: normal.numel()].double() - want).abs() <= 2.0**-22 * want).all()
+    got = out[normal.numel():].tolist()  # in the order of `special`
+    assert got[:5] == [0.0] * 5 and got[5] == 0.0  # results below 2^-126 flush to +0; 2^-inf = 0
+    assert got[6] == float("inf") and math.isnan(got[7])
+    assert got[8:] == [1.0] * 4  # subnormal inputs (+-1e-40) read as zero, like +-0: exactly 1
+
+
+def test_ex2_through_a_subnormal_intermediate_is_zero(lib):
+    # The misuse: 2^x computed as 2^(x - 100) * 2^100. Exact arithmetic (and exp2f with denormals)
+    # gives 2^x; under .ftz the intermediate 2^(x - 100) < 2^-126 flushes, as on the hardware.
+    x = torch.linspace(-40, -27, 64)
+    out = torch.full_like(x, float("nan"))
+    _run(lib, EX2, ("1",), (x, out, x.numel()), block=64)
+    assert (torch.exp2(x) > TINY).all()  # the right answer is a normal number ...
+    assert (out == 0).all()  # ... which the misuse loses
+
+
+# -- byte_perm ---------------------------------------------------------------------------------
+
+
+def test_byte_perm_selects_bytes_of_y_x(lib):
+    g = torch.Generator().manual_seed(5)
+    n = 256
+    x = torch.randint(0, 2**32, (n,), generator=g, dtype=torch.int64)
+    y = torch.randint(0, 2**32, (n,), generator=g, dtype=torch.int64)
+    sel = torch.randint(0, 8, (n, 4), generator=g, dtype=torch.int64)
+    s = (sel << torch.tensor([0, 4, 8, 12])).sum(1)
+    out = torch.zeros(n, dtype=torch.int32)
+    i32 = lambda t: t.to(torch.int64).where(t < 2**31, t - 2**32).to(torch.int32)  # noqa: E731 (same bits)
+    _run(lib, BYTE_PERM, ("0",), (i32(x), i32(y), i32(s), out, n), block=128, grid=2)
+    xy = x | (y << 32)
+    want = sum(((xy >> (8 * sel[:, i])) & 0xFF) << (8 * i) for i in range(4))
+    assert torch.equal(out.to(torch.int64) & 0xFFFFFFFF, want)
+
+
+# -- fp8 quads after ldmatrix ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(FP8_DTYPE is None, reason="torch has no float8_e4m3fn")
+@pytest.mark.parametrize("interleaved", ["0", "1"], ids=["pairs-01-23", "pairs-02-13"])
+@pytest.mark.parametrize("targ", [HALF, BF16])
+def test_fp8x4_pairs_the_bytes_as_documented(lib, targ, interleaved):
+    g = torch.Generator().manual_seed(9)
+    raw = torch.randint(0, 256, (512, 4), generator=g, dtype=torch.uint8)
+    out = torch.zeros(512, 2, dtype=torch.int32)
+    _run(lib, FP8X4, (targ, interleaved), (raw.view(torch.int32).view(-1), out, 512), block=128, grid=4)
+    got = out.view(TORCH[targ]).view(512, 2, 2)  # [word][register][half]
+    values = raw.view(FP8_DTYPE).to(TORCH[targ])
+    order = [[0, 1], [2, 3]] if interleaved == "0" else [[0, 2], [1, 3]]
+    want = values[:, torch.tensor(order)]
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(_bits16(got[ok]), _bits16(want[ok]))
+
+
+def _fp8_bytes(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0x38  # no NaN bytes: the products are compared numerically
+    return raw, raw.view(FP8_DTYPE).double()
+
+
+@pytest.mark.skipif(FP8_DTYPE is None, reason="torch has no float8_e4m3fn")
+@pytest.mark.parametrize("misuse", ["0", "1"], ids=["matched-dim-order", "misuse-interleaved-pairs"])
+@pytest.mark.parametrize("targ", [HALF, BF16])
+def test_fp8_k_fragments_feed_q_k_transposed(lib, targ, misuse):
+    dtype = TORCH[targ]
+    q = torch.randn(16, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+    raw, k = _fp8_bytes((16, 32), 4)
+    s = torch.full((16, 16), float("nan"))
+    _run(lib, FP8_K_TILE, (targ, misuse), (q, raw, s))
+    want = q.double() @ k.T
+    bound = 32 * 2.0**-23 * (q.double().abs() @ k.abs().T)  # fp32 sums of exact products
+    assert not s.isnan().any()
+    ok = (s.double() - want).abs() <= bound
+    assert ok.all() if misuse == "0" else ok.float().mean() < 0.5
+
+
+@pytest.mark.skipif(FP8_DTYPE is None, reason="torch has no float8_e4m3fn")
+@pytest.mark.parametrize("misuse", ["0", "1"], ids=["interleaved", "misuse-plain-pairs"])
+def test_fp8_v_fragments_after_trans_feed_p_v(lib, misuse):
+    p = torch.rand(16, 16, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    raw, v = _fp8_bytes((16, 32), 6)
+    o = torch.full((16, 32), float("nan"))
+    _run(lib, FP8_V_TILE, (misuse,), (p, raw, o))
+    want = p.double() @ v
+    bound = 16 * 2.0**-23 * (p.double().abs() @ v.abs())
+    assert not o.isnan().any()
+    ok = (o.double() - want).abs() <= bound
+    assert ok.all() if misuse == "0" else ok.float().mean() < 0.5

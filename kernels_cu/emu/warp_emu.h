@@ -22,6 +22,11 @@
 //       before the barrier after the wait) reads stale data and fails.
 //       Copies never committed are never performed; the queue is dropped at
 //       the end of each block.
+//   ex2_approx_ftz   flushes like the hardware: a subnormal input is read as
+//       (signed) zero, a result below 2^-126 is +0; otherwise std::exp2 in fp32
+//       (within the hardware's 2^-22 relative error, not bit-equal to it).
+//   byte_perm     PRMT's default mode, byte by byte; a selector nibble with its
+//       sign-replicate bit (8) set is refused (abort): the kernels never use that mode.
 //   fp8x2_to<T>   the portable bit path of warp_mma.cuh (the sm_80 device
 //       path); the sm_89+ hardware cvt is specified to give the same values.
 #pragma once
@@ -29,6 +34,8 @@
 #ifndef OASR_HOST_EMULATION
 #error "warp_emu.h is for the host emulation build only"
 #endif
+
+#include <cstdlib>
 
 namespace oasr {
 namespace warp {
@@ -143,6 +150,23 @@ inline void cp_async_wait_group() {
     }
     st.async_copies.erase(st.async_copies.begin(), st.async_copies.begin() + static_cast<std::ptrdiff_t>(copies));
     st.async_groups.erase(st.async_groups.begin(), st.async_groups.begin() + static_cast<std::ptrdiff_t>(retire));
+}
+
+inline float ex2_approx_ftz(float x) {
+    if (std::fpclassify(x) == FP_SUBNORMAL) x = std::copysign(0.f, x);  // .ftz: subnormal inputs read as 0
+    const float y = std::exp2(x);
+    return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;  // .ftz: subnormal results flush to +0
+}
+
+inline unsigned byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long xy = (static_cast<unsigned long long>(y) << 32) | x;
+    unsigned out = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned sel = (s >> (4 * i)) & 0xfu;
+        if (sel & 8u) std::abort();  // sign-replicate mode: not emulated, not used
+        out |= static_cast<unsigned>((xy >> (8 * sel)) & 0xffu) << (8 * i);
+    }
+    return out;
 }
 
 template <typename T>

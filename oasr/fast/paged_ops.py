@@ -7,8 +7,9 @@ argument, ``backend``, which picks the CPU implementation (see
 ``oasr.fast.backend``)::
 
     CUDA tensors  ->  kernels_cu/ kernels, NVRTC-compiled, on torch's current stream
-                      (attention: v2, the tensor-core kernel, where it has an instance;
-                      v1 otherwise: ``ops.choose_attention_version``)
+                      (attention: v3, the tensor-core kernel, where it has an instance
+                      (OASR_CUDA_ATTENTION=v2 pins v2); v1 otherwise:
+                      ``ops.choose_attention_version``)
     CPU tensors   ->  "torch": vectorised torch, no Python loop over rows (default)
                       "emulated": the same kernels run by the host SIMT emulator
 

@@ -171,4 +171,108 @@ __global__ void fp8x2_kernel(const unsigned short* in, unsigned* out, int n) {
     if (i < n) out[i] = oasr::warp::fp8x2_to<T>(in[i]);
 }
 
+// ex2.approx.ftz on n inputs. misuse = 1 computes 2^x as 2^(x - 100) * 2^100, a kernel that relies
+// on gradual underflow (the intermediate is subnormal for x < -26): the flush makes it 0.
+template <int misuse>
+__global__ void ex2_kernel(const float* in, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = misuse ? oasr::warp::ex2_approx_ftz(in[i] - 100.f) * 0x1p100f : oasr::warp::ex2_approx_ftz(in[i]);
+}
+
+// out[i] = byte_perm(x[i], y[i], s[i]) (a template only because the test launcher names instantiations).
+template <int unused>
+__global__ void byte_perm_kernel(const unsigned* x, const unsigned* y, const unsigned* s, unsigned* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = oasr::warp::byte_perm(x[i], y[i], s[i]);
+}
+
+// fp8x4_to<T> (interleaved = 0) or fp8x4_to_interleaved<T> (1) on n words: out[2i], out[2i + 1].
+template <typename T, int interleaved>
+__global__ void fp8x4_kernel(const unsigned* in, unsigned* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned r[2];
+    if (interleaved) {
+        oasr::warp::fp8x4_to_interleaved<T>(in[i], r);
+    } else {
+        oasr::warp::fp8x4_to<T>(in[i], r);
+    }
+    out[2 * i] = r[0];
+    out[2 * i + 1] = r[1];
+}
+
+// The fp8 K path of attention v3: S (16 x 16 fp32) = Q (16 x 32, T) K^T, K 16 keys x 32 e4m3 bytes held
+// in shared memory (rows padded to 48 bytes), one ldmatrix_x4 (matrices: keys 0-7 / 8-15 x dims 0-15 /
+// 16-31), each lane's 4 bytes widened by fp8x4_to, Q's A fragments loaded in the matching dim order
+// (k 2q, 2q+1 <- dims 4q, 4q+1; k 2q+8, 2q+9 <- dims 4q+2, 4q+3). misuse = 1 widens with the
+// interleaved pairing (V's), which puts the wrong dims under Q.
+template <typename T, int misuse>
+__global__ void fp8_k_tile_kernel(const T* q, const unsigned char* k, float* s_out) {
+    __shared__ __align__(16) unsigned char tile[16 * 48];
+    const int lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4;
+    for (int i = lane; i < 16 * 32; i += 32) tile[(i / 32) * 48 + i % 32] = k[i];
+    __syncwarp();
+    unsigned qf[2][4];
+    for (int kk = 0; kk < 2; ++kk)
+        for (int h = 0; h < 2; ++h) {
+            const T* row = q + (g + 8 * h) * 32 + kk * 16 + 4 * qd;
+            qf[kk][h] = *reinterpret_cast<const unsigned*>(row);
+            qf[kk][2 + h] = *reinterpret_cast<const unsigned*>(row + 2);
+        }
+    unsigned kf[4];
+    oasr::warp::ldmatrix_x4(kf, tile + (((lane / 8) % 2) * 8 + lane % 8) * 48 + (lane / 16) * 16);
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    for (int i = 0; i < 4; ++i) {
+        unsigned b[2];
+        if (misuse) {
+            oasr::warp::fp8x4_to_interleaved<T>(kf[i], b);
+        } else {
+            oasr::warp::fp8x4_to<T>(kf[i], b);
+        }
+        oasr::warp::mma_m16n8k16<T>(sc[i % 2], qf[i / 2], b, sc[i % 2]);
+    }
+    for (int n = 0; n < 2; ++n)
+        for (int e = 0; e < 4; ++e) s_out[(g + 8 * (e / 2)) * 16 + 8 * n + 2 * qd + e % 2] = sc[n][e];
+}
+
+// The fp8 V path of attention v3: O (16 x 32 fp32) = P (16 x 16 keys, bf16) V, V 16 keys x 32 e4m3
+// bytes in shared memory, one ldmatrix_x4_trans, fp8x4_to_interleaved giving the B fragments of the
+// even and the odd dims of each 16-dim slab; O is stored back in dim order. misuse = 1 widens with
+// the plain pairing (K's), which mixes two keys' dims into one column.
+template <int misuse>
+__global__ void fp8_v_tile_kernel(const __nv_bfloat16* p, const unsigned char* v, float* o_out) {
+    using BF = __nv_bfloat16;
+    __shared__ __align__(16) unsigned char tile[16 * 48];
+    const int lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4;
+    for (int i = lane; i < 16 * 32; i += 32) tile[(i / 32) * 48 + i % 32] = v[i];
+    __syncwarp();
+    auto P = [&](int r, int c) { return *reinterpret_cast<const unsigned*>(p + r * 16 + c); };
+    const unsigned a[4] = {P(g, 2 * qd), P(g + 8, 2 * qd), P(g, 8 + 2 * qd), P(g + 8, 8 + 2 * qd)};
+    unsigned vf[4];
+    oasr::warp::ldmatrix_x4_trans(vf, tile + (((lane / 8) % 2) * 8 + lane % 8) * 48 + (lane / 16) * 16);
+    float o[4][4] = {};
+    for (int sl = 0; sl < 2; ++sl) {
+        unsigned lo_keys[2], hi_keys[2];
+        if (misuse) {
+            oasr::warp::fp8x4_to<BF>(vf[2 * sl], lo_keys);
+            oasr::warp::fp8x4_to<BF>(vf[2 * sl + 1], hi_keys);
+        } else {
+            oasr::warp::fp8x4_to_interleaved<BF>(vf[2 * sl], lo_keys);
+            oasr::warp::fp8x4_to_interleaved<BF>(vf[2 * sl + 1], hi_keys);
+        }
+        const unsigned even[2] = {lo_keys[0], hi_keys[0]}, odd[2] = {lo_keys[1], hi_keys[1]};
+        oasr::warp::mma_m16n8k16<BF>(o[2 * sl], a, even, o[2 * sl]);
+        oasr::warp::mma_m16n8k16<BF>(o[2 * sl + 1], a, odd, o[2 * sl + 1]);
+    }
+    for (int sl = 0; sl < 2; ++sl)
+        for (int h = 0; h < 2; ++h) {
+            float* row = o_out + (g + 8 * h) * 32 + 16 * sl + 4 * qd;
+            row[0] = o[2 * sl][2 * h];
+            row[1] = o[2 * sl + 1][2 * h];
+            row[2] = o[2 * sl][2 * h + 1];
+            row[3] = o[2 * sl + 1][2 * h + 1];
+        }
+}
+
 }  // namespace oasr_test

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -29,11 +30,17 @@ from oasr.paged import PagedKVCache
 THREADS = 128  # every kernel runs 128-thread blocks
 ROWS_PER_CTA = 16  # attention v1: query rows (t, g) per CTA = 4 warps x 4 rows
 V2_ROWS_PER_CTA = 64  # attention v2: 4 warps x one 16-row MMA tile
+V3_ROWS_PER_CTA = 32  # attention v3: 2 row tiles x 2 key slices of 16-row MMA tiles
 TILE_KEYS = 32  # attention (v1 and v2): keys per shared-memory tile
 MIN_KEYS_PER_SPLIT = 64  # flash-decoding: a split gets at least two key tiles
 MAX_SPLITS = 32
 WAVE_SLACK = 1.1  # v2: the fewest splits within 10% of the best modelled time (choose_num_splits_by_waves)
-ATTENTION_VERSIONS = ("v1", "v2")
+ATTENTION_VERSIONS = ("v1", "v2", "v3")
+# The tensor-core kernel the fast twin picks on CUDA: v3, whose emulated conformance suite passes for every
+# instantiation, unless OASR_CUDA_ATTENTION=v2 pins the previous one (v3 has not yet run on a GPU).
+CUDA_ATTENTION_VERSION = os.environ.get("OASR_CUDA_ATTENTION", "v3")
+if CUDA_ATTENTION_VERSION not in ("v2", "v3"):
+    raise ValueError(f"OASR_CUDA_ATTENTION must be v2 or v3, got {CUDA_ATTENTION_VERSION!r}")
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -198,6 +205,16 @@ def choose_num_splits_by_waves(ctas: int, max_keys: int, slots: int) -> int:
     return _fewest_splits_by_waves(max(1, ctas), most, max(1, slots))
 
 
+def choose_num_splits_filled(ctas: int, max_keys: int, slots: int, sm_count: int) -> int:
+    """Attention v3's split count: 1 when the grid already gives every SM two CTAs or more (a memory-bound
+    kernel gains nothing from a smaller last wave, and each split adds fp32 partials and the combine
+    launch), else ``choose_num_splits_by_waves``. E.g. 128 streams x 4 KV heads (512 CTAs) on 132 SMs:
+    1 split whatever the residency; 2 streams x 4 KV heads: split by waves."""
+    if ctas >= 2 * sm_count:
+        return 1
+    return choose_num_splits_by_waves(ctas, max_keys, slots)
+
+
 @functools.lru_cache(maxsize=1024)
 def _fewest_splits_by_waves(ctas: int, most: int, slots: int) -> int:
     """choose_num_splits_by_waves's search over 1..most splits, computed once per (geometry, device)."""
@@ -219,10 +236,11 @@ def v2_supports(cache: PagedKVCache, q_dtype: torch.dtype, head_dim: int) -> boo
 
 
 def choose_attention_version(executor, cache: PagedKVCache, q_dtype: torch.dtype, head_dim: int) -> str:
-    """The fast twin's choice: v2 (tensor cores) on CUDA wherever ``v2_supports``; v1 otherwise
-    (fp32 pools, other block sizes, and the emulator, where v2 runs only when asked by name:
-    it is the slow one to emulate, and the tests run both)."""
-    return "v2" if executor.kind == "cuda" and v2_supports(cache, q_dtype, head_dim) else "v1"
+    """The fast twin's choice: a tensor-core kernel (``CUDA_ATTENTION_VERSION``: v3, or v2 when
+    OASR_CUDA_ATTENTION=v2) on CUDA wherever ``v2_supports`` (v3 serves the same inputs); v1 otherwise
+    (fp32 pools, other block sizes, and the emulator, where v2 and v3 run only when asked by name:
+    they are the slow ones to emulate, and the tests run all three)."""
+    return CUDA_ATTENTION_VERSION if executor.kind == "cuda" and v2_supports(cache, q_dtype, head_dim) else "v1"
 
 
 def paged_attention(
@@ -235,11 +253,12 @@ def paged_attention(
     num_splits: int | None = None,
     version: str | None = None,
 ) -> torch.Tensor:
-    """Launch paged_chunk_attention v1 or v2 (and the combine kernel when the keys are split).
+    """Launch paged_chunk_attention v1, v2 or v3 (and the combine kernel when the keys are split).
 
-    ``version`` None: ``choose_attention_version``; "v1" or "v2" by name (v2 raises ``ValueError``
-    where ``v2_supports`` is false). ``num_splits`` None: v1 sizes splits with ``choose_num_splits``
-    (two waves of SMs), v2 with ``choose_num_splits_by_waves``; an int forces the count.
+    ``version`` None: ``choose_attention_version``; "v1", "v2" or "v3" by name (v2 and v3 raise
+    ``ValueError`` where ``v2_supports`` is false). ``num_splits`` None: v1 sizes splits with
+    ``choose_num_splits`` (two waves of SMs), v2 with ``choose_num_splits_by_waves``, v3 with
+    ``choose_num_splits_filled``; an int forces the count.
     """
     _check_pool(cache)
     B, H, T, D = q.shape
@@ -275,9 +294,9 @@ def paged_attention(
         version = choose_attention_version(executor, cache, q.dtype, D)
     if version not in ATTENTION_VERSIONS:
         raise ValueError(f"fast paged_attention: version must be one of {ATTENTION_VERSIONS}, got {version!r}")
-    if version == "v2" and not v2_supports(cache, q.dtype, D):
+    if version in ("v2", "v3") and not v2_supports(cache, q.dtype, D):
         raise ValueError(
-            f"fast paged_attention: v2 takes fp16/bf16 queries with pages in that dtype or fp8, head_dim in "
+            f"fast paged_attention: {version} takes fp16/bf16 queries with pages in that dtype or fp8, head_dim in "
             f"{registry.HEAD_DIMS}, block_size in {registry.V2_BLOCK_SIZES}; got q {q.dtype}, pages "
             f"{cache.k_cache.dtype}, head_dim={D}, block_size={cache.block_size}"
         )
@@ -287,13 +306,16 @@ def paged_attention(
 
     group = H // Hkv
     max_keys = max(1, cache.max_span + T)
-    if version == "v2":
-        kernel = registry.BY_NAME["paged_chunk_attention_v2_kernel"]
+    if version in ("v2", "v3"):
+        kernel = registry.BY_NAME[f"paged_chunk_attention_{version}_kernel"]
         kernel_targs = (registry.DTYPE_ARG[dtype], page, str(D), str(cache.block_size))
-        q_tiles = math.ceil(group * T / V2_ROWS_PER_CTA)
+        q_tiles = math.ceil(group * T / (V2_ROWS_PER_CTA if version == "v2" else V3_ROWS_PER_CTA))
         if num_splits is None:
             slots = executor.sm_count * executor.resident_ctas(kernel, kernel_targs, THREADS)
-            num_splits = choose_num_splits_by_waves(B * Hkv * q_tiles, max_keys, slots)
+            if version == "v2":
+                num_splits = choose_num_splits_by_waves(B * Hkv * q_tiles, max_keys, slots)
+            else:
+                num_splits = choose_num_splits_filled(B * Hkv * q_tiles, max_keys, slots, executor.sm_count)
     else:
         kernel = registry.BY_NAME["paged_chunk_attention_kernel"]
         kernel_targs = (registry.DTYPE_ARG[dtype], page, str(D))
@@ -308,7 +330,7 @@ def paged_attention(
         part_acc = torch.empty((num_splits, B, H, T, D), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_splits, B, H, T, 2), dtype=torch.float32, device=q.device)
     targs = (registry.DTYPE_ARG[dtype], str(D))
-    block_size = () if version == "v2" else (cache.block_size,)  # v2: a template argument
+    block_size = () if version in ("v2", "v3") else (cache.block_size,)  # v2, v3: a template argument
     args = (
         _ptr(q), _ptr(cache.k_cache), _ptr(cache.v_cache), _ptr(cache.k_scale), _ptr(cache.v_scale), _ptr(table),
         table.stride(0), _ptr(seqlens), _ptr(seqstarts), _ptr(chunk_lens), _ptr(out), _ptr(part_acc),
@@ -385,8 +407,10 @@ def gather_kv_blocks(
 ATTENTION_LAUNCHERS = {
     "paged_chunk_attention_kernel": functools.partial(paged_attention, version="v1"),
     "paged_chunk_attention_v2_kernel": functools.partial(paged_attention, version="v2"),
+    "paged_chunk_attention_v3_kernel": functools.partial(paged_attention, version="v3"),
 }
 ATTENTION_SERVES = {  # (cache, q dtype, head_dim) -> bool
     "paged_chunk_attention_kernel": lambda cache, q_dtype, head_dim: True,  # every dtype the fast twin takes
     "paged_chunk_attention_v2_kernel": v2_supports,
+    "paged_chunk_attention_v3_kernel": v2_supports,  # the same instantiations
 }

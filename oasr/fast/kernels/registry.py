@@ -152,6 +152,12 @@ KERNELS: tuple[Kernel, ...] = (
         params=tuple(p for p in _ATTENTION_KERNEL_PARAMS if p[0] != "block_size"),  # v2: a template argument
         instances=_ATTENTION_V2,
     ),
+    Kernel(  # v3: v2's instantiations (a power-of-two block size, a template argument)
+        name="oasr::paged_chunk_attention_v3_kernel",
+        family="paged_chunk_attention_v3",
+        params=tuple(p for p in _ATTENTION_KERNEL_PARAMS if p[0] != "block_size"),
+        instances=_ATTENTION_V2,
+    ),
     Kernel(
         name="oasr::paged_attention_combine_kernel",
         family="paged_chunk_attention",

@@ -23,18 +23,28 @@ that is a register set to a constant before the loop, stepped by an immediate an
 immediate (v1's score and P.V loops); otherwise it is 1 and the loop is flagged ``trips_unknown``.
 Both sides of a branch inside the body are counted, so branchy bodies are over-counted.
 
-Issue model (one K/V tile = one main-loop iteration of every warp of a CTA). Each warp instruction
-takes one issue slot of its SM sub-partition (SMSP) and occupies its pipe for the cycles in
-``H200.pipe_cycles``; the SM's shared-memory/L1 path (``mio``) is shared by the four SMSPs and moves
-``H200.mio_bytes_per_clk``. The CTA's warps are spread evenly over the SMSPs, so a CTA-tile costs::
+Time model (one K/V tile = one main-loop iteration of every warp of a CTA; "a step" = one tile of
+every CTA resident on an SM). Four terms, each with its constants in ``H200``, ``ARCH_LIMITS`` and
+``CALIBRATION``::
 
-    cycles = max(warps/4 * max(issue slots, busiest SMSP pipe), warps * mio cycles per warp)
+    kernel_us = fixed + max(issue, memory)
+    fixed     = launch + prologue trips x one dependent memory trip (the CTA's lengths, its block
+                table, its first tile: what runs before the first mma and cannot overlap anything)
+    issue     = waves x tiles x step cycles, a step = max(busiest SMSP, mio path) with
+                busiest SMSP = the most instructions any one sub-partition issues for the step, warp
+                w of the c-th resident CTA on SMSP (c x warps + w) % 4, warps with no query row
+                issuing only their gather (warp roles), divided by the issue efficiency (an IPC
+                cap: the fraction of clocks a busy sub-partition issues, latency included)
+    memory    = bytes / min(achievable bandwidth, Little's law: SMs x bytes in flight per SM /
+                one memory trip), bytes in flight = resident CTAs x (ring stages - 1) x stage bytes
+    event_us  = host + kernel_us: what an event-timed call measured while the launcher ran inside
+                the event window (the v2 table of docs/kernels.md)
 
-Resident CTAs interleave, so an SM's time is (CTAs it runs) * (tiles per CTA) * cycles, with CTAs
-dealt evenly (``ceil(CTAs / SMs)`` on the busiest SM). Latency is assumed hidden (optimistic when few
-warps are resident). Memory time is the bytes a tick must move (K/V pages once, scales, q, out)
-at the achievable bandwidth. The modelled time is the larger of the two; the fraction is the bytes
-over that time against the achievable bandwidth.
+The issue efficiency and the host term are fitted on the three measured v2 bf16 points (their
+midpoints, least squares on the line event = host + fixed + tiles x step / efficiency); the fp8
+points are not fitted and serve as the check (``calibration_check``). The shared-memory path is
+priced two ways because the SASS cannot tell a broadcast from distinct words: full width (high) and
+one 128-byte wavefront per LDS/STS (low); where it binds, the model gives a range.
 
 Every constant of the model is in ``H200`` and ``ARCH_LIMITS`` below, with its source.
 """
@@ -49,7 +59,7 @@ import subprocess
 import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from oasr.fast.kernels import ops
@@ -119,6 +129,29 @@ ARCH_LIMITS = {
     "sm_90": ArchLimits(shared_bytes=233472),  # H100/H200: 228 KB
 }
 
+@dataclass(frozen=True)
+class Calibration:
+    """The time model's fitted and assumed constants (see the module docstring)."""
+
+    issue_efficiency: float  # FITTED: clocks a busy SMSP issues / clocks (v2 bf16 slope, 1.375 us per tile)
+    host_us: float  # FITTED: launcher time inside an event window (v2 bf16 intercept less the fixed term)
+    launch_us: float = 4.0  # ASSUMED: a kernel launch reaching an idle GPU's SMs
+    memory_trip_us: float = 0.8  # ASSUMED: one dependent HBM round trip under load (~1,600 clocks)
+
+
+# The measured v2 points (docs/kernels.md, one H200, three runs, ranges; CUDA events around the whole
+# launcher call): (pages, history) -> (low, high) microseconds.
+MEASURED_V2 = {
+    ("bf16", 256): (73, 123), ("bf16", 1024): (120, 148), ("bf16", 4096): (246, 286),
+    ("fp8", 256): (81, 138), ("fp8", 1024): (122, 172), ("fp8", 4096): (282, 370),
+}  # fmt: skip
+# Least squares of event = host + fixed + tiles x (busiest-SMSP instructions / efficiency) / clock on
+# the bf16 midpoints (98, 134, 266 us at 9, 33, 129 tiles of v2: 553 instructions x 4 CTAs on SMSP 0,
+# NVRTC 13, sm_90): slope 1.375 us per tile -> efficiency 0.81; intercept 87.6 us less the fixed term
+# (4 + 4 trips x 0.8 = 7.2 us) -> host 80 us. ``fit_calibration`` recomputes both from a report.
+CALIBRATION = Calibration(issue_efficiency=0.81, host_us=80.0)
+HISTORIES = (256, 1024, 4096)
+
 DISCLAIMER = (
     "MODEL, NOT MEASURED: instruction counts are read from the SASS; times are an issue/bandwidth model "
     f"of an {H200.name.split()[0]} ({H200.sms} SMs, {H200.clock_ghz} GHz, {H200.bandwidth_tbs} TB/s achievable). "
@@ -160,19 +193,39 @@ MODEL_DTYPE = "__nv_bfloat16"
 
 @dataclass(frozen=True)
 class Tiling:
-    """How an attention kernel covers the work: what the SASS cannot say."""
+    """How an attention kernel covers the work: what the SASS cannot say (from the kernel's constants)."""
 
-    keys_per_iteration: int  # keys one main-loop iteration consumes
+    keys_per_iteration: int  # keys one main-loop iteration consumes (16-bit pages)
     rows_per_cta: int  # (t, g) query rows of one KV head per CTA
-    split_rule: str  # "v1": ops.choose_num_splits; "waves": fill SMs x resident CTAs
+    split_rule: str  # "v1": ops.choose_num_splits; "waves": fill SMs x resident CTAs; "filled": v3's rule
+    rows_per_warp: int = 16  # a warp with none of the live rows only gathers (v2's warps 2-3 at the ASR shape)
+    warps_per_row_tile: int = 1  # warps sharing one row tile (v3: two key slices)
+    stages: tuple[int, int] = (1, 1)  # cp.async ring stages at head_dim 64: (16-bit pages, fp8 pages)
+    prologue_trips: int = 1  # dependent memory trips before the first tile's math
+    fp8_keys_per_iteration: int | None = None  # when fp8 pages use another tile
+
+    def keys(self, page: str) -> int:
+        return self.fp8_keys_per_iteration if page == "fp8" and self.fp8_keys_per_iteration else self.keys_per_iteration
+
+    def live_warps(self, shape: AttentionShape) -> int:
+        """Warps of a CTA with query rows at ``shape`` (the others issue only their share of the gather)."""
+        rows = min(self.rows_per_cta, shape.group * shape.chunk)
+        return math.ceil(rows / self.rows_per_warp) * self.warps_per_row_tile
 
 
-# By registry short name, from the launcher's own constants (ops). A registered attention kernel
-# missing here is reported without a model.
+# By registry short name, from the launcher's and the kernels' own constants. A registered attention
+# kernel missing here is reported without a model. Prologue trips: v1 reads its lengths, then loads a
+# tile with plain loads (2); v2 reads its lengths, then Q, then the table window, then its first tile (4);
+# v3 reads its lengths, then the table with Q beside it, then its first tile (3). Stages (head_dim 64):
+# v1 loads synchronously (1), v2 3, v3 the most that fit 40 KB (4 on 16-bit pages, 3 of 64 keys on fp8).
 TILINGS = {
-    "paged_chunk_attention_kernel": Tiling(ops.TILE_KEYS, ops.ROWS_PER_CTA, split_rule="v1"),
-    "paged_chunk_attention_v2_kernel": Tiling(ops.TILE_KEYS, ops.V2_ROWS_PER_CTA, split_rule="waves"),
-}
+    "paged_chunk_attention_kernel": Tiling(ops.TILE_KEYS, ops.ROWS_PER_CTA, "v1", rows_per_warp=4,
+                                           stages=(1, 1), prologue_trips=2),
+    "paged_chunk_attention_v2_kernel": Tiling(ops.TILE_KEYS, ops.V2_ROWS_PER_CTA, "waves", stages=(3, 3),
+                                              prologue_trips=4),
+    "paged_chunk_attention_v3_kernel": Tiling(ops.TILE_KEYS, ops.V3_ROWS_PER_CTA, "filled", warps_per_row_tile=2,
+                                              stages=(4, 3), prologue_trips=3, fp8_keys_per_iteration=64),
+}  # fmt: skip
 
 # -- finding the tools ---------------------------------------------------------------------------
 
@@ -517,51 +570,132 @@ def cta_tile_cycles(counts: LoopCounts, warps: int, machine: Machine = H200, *, 
     return {"cycles": cycles, "bound": "mio" if mio > per_smsp * smsp else bound, "issue_slots": counts.total}
 
 
+def _idle_instructions(counts: LoopCounts) -> float:
+    """What a warp without query rows issues per tile: its share of the gather (each cp.async with
+    about four address instructions), the wait and the barrier. An estimate: the SASS shows one body."""
+    return 5 * counts.classes["LDGSTS/LDG"] + counts.classes["BAR"] + 4
+
+
 def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threads: int, arch: str,
                     tiling: Tiling, page: str, shape: AttentionShape = ASR_SHAPE,
-                    machine: Machine = H200) -> dict:  # fmt: skip
-    """The modelled tick of one attention kernel at ``shape`` with ``page`` ("bf16"/"fp8") pages."""
+                    machine: Machine = H200, cal: Calibration = CALIBRATION) -> dict:  # fmt: skip
+    """The modelled tick of one attention kernel at ``shape`` with ``page`` ("bf16"/"fp8") pages.
+
+    Kernel-only microseconds ``kernel_us`` [low, high] (mio path priced as broadcast / full width), and
+    ``event_us`` = ``cal.host_us`` + kernel, comparable with a CUDA-event timing of the launcher call.
+    """
     resident, limiter = ctas_per_sm(registers, shared_bytes, threads, arch)
+    resident = max(resident, 1)
     q_tiles = math.ceil(shape.group * shape.chunk / tiling.rows_per_cta)
     base = shape.streams * shape.n_kv_head * q_tiles
     if tiling.split_rule == "v1":
         splits = ops.choose_num_splits(shape.streams, shape.n_kv_head, q_tiles, shape.keys, machine.sms)
+    elif tiling.split_rule == "filled":  # the launcher's rule for v3
+        splits = ops.choose_num_splits_filled(base, shape.keys, machine.sms * resident, machine.sms)
     else:  # the launcher's rule for v2: ops.choose_num_splits_by_waves over SMs x resident CTAs
-        splits = ops.choose_num_splits_by_waves(base, shape.keys, machine.sms * max(resident, 1))
+        splits = ops.choose_num_splits_by_waves(base, shape.keys, machine.sms * resident)
     ctas = base * splits
-    tiles = math.ceil(math.ceil(shape.keys / splits) / tiling.keys_per_iteration)
+    keys_per_tile = tiling.keys(page)
+    tiles = math.ceil(math.ceil(shape.keys / splits) / keys_per_tile)
     warps = math.ceil(threads / 32)
-    busiest = math.ceil(ctas / machine.sms)
+    live = min(warps, tiling.live_warps(shape))
+    ctas_sm = math.ceil(ctas / machine.sms)  # the busiest SM
+    concurrent = min(ctas_sm, resident)
+    waves = math.ceil(ctas_sm / concurrent)
+
+    # issue: the busiest sub-partition over one step of the `concurrent` CTAs, warp roles included
+    load = [0.0] * machine.sub_partitions
+    idle = _idle_instructions(counts)
+    for c in range(concurrent):
+        for w in range(warps):
+            load[(c * warps + w) % machine.sub_partitions] += counts.total if w < live else idle
+    smsp_cycles = max(load) / cal.issue_efficiency
+    mio = [(mb / machine.mio_bytes_per_clk + counts.roots["SHFL"] * machine.shfl_mio_cycles) * live * concurrent
+           for mb in (counts.mio_bytes_low, counts.mio_bytes)]  # fmt: skip
+    step = [max(smsp_cycles, m) for m in mio]
+    issue_us = [waves * tiles * c / (machine.clock_ghz * 1e3) for c in step]
+
+    # memory: the bytes at the achievable bandwidth, capped by Little's law on the bytes in flight
     _, page_bytes, scale_bytes = PAGES[page]
     moved = shape.bytes_moved(page_bytes, scale_bytes)
-    memory_us = moved / (machine.bandwidth_tbs * 1e6)
-    low, high = (cta_tile_cycles(counts, warps, machine, broadcast=b) for b in (True, False))
-    issue = [busiest * tiles * t["cycles"] / (machine.clock_ghz * 1e3) for t in (low, high)]
-    modelled = [max(t, memory_us) for t in issue]
+    # split keys: every split writes fp32 partials (O and m, l) that the combine kernel reads back
+    partial_bytes = 0 if splits == 1 else splits * shape.streams * shape.n_head * shape.chunk * (shape.head_dim + 2) * 8
+    stages = tiling.stages[1 if page == "fp8" else 0]
+    stage_bytes = 2 * keys_per_tile * (shape.head_dim * page_bytes + scale_bytes)
+    if stages > 1:
+        in_flight = concurrent * (stages - 1) * stage_bytes
+    else:  # synchronous loads: each warp's outstanding loads only (about one 16-byte load per thread)
+        in_flight = concurrent * threads * 16
+    little_tbs = machine.sms * in_flight / (cal.memory_trip_us * 1e-6) / 1e12
+    bandwidth = min(machine.bandwidth_tbs, little_tbs)
+    memory_us = (moved + partial_bytes) / (bandwidth * 1e6)
+
+    fixed_us = cal.launch_us + tiling.prologue_trips * cal.memory_trip_us
+    if splits > 1:  # the combine: one more launch and one dependent trip
+        fixed_us += cal.launch_us + cal.memory_trip_us
+    kernel = [fixed_us + max(t, memory_us) for t in issue_us]
     return {
         "page": page,
+        "keys": shape.keys,
+        "history": shape.keys - shape.chunk,
         "instr_per_tile_warp": counts.total,
-        "instr_per_tile_cta": counts.total * warps,
+        "instr_per_32_keys_warp": round(counts.total * 32 / keys_per_tile, 1),
+        "keys_per_tile": keys_per_tile,
         "ffma_share": round(counts.classes["FFMA"] / max(counts.total, 1), 3),
-        "cycles_per_cta_tile": [low["cycles"], high["cycles"]],
-        # the tile's share of the bytes at one SM's share of the bandwidth
-        "memory_cycles_per_cta_tile": round(moved / (ctas * tiles) * machine.sms / (machine.bandwidth_tbs * 1e3)
-                                            * machine.clock_ghz, 1),
-        "tile_bound": [low["bound"], high["bound"]],
+        "live_warps": live,
+        "busiest_smsp_instr": max(load),
+        "step_cycles": [round(c) for c in step],
+        "tile_bound": ["issue" if smsp_cycles >= m else "mio" for m in mio],
         "ctas": ctas,
         "splits": splits,
         "ctas_per_sm": resident,
         "occupancy_limiter": limiter,
-        "waves": round(ctas / (machine.sms * max(resident, 1)), 2),
+        "waves": round(ctas / (machine.sms * resident), 2),
         "tiles_per_cta": tiles,
         "mbytes_moved": round(moved / 1e6, 1),
+        "in_flight_kb_per_sm": round(in_flight / 1024, 1),
+        "little_tbs": round(little_tbs, 2),
         "memory_us": round(memory_us, 1),
-        "issue_us": [round(t, 1) for t in issue],
-        "modelled_us": [round(t, 1) for t in modelled],  # [low, high]
-        "modelled_tbs": [round(moved / (t * 1e6), 2) for t in reversed(modelled)],  # [low, high]
-        "fraction_of_bw": [round(moved / (t * 1e6) / machine.bandwidth_tbs, 3) for t in reversed(modelled)],
-        "bound": "memory" if memory_us >= issue[0] else "issue",
+        "fixed_us": round(fixed_us, 1),
+        "issue_us": [round(t, 1) for t in issue_us],
+        "kernel_us": [round(t, 1) for t in kernel],  # [low, high]
+        "modelled_us": [round(t, 1) for t in kernel],  # (the same: kernel-only)
+        "event_us": [round(cal.host_us + t, 1) for t in kernel],
+        "modelled_tbs": [round(moved / (t * 1e6), 2) for t in reversed(kernel)],  # [low, high]
+        "fraction_of_bw": [round(moved / (t * 1e6) / machine.bandwidth_tbs, 3) for t in reversed(kernel)],
+        "bound": "memory" if memory_us >= issue_us[1] else ("issue" if memory_us < issue_us[0] else "issue/memory"),
     }
+
+
+def calibration_check(rep: dict) -> list[dict]:
+    """The model's event-timed v2 (sm_90) against ``MEASURED_V2``: one row per measured point."""
+    rows = []
+    for r in rep["attention_model"]:
+        key = (r["page"], r["history"])
+        if r["version"] != "v2" or r["arch"] != "sm_90" or key not in MEASURED_V2:
+            continue
+        low, high = MEASURED_V2[key]
+        rows.append({"page": r["page"], "history": r["history"], "modelled_event_us": r["event_us"],
+                     "measured_us": [low, high],
+                     "inside": low <= r["event_us"][0] and r["event_us"][1] <= high})  # fmt: skip
+    return rows
+
+
+def fit_calibration(rep: dict, cal: Calibration = CALIBRATION, machine: Machine = H200) -> tuple[float, float]:
+    """(issue efficiency, host us) by least squares on the measured v2 bf16 midpoints, from ``rep``'s v2
+    sm_90 counts: event = host + fixed + tiles x busiest-SMSP instructions / (efficiency x clock)."""
+    xs, ys, fixed = [], [], None
+    for r in rep["attention_model"]:
+        key = (r["page"], r["history"])
+        if r["version"] == "v2" and r["arch"] == "sm_90" and r["page"] == "bf16" and key in MEASURED_V2:
+            xs.append(r["tiles_per_cta"] * r["busiest_smsp_instr"] / (machine.clock_ghz * 1e3))
+            ys.append(sum(MEASURED_V2[key]) / 2)
+            fixed = r["fixed_us"]
+    if len(xs) < 2 or fixed is None:
+        raise ValueError("fit_calibration: the report has no v2 sm_90 bf16 rows at the measured histories")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return 1 / slope, my - slope * mx - fixed
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -578,8 +712,10 @@ def _matches_shape(targs: tuple[str, ...], page_type: str, shape: AttentionShape
     return not rest or str(shape.block_size) in rest
 
 
-def report(archs=("sm_80", "sm_90"), *, use_cache: bool = True, families=None, shape: AttentionShape = ASR_SHAPE):
-    """Every kernel's main loop and resources per arch, and the attention model. A dict (JSON-able)."""
+def report(archs=("sm_80", "sm_90"), *, use_cache: bool = True, families=None, shape: AttentionShape = ASR_SHAPE,
+           histories=HISTORIES):
+    """Every kernel's main loop and resources per arch, and the attention model at ``shape`` with each of
+    ``histories`` frames of history (keys = history + chunk). A dict (JSON-able)."""
     from oasr.fast.kernels import nvrtc, registry
 
     attention = {registry.short_name(k): registry.kernel_version(k) for k in registry.attention_kernels()}
@@ -626,10 +762,12 @@ def report(archs=("sm_80", "sm_90"), *, use_cache: bool = True, families=None, s
                     if tiling is None:
                         notes.append(f"{short}: no entry in sass.TILINGS, so no time model (add one)")
                         continue
-                    entry = model_attention(counts, res.registers, res.shared_bytes, n_threads, arch, tiling,
-                                            page, shape)  # fmt: skip
-                    model.append({"kernel": expr, "version": f"v{attention[short]}", "arch": arch, **entry})
-    model.sort(key=lambda r: (r["page"], r["arch"], r["version"]))
+                    for history in histories:
+                        at = replace(shape, keys=history + shape.chunk)
+                        entry = model_attention(counts, res.registers, res.shared_bytes, n_threads, arch, tiling,
+                                                page, at)  # fmt: skip
+                        model.append({"kernel": expr, "version": f"v{attention[short]}", "arch": arch, **entry})
+    model.sort(key=lambda r: (r["page"], r["arch"], r["history"], r["version"]))
     return {
         "disclaimer": DISCLAIMER,
         "machine": {**asdict(H200), "pipe_cycles": {k: list(v) for k, v in H200.pipe_cycles.items()}},
@@ -637,6 +775,8 @@ def report(archs=("sm_80", "sm_90"), *, use_cache: bool = True, families=None, s
         "shape": asdict(shape),
         "kernels": kernels,
         "attention_model": model,
+        "calibration": {**asdict(CALIBRATION),
+                        "measured_v2": {f"{p} {h}": list(v) for (p, h), v in MEASURED_V2.items()}},
         "notes": sorted(set(notes)),
     }
 
@@ -650,17 +790,18 @@ def _markdown(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-MODEL_COLUMNS = ["version", "arch", "pages", "instr/tile (warp)", "FFMA share", "cycles/CTA-tile", "memory cycles",
-                 "tile bound", "CTAs/SM", "CTAs", "waves", "memory us", "modelled us", "TB/s", "of 4.3 TB/s"]
+MODEL_COLUMNS = ["version", "arch", "pages", "history", "instr/tile (warp)", "per 32 keys", "live warps",
+                 "busiest SMSP instr/step", "CTAs/SM", "CTAs", "tiles", "fixed us", "issue us", "memory us",
+                 "in flight KB/SM", "kernel us", "TB/s", "of 4.3 TB/s", "bound", "event us (+host)"]
 
 
 def _model_cells(r: dict) -> list:
     return [
-        r["version"], r["arch"], r["page"], r["instr_per_tile_warp"], f"{100 * r['ffma_share']:.0f}%",
-        _span(r["cycles_per_cta_tile"], "{:.0f}"), f"{r['memory_cycles_per_cta_tile']:.0f}",
-        "/".join(dict.fromkeys(r["tile_bound"])), f"{r['ctas_per_sm']} ({r['occupancy_limiter']})", r["ctas"],
-        r["waves"], r["memory_us"], _span(r["modelled_us"], "{:.0f}"), _span(r["modelled_tbs"], "{:.2f}"),
-        _span([100 * f for f in r["fraction_of_bw"]], "{:.0f}") + "%",
+        r["version"], r["arch"], r["page"], r["history"], r["instr_per_tile_warp"], r["instr_per_32_keys_warp"],
+        r["live_warps"], f"{r['busiest_smsp_instr']:.0f}", f"{r['ctas_per_sm']} ({r['occupancy_limiter']})",
+        r["ctas"], r["tiles_per_cta"], r["fixed_us"], _span(r["issue_us"], "{:.0f}"), r["memory_us"],
+        r["in_flight_kb_per_sm"], _span(r["kernel_us"], "{:.0f}"), _span(r["modelled_tbs"], "{:.2f}"),
+        _span([100 * f for f in r["fraction_of_bw"]], "{:.0f}") + "%", r["bound"], _span(r["event_us"], "{:.0f}"),
     ]  # fmt: skip
 
 
@@ -675,7 +816,8 @@ def format_report(rep: dict, *, all_kernels: bool = True) -> str:
     out = [
         rep["disclaimer"],
         "",
-        f"Attention model: {s['streams']} streams x {s['keys']} keys, chunk {s['chunk']}, head_dim {s['head_dim']}, "
+        f"Attention model: {s['streams']} streams x (history + {s['chunk']}) keys, chunk {s['chunk']}, "
+        f"head_dim {s['head_dim']}, "
         f"{s['n_head']} query heads over {s['n_kv_head']} KV heads, block {s['block_size']}, bf16 q/out.",
         "",
         _markdown(
@@ -684,6 +826,19 @@ def format_report(rep: dict, *, all_kernels: bool = True) -> str:
         ),  # fmt: skip
     ]
     out += [f"note: {n}" for n in rep["notes"]]
+    check = calibration_check(rep)
+    if check:
+        c = rep.get("calibration", asdict(CALIBRATION))
+        out += [
+            "",
+            f"Calibration (fitted on the measured v2 bf16 points: issue efficiency {c['issue_efficiency']}, host "
+            f"{c['host_us']} us; assumed: launch {c['launch_us']} us, one memory trip {c['memory_trip_us']} us). "
+            "v2 on sm_90, event-timed, model against the H200 measurements:",
+            "",
+            _markdown(["pages", "history", "modelled event us", "measured us (3 runs)", "inside"],
+                      [[r["page"], r["history"], _span(r["modelled_event_us"], "{:.0f}"),
+                        "{}-{}".format(*r["measured_us"]), "yes" if r["inside"] else "NO"] for r in check]),
+        ]  # fmt: skip
     rows = [r for r in rep["kernels"] if all_kernels or r["version"]]
     out += [
         "",

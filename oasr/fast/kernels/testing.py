@@ -205,10 +205,10 @@ def v2_bound(ref32: torch.Tensor, ref_abs_v: torch.Tensor, out_dtype: torch.dtyp
 
 def emulated_attention(version: str, q, cache: PagedKVCache, chunk_lens=None, softmax_scale=None, causal=False,
                        num_splits=None) -> torch.Tensor:  # fmt: skip
-    """paged_attention on the emulator with attention kernel ``version`` ("v1" or "v2").
+    """paged_attention on the emulator with attention kernel ``version`` ("v1", "v2" or "v3").
 
     v1 with the launcher's split count goes through the fast twin (``backend="emulated"``, whose choice
-    on the emulator is v1); v2, and any forced split count, through the launcher
+    on the emulator is v1); v2, v3, and any forced split count, through the launcher
     (``ops.paged_attention``) with the int32 lengths the twin would pass.
     """
     from oasr.fast import paged_ops as fast

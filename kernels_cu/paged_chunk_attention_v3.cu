@@ -1,0 +1,495 @@
+// paged_chunk_attention_v3.cu -- the chunk attention of v1 (paged_chunk_attention.cu,
+// the readable scalar kernel) and v2 (paged_chunk_attention_v2.cu, the first
+// tensor-core kernel), both kept beside it, with its main loop cut to what
+// attention needs and every warp at work.
+//
+// Computes exactly what v1 and v2 compute (the oracle is
+// oasr.reference.paged_ops.paged_attention; window, GQA, causal and split
+// semantics are v1's): T = fp16 / bf16 queries, pages in T or fp8 e4m3 (one
+// fp32 power-of-two scale per vector), head_dim D = 64 or 128, block size BS
+// a power of two and a template parameter. A query row past its chunk
+// (t >= len_b), or a row that sees no key, writes exactly zero (a select,
+// never a multiply by zero). The split-K combine kernel is v1's.
+//
+// Mapping. Grid (q_tiles * num_splits, n_kv_head, B), 128 threads = 4 warps.
+//   A CTA owns 32 query rows of one (stream b, KV head), row = t * group + g
+//   (rows t < len form a prefix; q_tiles = ceil(group * T / 32): 1 at the ASR
+//   shape, group 2 x chunk 16). Warp w takes row tile w % 2 (16 rows, one MMA
+//   M tile) and key slice w / 2 of every 32-key tile (keys 16 (w / 2) .. +15):
+//
+//        keys of tile i:   0 ........ 15 | 16 ....... 31
+//        rows  0-15        warp 0        | warp 2
+//        rows 16-31        warp 1        | warp 3
+//
+//   so all four warps do attention work on the 32 live rows of the ASR shape
+//   (v2's 64-row CTA left warps 2-3 with padding only). Each warp keeps its
+//   own online-softmax state (m, l, O) over its slice; after the last tile
+//   the slice-1 warps hand theirs to the slice-0 warps through shared memory,
+//   which merge (m = max, rescale both by 2^(m_i - m)) and store. Why this and
+//   not a 2-warp CTA sized to the rows (same work per row, half the warps per
+//   SM) or producer warps (the gather is a handful of cp.async per thread, too
+//   little to give a warp): docs/kernels.md, "v3".
+//
+// Per tile of KT keys (32 on 16-bit pages, 64 on fp8 pages), warp (row tile r, slice s), KW = KT / 2:
+//   S (16 x KW) = Q_r (A fragments, registers, loaded from global once)
+//                 x K^T of its KW keys (ldmatrix), D/16 x KW/8 mma
+//   scores -> masked to -inf only on boundary tiles (the last tile of the
+//     range, or past the warp's first causal limit); interior tiles skip it
+//   online softmax in fp32: p = 2^(s * c - m) with c = scale * log2(e) folded
+//     into one FFMA (fp8: c times the key's k scale, one FMUL first), on
+//     ex2.approx.ftz (warp_mma.cuh: subnormal weights flush to zero, as they
+//     do anyway once P is rounded to 16 bits)
+//   O (16 x D) += P (registers: S's C fragments are P's A fragments)
+//                 x V of its KW keys (ldmatrix .trans), KW/16 x D/8 mma
+//
+// Pipeline. A ring of kStages stages (the most that fit 40 KB of static
+//   shared memory, 2 to 6: 4 at D = 64 on 16-bit pages, 3 (of 64 keys) on fp8, 2 at D = 128)
+//   holds K, V (and fp8 scales) of kStages - 1 tiles in flight, gathered by
+//   cp.async in 16-byte chunks. Every thread always gathers the same chunk
+//   column of the same key rows of each tile, so its pool offsets are
+//   unsigned and hoisted: element = block * (BS * Hkv * D) + (pos % BS) *
+//   (Hkv * D) + (kvh * D + chunk), the last term fixed, BS a power of two.
+//   The block-table entries of the tile issued next are read straight from
+//   global memory (L1/L2-cached, no shared table, no barrier) one iteration
+//   ahead into registers. The prologue reads the table and issues the first
+//   kStages - 1 tiles before it loads Q (Q goes straight from global memory
+//   into A fragments: no shared-memory staging, no barrier). One barrier per
+//   tile: wait for tile i (wait_group<kStages - 2>), barrier, issue tile
+//   i + kStages - 1 into the stage tile i - 1 used, compute tile i.
+//
+// fp8 pages. cp.async moves raw e4m3 bytes; each warp converts only its own
+//   fragments in registers after ldmatrix (warp_mma.cuh, "fp8 e4m3 quads"),
+//   tiles of 64 keys (a stage moves the bytes of a 32-key 16-bit stage):
+//   K through fp8x4_to<T> with Q's A fragments loaded in the matching dim
+//   order (k 2q, 2q+1 <- dims 4q, 4q+1; k 2q+8, 2q+9 <- dims 4q+2, 4q+3), V
+//   through .trans and fp8x4_to_interleaved<bf16> (two n-tiles per 16-dim
+//   slab: even dims and odd dims; the store puts them back in order). No
+//   widened tile in shared memory, no second barrier, and half the ldmatrix
+//   of 16-bit pages. k_scale joins the softmax factor per key column,
+//   v_scale multiplies P's column before P is rounded (as in v2). P V runs
+//   in bf16 on fp8 pages whatever T is (p * v_scale keeps fp32's exponent
+//   range in bf16; fp16 would go subnormal).
+//
+// Precision: as v2 (oasr.fast.kernels.testing.v2_bound): S accumulates exact
+//   products in fp32, P is rounded to the P V type; ex2.approx adds at most
+//   2^-22 relative to each weight (far below that rounding).
+//
+// Resources and speed: `python -m oasr kernels --arch sm_80,sm_90 --sass`
+//   (registers, no spills, the main loop's instruction mix and the calibrated
+//   model; tests/test_kernels_sass.py holds the loop under 360 instructions
+//   per warp per 32-key tile for bf16 pages on sm_90, D 64, block 16, and 420
+//   for fp8). Nothing here has run on a GPU yet.
+//
+// Checked by: tests/test_kernels_emulated.py, tests/test_fp8_kernels.py and
+//   tests/test_attention_past_length.py (every case runs v1, v2 and v3 under the
+//   host emulation), tests/test_kernels_cuda.py (GPU; not run in this
+//   repository's CI).
+#include "attention_window.cuh"
+#include "common.cuh"
+#include "warp_mma.cuh"
+
+namespace oasr {
+
+namespace attn3 {
+template <bool C, typename A, typename B>
+struct Pick {
+    using type = A;
+};
+template <typename A, typename B>
+struct Pick<false, A, B> {
+    using type = B;
+};
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kWarp;
+constexpr int kRowTiles = 2;                        // 16-row MMA tiles per CTA
+constexpr int kSlices = kWarps / kRowTiles;         // key slices per tile
+constexpr int kRowsPerCta = kRowTiles * 16;         // 32
+// Keys per tile: 32 on 16-bit pages, 64 on fp8 pages (half the bytes per key: the same bytes per stage,
+// and the per-tile work -- barrier, row max, rescale of O -- spread over twice the keys).
+template <bool kFp8>
+constexpr int kTileKeys = kFp8 ? 64 : 32;
+constexpr int kRingBudget = 40 * 1024;              // static shared memory for the ring
+__host__ __device__ constexpr int clamp_stages(int n) { return n < 2 ? 2 : (n > 6 ? 6 : n); }
+}  // namespace attn3
+
+template <typename T, typename Page, int D, int BS>
+__global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kernel(
+    const T* __restrict__ q, const Page* __restrict__ k_cache, const Page* __restrict__ v_cache,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale, const int* __restrict__ block_table,
+    int table_stride, const int* __restrict__ cache_seqlens, const int* __restrict__ cache_seqstarts,
+    const int* __restrict__ chunk_lens, T* __restrict__ out, float* __restrict__ part_acc,
+    float* __restrict__ part_ml, int n_head, int n_kv_head, int num_frames, int num_splits, int split_len,
+    float scale_log2, int causal) {
+    using namespace attn3;
+    using warp::cp_async_16;
+    using warp::ex2_approx_ftz;
+    using warp::ldmatrix_x4;
+    using warp::ldmatrix_x4_trans;
+    using warp::mma_m16n8k16;
+    using warp::pack2;
+    static_assert(D == 64 || D == 128, "v3 tiles head_dim 64 or 128");
+    static_assert(sizeof(T) == 2, "v3 takes fp16 or bf16 queries");
+    static_assert(BS > 0 && (BS & (BS - 1)) == 0, "v3's block size is a power of two");
+    constexpr bool kFp8 = Codec<Page>::kScaled;
+    static_assert(kFp8 || sizeof(Page) == 2, "pages in the model dtype or fp8");
+    using PV = typename Pick<kFp8, __nv_bfloat16, T>::type;
+    constexpr int KT = kTileKeys<kFp8>;  // keys per tile
+    constexpr int KW = KT / kSlices;     // keys per warp per tile
+    constexpr int NP = KW / 16;          // 16-key k-steps of P V per warp per tile (1 or 2)
+    constexpr int NN = KW / 8;           // 8-key n-tiles of S per warp per tile
+    constexpr int PB = kFp8 ? D + 16 : 2 * (D + 8);  // page tile row stride in bytes (16 B of padding)
+    constexpr int TS = PB / 2;                       // the same in 16-bit elements
+    constexpr int kChunks = D * static_cast<int>(sizeof(Page)) / 16;  // 16-byte chunks per key row
+    constexpr int kScaleBytes = kFp8 ? 2 * KT * 4 : 0;
+    constexpr int kStageBytes = 2 * KT * PB + kScaleBytes;  // K, V (, k and v scales) of one tile
+    constexpr int kStages = clamp_stages(kRingBudget / kStageBytes);
+    static_assert(kThreads % kChunks == 0 && KT * kChunks % kThreads == 0, "whole key rows per thread");
+    constexpr int U = KT * kChunks / kThreads;       // key rows a thread gathers per tile
+    constexpr int kKeyStep = kThreads / kChunks;     // between a thread's key rows
+    constexpr int DK = D / 16;                       // 16-dim k-steps of Q K^T (and fp8 slabs)
+    constexpr int DT = D / 8;                        // 8-dim n-tiles of O
+    constexpr int kMergeFloats = DT * 4 + 4;         // per lane: O fragment, m[2], l[2]
+    constexpr int kMergeBytes = kRowTiles * kWarp * kMergeFloats * 4;
+    constexpr int kSmemBytes = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
+    static_assert(kStageBytes % 16 == 0 && PB % 16 == 0, "16-byte aligned stages and rows");
+
+    __shared__ __align__(16) unsigned char smem[kSmemBytes];
+
+    const int tid = threadIdx.x;
+    const int warp_id = tid / kWarp;
+    const int lane = tid % kWarp;
+    const int g = lane / 4, qd = lane % 4;
+    const int row_tile = warp_id % kRowTiles, slice = warp_id / kRowTiles;
+    const AttentionCta cta = attention_cta<kRowsPerCta>(cache_seqlens, cache_seqstarts, chunk_lens, n_head,
+                                                         n_kv_head, num_frames, num_splits, split_len, causal);
+    const int b = cta.b, kvh = cta.kvh, split = cta.split, group = cta.group, seqlen = cta.seqlen;
+    const int rows_total = cta.rows_total, rows_valid = cta.rows_valid, lo = cta.lo, hi = cta.hi;
+    const int warp_row0 = cta.row0 + row_tile * 16;
+    const bool active = warp_row0 < rows_valid;  // the warp has a query to answer
+    const int n_tiles = hi > lo ? (hi - lo + KT - 1) / KT : 0;
+
+    // -- the gather: this thread's chunk column and key rows, offsets unsigned and hoisted
+    const int my_chunk = tid % kChunks, my_key0 = tid / kChunks;
+    const unsigned slot_elems = static_cast<unsigned>(n_kv_head) * D;  // one (block, offset) slot, all heads
+    const unsigned block_elems = slot_elems * BS;
+    const unsigned head_elem = static_cast<unsigned>(kvh) * D + my_chunk * (16 / static_cast<int>(sizeof(Page)));
+    const int* __restrict__ table = block_table + static_cast<long long>(b) * table_stride;
+    auto load_table = [&](int tile, unsigned (&blk)[U]) {  // the physical blocks of this thread's rows
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int pos = lo + tile * KT + my_key0 + u * kKeyStep;
+            blk[u] = tile < n_tiles && pos < hi ? static_cast<unsigned>(__ldg(table + static_cast<unsigned>(pos) / BS))
+                                                : 0u;
+        }
+    };
+    auto issue = [&](int tile, const unsigned (&blk)[U]) {  // all threads; commits nothing
+        if (tile >= n_tiles) return;
+        unsigned char* stage = smem + (tile % kStages) * kStageBytes;
+        const int tile_lo = lo + tile * KT;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int key = my_key0 + u * kKeyStep, pos = tile_lo + key;
+            const bool in = pos < hi;  // past the range: zero-filled, the pool is not read
+            const unsigned in_block = static_cast<unsigned>(pos) % BS;
+            const unsigned long long slot = static_cast<unsigned long long>(blk[u]) * BS + in_block;
+            const unsigned long long elem =
+                static_cast<unsigned long long>(blk[u]) * block_elems + (in_block * slot_elems + head_elem);
+            cp_async_16(stage + key * PB + my_chunk * 16, in ? k_cache + elem : k_cache, in);
+            cp_async_16(stage + (KT + key) * PB + my_chunk * 16, in ? v_cache + elem : v_cache, in);
+            if constexpr (kFp8) {  // the key's scales, by the thread holding its first chunk (same group)
+                if (my_chunk == 0) {
+                    const unsigned long long s = slot * static_cast<unsigned>(n_kv_head) + kvh;
+                    float* scales = reinterpret_cast<float*>(stage + 2 * KT * PB);
+                    warp::cp_async_4(scales + key, in ? k_scale + s : k_scale, in);
+                    warp::cp_async_4(scales + KT + key, in ? v_scale + s : v_scale, in);
+                }
+            }
+        }
+    };
+
+    // -- prologue: the table, then the first kStages - 1 tiles, then Q (which they need not wait for)
+    {
+        unsigned first[kStages - 1][U];
+#pragma unroll
+        for (int s = 0; s < kStages - 1; ++s) load_table(s, first[s]);
+#pragma unroll
+        for (int s = 0; s < kStages - 1; ++s) {
+            issue(s, first[s]);
+            warp::cp_async_commit_group();
+        }
+    }
+    unsigned blk[U];  // the table entries of the next tile to issue, read one iteration ahead
+    load_table(kStages - 1, blk);
+
+    // Q's A fragments straight from global memory: rows g and g + 8 of the warp's tile (zero past the
+    // valid rows). a[h] holds k 2q, 2q+1 and a[2 + h] k 2q+8, 2q+9 of row g + 8h; on fp8 pages the
+    // k order is permuted to match K's fragments (dims 4q .. 4q+3, see warp_mma.cuh).
+    unsigned qf[DK][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = warp_row0 + g + 8 * h;
+        const bool valid = row < rows_valid;
+        const T* q_row = q + ((static_cast<long long>(b) * n_head + kvh * group + (valid ? row % group : 0)) *
+                                  num_frames + (valid ? row / group : 0)) * D;  // fmt: skip
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+            if constexpr (kFp8) {
+                uint2 x = {0u, 0u};
+                if (valid) x = *reinterpret_cast<const uint2*>(q_row + kk * 16 + 4 * qd);
+                qf[kk][h] = x.x;
+                qf[kk][2 + h] = x.y;
+            } else {
+                qf[kk][h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 2 * qd) : 0u;
+                qf[kk][2 + h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 8 + 2 * qd) : 0u;
+            }
+        }
+    }
+
+    // -- running state of rows g and g + 8 over the warp's key slice
+    float o[DT][4];
+#pragma unroll
+    for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m_run[2] = {neg_inf(), neg_inf()};  // in scaled (log2) units
+    float l_run[2] = {0.f, 0.f};              // this lane's share (its own key columns)
+    const int my_row[2] = {warp_row0 + g, warp_row0 + g + 8};
+    int key_limit[2];  // a row sees keys pos < key_limit (hi, cut by causality; lo for rows past the length)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = my_row[h];
+        key_limit[h] = r < rows_valid ? (causal ? imin(hi, seqlen + r / group + 1) : hi) : lo;
+    }
+    // Keys from here on need the per-row test (warp-uniform): the range's end, or the causal limit of the
+    // warp's first row. Rows past the length are not masked on interior tiles: they are never stored.
+    const int mask_from = causal ? imin(hi, seqlen + warp_row0 / group + 1) : hi;
+    const float c_exp = kFp8 ? 1.f : scale_log2;  // fp8: the factor is applied per key column first
+
+    for (int it = 0; it < n_tiles; ++it) {
+        warp::cp_async_wait_group<kStages - 2>();  // tile it has landed (this thread's copies)
+        __syncthreads();                          // ... everyone's; stage (it - 1) % kStages is free
+        issue(it + kStages - 1, blk);
+        warp::cp_async_commit_group();
+        load_table(it + kStages, blk);
+        if (!active) continue;  // warp-uniform; no barrier below until the next iteration
+
+        const unsigned char* stage = smem + (it % kStages) * kStageBytes;
+        const int key0 = slice * KW;  // the warp's first key in the tile
+        float sc[NN][4];
+#pragma unroll
+        for (int n = 0; n < NN; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+
+        // S = Q K^T over the warp's KW keys: n-tile n = keys key0 + 8n .. + 7
+#pragma unroll
+        for (int np = 0; np < NP; ++np) {
+            const int k16 = key0 + 16 * np;
+            if constexpr (kFp8) {
+#pragma unroll
+                for (int j = 0; j < DK / 2; ++j) {  // matrices: keys 0-7 / 8-15 x slabs 2j / 2j + 1
+                    unsigned kf[4];
+                    ldmatrix_x4(kf, stage + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * PB + (2 * j + lane / 16) * 16);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        unsigned bfrag[2];
+                        warp::fp8x4_to<T>(kf[i], bfrag);
+                        mma_m16n8k16<T>(sc[2 * np + i % 2], qf[2 * j + i / 2], bfrag, sc[2 * np + i % 2]);
+                    }
+                }
+            } else {
+                const T* k_tile = reinterpret_cast<const T*>(stage);
+#pragma unroll
+                for (int kk = 0; kk < DK; ++kk) {
+                    unsigned kf[4];
+                    ldmatrix_x4(kf, k_tile + (k16 + (lane / 16) * 8 + lane % 8) * TS + kk * 16 + ((lane / 8) % 2) * 8);
+                    const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+                    mma_m16n8k16<T>(sc[2 * np], qf[kk], b0, sc[2 * np]);
+                    mma_m16n8k16<T>(sc[2 * np + 1], qf[kk], b1, sc[2 * np + 1]);
+                }
+            }
+        }
+
+        // Element (n, e) of S: row h = e / 2, key key0 + 8n + 2qd + e % 2.
+        const float* scales = reinterpret_cast<const float*>(stage + 2 * KT * PB);
+        if constexpr (kFp8) {
+#pragma unroll
+            for (int n = 0; n < NN; ++n) {
+                const float2 ks = *reinterpret_cast<const float2*>(scales + key0 + 8 * n + 2 * qd);
+                sc[n][0] *= scale_log2 * ks.x;
+                sc[n][1] *= scale_log2 * ks.y;
+                sc[n][2] *= scale_log2 * ks.x;
+                sc[n][3] *= scale_log2 * ks.y;
+            }
+        }
+        const int slice_lo = lo + it * KT + key0;
+        if (slice_lo + KW > mask_from) {  // a boundary tile: keys past a row's limit (or the range) -> -inf
+#pragma unroll
+            for (int n = 0; n < NN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (slice_lo + 8 * n + 2 * qd + e % 2 >= key_limit[e / 2]) sc[n][e] = neg_inf();
+        }
+        float tile_max[2] = {fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[0][2], sc[0][3])};
+#pragma unroll
+        for (int n = 1; n < NN; ++n) {
+            tile_max[0] = fmaxf(tile_max[0], fmaxf(sc[n][0], sc[n][1]));
+            tile_max[1] = fmaxf(tile_max[1], fmaxf(sc[n][2], sc[n][3]));
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 1));
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 2));
+            const float m_new = fmaxf(m_run[h], tile_max[h] * c_exp);  // c_exp > 0: the max of the scaled
+            m_use[h] = m_new == neg_inf() ? 0.f : m_new;               // no key yet: every weight is 0
+            alpha[h] = ex2_approx_ftz(m_run[h] - m_use[h]);           // 0 when m_run was -inf
+            m_run[h] = m_new;
+            l_run[h] *= alpha[h];
+        }
+        float vs[NN][2];
+#pragma unroll
+        for (int n = 0; n < NN; ++n) vs[n][0] = vs[n][1] = 1.f;
+        if constexpr (kFp8) {
+#pragma unroll
+            for (int n = 0; n < NN; ++n) {
+                const float2 v2s = *reinterpret_cast<const float2*>(scales + KT + key0 + 8 * n + 2 * qd);
+                vs[n][0] = v2s.x;
+                vs[n][1] = v2s.y;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NN; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = ex2_approx_ftz(fmaf(sc[n][e], c_exp, -m_use[e / 2]));  // -inf scores -> 0
+                l_run[e / 2] += p;
+                sc[n][e] = kFp8 ? p * vs[n][e % 2] : p;
+            }
+#pragma unroll
+        for (int n = 0; n < DT; ++n) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+
+        // O += P V: P's A fragments straight from S's C fragments, one per 16-key k-step.
+#pragma unroll
+        for (int np = 0; np < NP; ++np) {
+            const int k16 = key0 + 16 * np;
+            const unsigned pa[4] = {pack2<PV>(sc[2 * np][0], sc[2 * np][1]), pack2<PV>(sc[2 * np][2], sc[2 * np][3]),
+                                    pack2<PV>(sc[2 * np + 1][0], sc[2 * np + 1][1]),
+                                    pack2<PV>(sc[2 * np + 1][2], sc[2 * np + 1][3])};
+            if constexpr (kFp8) {
+                const unsigned char* v_tile = stage + KT * PB;
+#pragma unroll
+                for (int j = 0; j < DK / 2; ++j) {  // matrices: keys 0-7 / 8-15 x slabs 2j / 2j + 1
+                    unsigned vf[4];
+                    ldmatrix_x4_trans(vf, v_tile + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * PB + (2 * j + lane / 16) * 16);
+#pragma unroll
+                    for (int sl = 0; sl < 2; ++sl) {  // slab 2j + sl -> n-tiles 2 (2j + sl) (even dims), + 1 (odd)
+                        unsigned lo_keys[2], hi_keys[2];
+                        warp::fp8x4_to_interleaved<PV>(vf[2 * sl], lo_keys);
+                        warp::fp8x4_to_interleaved<PV>(vf[2 * sl + 1], hi_keys);
+                        const unsigned even[2] = {lo_keys[0], hi_keys[0]}, odd[2] = {lo_keys[1], hi_keys[1]};
+                        const int n = 2 * (2 * j + sl);
+                        mma_m16n8k16<PV>(o[n], pa, even, o[n]);
+                        mma_m16n8k16<PV>(o[n + 1], pa, odd, o[n + 1]);
+                    }
+                }
+            } else {
+                const PV* v_tile = reinterpret_cast<const PV*>(stage) + KT * TS;
+#pragma unroll
+                for (int dp = 0; dp < DT / 2; ++dp) {
+                    unsigned vf[4];
+                    ldmatrix_x4_trans(vf, v_tile + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * TS + dp * 16 + (lane / 16) * 8);
+                    const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+                    mma_m16n8k16<PV>(o[2 * dp], pa, b0, o[2 * dp]);
+                    mma_m16n8k16<PV>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+                }
+            }
+        }
+    }
+
+    // -- merge the two key slices of each row tile: slice 1 hands (O, m, l) to slice 0 in shared memory
+    warp::cp_async_wait_group<0>();  // (only empty groups remain; the ring is about to be reused)
+    __syncthreads();
+    float* merge = reinterpret_cast<float*>(smem) + (row_tile * kWarp + lane) * kMergeFloats;
+    if (slice == 1 && active) {
+#pragma unroll
+        for (int n = 0; n < DT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) merge[4 * n + e] = o[n][e];
+        merge[4 * DT] = m_run[0];
+        merge[4 * DT + 1] = m_run[1];
+        merge[4 * DT + 2] = l_run[0];
+        merge[4 * DT + 3] = l_run[1];
+    }
+    __syncthreads();
+    if (slice == 1) return;  // (no barrier below)
+    if (active) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float m_other = merge[4 * DT + h];
+            const float m = fmaxf(m_run[h], m_other);
+            const float m_ref = m == neg_inf() ? 0.f : m;
+            const float a_mine = ex2_approx_ftz(m_run[h] - m_ref), a_other = ex2_approx_ftz(m_other - m_ref);
+            m_run[h] = m;
+            l_run[h] = a_mine * l_run[h] + a_other * merge[4 * DT + 2 + h];
+#pragma unroll
+            for (int n = 0; n < DT; ++n) {
+                o[n][2 * h] = a_mine * o[n][2 * h] + a_other * merge[4 * n + 2 * h];
+                o[n][2 * h + 1] = a_mine * o[n][2 * h + 1] + a_other * merge[4 * n + 2 * h + 1];
+            }
+        }
+    }
+
+    // -- row sums across the quad, then store: rows < rows_total; zeros where no key was seen
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_run[h] += __shfl_xor_sync(kFullMask, l_run[h], 1);
+        l_run[h] += __shfl_xor_sync(kFullMask, l_run[h], 2);
+    }
+    // Output dims of fragment element (n, 2h + c): 16-bit pages 8n + 2qd + c; fp8 pages (n-tiles of even /
+    // odd dims per 16-dim slab) 16 (n / 2) + 4qd + 2c + n % 2.
+    auto dim_of = [&](int n, int c) { return kFp8 ? 16 * (n / 2) + 4 * qd + 2 * c + n % 2 : 8 * n + 2 * qd + c; };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = my_row[h];
+        if (row >= rows_total) continue;
+        const bool seen = row < rows_valid && l_run[h] > 0.f;
+        const int t = row / group, hq = kvh * group + row % group;
+        const long long out_row = (static_cast<long long>(b) * n_head + hq) * num_frames + t;
+        if (num_splits == 1) {
+            const float inv = seen ? 1.f / l_run[h] : 0.f;
+            T* dst = out + out_row * D;
+            if constexpr (kFp8) {  // dims 16 sl + 4 qd + 0..3 = (even c0, odd c0, even c1, odd c1)
+#pragma unroll
+                for (int sl = 0; sl < DK; ++sl) {
+                    const float* ev = o[2 * sl];
+                    const float* od = o[2 * sl + 1];
+                    uint2 x;
+                    x.x = pack2<T>(seen ? ev[2 * h] * inv : 0.f, seen ? od[2 * h] * inv : 0.f);
+                    x.y = pack2<T>(seen ? ev[2 * h + 1] * inv : 0.f, seen ? od[2 * h + 1] * inv : 0.f);
+                    *reinterpret_cast<uint2*>(dst + 16 * sl + 4 * qd) = x;
+                }
+            } else {
+#pragma unroll
+                for (int n = 0; n < DT; ++n) {
+                    const float x0 = seen ? o[n][2 * h] * inv : 0.f;  // a select: NaN * 0 never reaches out
+                    const float x1 = seen ? o[n][2 * h + 1] * inv : 0.f;
+                    *reinterpret_cast<unsigned*>(dst + 8 * n + 2 * qd) = pack2<T>(x0, x1);
+                }
+            }
+        } else {
+            const long long part_row = static_cast<long long>(split) * gridDim.z * n_head * num_frames + out_row;
+#pragma unroll
+            for (int n = 0; n < DT; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) part_acc[part_row * D + dim_of(n, c)] = seen ? o[n][2 * h + c] : 0.f;
+            if (qd == 0) {
+                part_ml[part_row * 2] = seen ? m_run[h] : neg_inf();
+                part_ml[part_row * 2 + 1] = seen ? l_run[h] : 0.f;
+            }
+        }
+    }
+}
+
+}  // namespace oasr
