@@ -215,8 +215,8 @@ class StreamingEngine:
         self.max_wait_time = max_wait_time
         self.tick_monitor = None  # e.g. a CaptureSafetyChecker: its region(label) wraps each model step
         self.model_tick = None
+        self._setup_rescoring(rescore, rescorer, ctc_weight)  # first: the model step returns what it consumes
         self._setup_model_tick(cuda_graphs, graph_capture)
-        self._setup_rescoring(rescore, rescorer, ctc_weight)
 
     def _setup_model_tick(self, cuda_graphs, capture) -> None:
         """Pick the eager or graphed model step (fast twin) and report the choice once."""
@@ -230,7 +230,7 @@ class StreamingEngine:
         graphs = bool(cuda_graphs) if cuda_graphs is not None else (on_cuda and self.twin == "fast")
         if self.twin == "fast":
             self.model_tick = FastModelTick(self.model, self.att, self.cnn, self.states, self.ops, self.config,
-                                            graphs=graphs, capture=capture)
+                                            graphs=graphs, capture=capture, hidden=self.rescore)
         self.execution = "graphed" if graphs else "eager"
         if graphs:
             self.execution_note = f"graphed: {self.model_tick.graph_stats.format()}"
@@ -458,10 +458,10 @@ class StreamingEngine:
             s = self._streams[sid]
             s.max_extent = max(s.max_extent, self.att.cached_frames(sid) + enc[row])
         if self.model_tick is not None:
-            log_probs = self._model_step_fast(cohort, frames_in, enc, width)
+            log_probs, hidden = self._model_step_fast(cohort, frames_in, enc, width)
         else:
-            log_probs = self._model_step_reference(cohort, frames_in, enc, width)
-        self._keep_encoder_out(cohort, enc)
+            log_probs, hidden = self._model_step_reference(cohort, frames_in, enc, width)
+        self._keep_encoder_out(cohort, enc, hidden)
         chunks = [log_probs[row, : enc[row]] for row in range(len(cohort))]
         partials = self._decode(cohort, chunks)
         for row, sid in enumerate(cohort):
@@ -484,8 +484,11 @@ class StreamingEngine:
         monitor = self.tick_monitor
         return nullcontext() if monitor is None else monitor.region(f"tick {self.tick}, width {width}")
 
-    def _model_step_fast(self, cohort: list, frames_in: list, enc: list, width: int) -> torch.Tensor:
-        """Fill the pinned inputs on the host, then the capture-safe region: model step, commit, readback."""
+    def _model_step_fast(self, cohort: list, frames_in: list, enc: list, width: int) -> tuple:
+        """Fill the pinned inputs on the host, then the capture-safe region: model step, commit, readback.
+
+        Returns ``(log_probs, hidden)`` as float32 CPU tensors; ``hidden`` (the encoder output) only with
+        ``rescore``, else None."""
         tick = self.model_tick
         xs, meta = tick.host_inputs(width)
         xs.zero_()
@@ -498,10 +501,11 @@ class StreamingEngine:
         with self._model_region(width):
             tick.run(cohort, width)
             self.att.commit_chunks_batched(cohort, enc)
-        return tick.log_probs(width)
+        return tick.log_probs(width), (tick.hidden(width) if self.rescore else None)
 
-    def _model_step_reference(self, cohort: list, frames_in: list, enc: list, width: int) -> torch.Tensor:
-        """The reference twin's step: plain tensors through ``forward_chunk_paged`` (the oracle's way)."""
+    def _model_step_reference(self, cohort: list, frames_in: list, enc: list, width: int) -> tuple:
+        """The reference twin's step: plain tensors through ``forward_chunk_paged`` (the oracle's way);
+        returns ``(log_probs, hidden or None)`` like ``_model_step_fast``."""
         cfg = self.config
         pad = width - len(cohort)
         xs = torch.zeros((width, self.chunk_input_frames, self.input_dim), dtype=cfg.dtype)
@@ -513,12 +517,14 @@ class StreamingEngine:
         caches = self.att.get_paged_caches(cohort, pad_to=width)
         cnn_cache = self.cnn.get_cache(cohort, pad_to=width)
         views = self.states.views(cohort, pad_to=width)
-        log_probs, _, new_cnn = self.model.forward_chunk_paged(
-            xs.to(cfg.device), offsets + [0] * pad, caches, cnn_cache, views, frames_in + [0] * pad, twin=self.ops
+        extra = {"with_hidden": True} if self.rescore else {}
+        log_probs, _, new_cnn, *hidden = self.model.forward_chunk_paged(
+            xs.to(cfg.device), offsets + [0] * pad, caches, cnn_cache, views, frames_in + [0] * pad, twin=self.ops,
+            **extra,
         )
         self.att.commit_chunks_batched(cohort, enc)
         self.cnn.update(cohort, new_cnn, pad_to=width)
-        return log_probs.float().cpu()
+        return log_probs.float().cpu(), (hidden[0].float().cpu() if hidden else None)
 
     def _decode(self, cohort: list, chunks: list) -> list:
         """Decode the cohort's chunks; return each stream's best partial token list."""
@@ -691,17 +697,14 @@ class StreamingEngine:
     def _setup_rescoring(self, rescore: bool, rescorer, ctc_weight: float) -> None:
         """With ``rescore=True`` a finished stream's CTC n-best is rescored by an attention decoder
         (``rescorer``, default a seeded ``AttentionDecoder`` over this encoder's hidden size):
-        score = decoder log-likelihood + ``ctc_weight`` * CTC log-score. The encoder output reaches it
-        through a forward hook on the CTC head's input, so the encoder's forward is unchanged."""
+        score = decoder log-likelihood + ``ctc_weight`` * CTC log-score. The model step returns the
+        encoder output (the CTC head's input) beside the log-probs -- graphed, into the width's static
+        output buffers -- so rescoring runs with or without CUDA graphs and reads the same values."""
         self.rescore, self.rescorer, self.ctc_weight = bool(rescore), None, float(ctc_weight)
-        self._hidden = None
         if not self.rescore:
             return
         if self.decoder != "beam":
             raise ValueError("StreamingEngine: rescore=True rescores the CTC n-best; it needs decoder='beam'")
-        if self.execution == "graphed":
-            raise ValueError("StreamingEngine: rescore=True reads the encoder output through a forward hook, which "
-                             "a CUDA graph replay does not run; use cuda_graphs=False")
         from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
 
         cfg = self.model.config
@@ -713,7 +716,6 @@ class StreamingEngine:
                 f"{self.rescorer.config.encoder_dim}) does not match the encoder (vocab_size={cfg.vocab_size}, "
                 f"hidden_dim={cfg.hidden_dim})"
             )
-        self.model.ctc.register_forward_hook(self._capture_hidden)
 
     def _kept_encoder_out(self, s: _Stream) -> torch.Tensor:
         """The stream's kept encoder output so far, ``(offset, hidden_dim)`` fp32, for its session."""
@@ -731,13 +733,9 @@ class StreamingEngine:
                     "rescore=True), this engine does not rescore (rescore=False)")
         return ""
 
-    def _capture_hidden(self, module, inputs, output) -> None:
-        self._hidden = inputs[0]
-
-    def _keep_encoder_out(self, cohort: list, enc: list) -> None:
+    def _keep_encoder_out(self, cohort: list, enc: list, hidden) -> None:
         if not self.rescore:
             return
-        hidden = self._hidden.detach().float().cpu()
         for row, sid in enumerate(cohort):
             self._streams[sid].encoder_out.append(hidden[row, : enc[row]].clone())
 
