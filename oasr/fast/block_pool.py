@@ -269,7 +269,11 @@ class BlockPool:
                 in_range = (ids >= 0) & (ids < n)
                 safe = np.where(in_range, ids, 0)
                 times = 1  # how often each id is given; more than its holders is a double free (a parked
-                if k > 1:  # block has none), as in the reference's loop
+                repeats = False  # block has none), as in the reference's loop
+                if k > 1:
+                    ordered = np.sort(safe)
+                    repeats = bool((ordered[1:] == ordered[:-1]).any())  # cheaper than unique when none repeat
+                if repeats:
                     _, where, counts = np.unique(safe, return_inverse=True, return_counts=True)
                     times = counts[where]
                 bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner) | (times > self._refs[safe])
@@ -277,7 +281,7 @@ class BlockPool:
                     self._raise_free_error(ids.tolist() if as_given is None else as_given, owner)
                 np.subtract.at(self._refs, ids, 1)
                 done = self._refs[ids] == 0
-                if k > 1:  # a repeated id reaches 0 at its last place
+                if repeats:  # a repeated id reaches 0 at its last place
                     position = np.arange(k)
                     self._last_place[ids] = position
                     done &= self._last_place[ids] == position

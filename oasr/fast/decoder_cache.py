@@ -55,6 +55,7 @@ from oasr.decoder_common import (
 from oasr.decoder_config import DecoderCacheConfig
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
 from oasr.fast.block_pool import BlockPool
+from oasr.fast.backend import resolve_backend
 from oasr.fast.paged_ops import append_kv, check_fp8_supported, quantize_fp8
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache
@@ -89,13 +90,13 @@ class DecoderKVCacheManager:
         self._cross_ceiling = np.zeros(R, dtype=np.int64)
         self._requests: list = [None] * R
         self._admitted = np.zeros(R, dtype=bool)
+        self._dirty = np.zeros(R, dtype=bool)  # rows whose device mirror is stale (see _flush)
         self.self_table = torch.full((R, SW), null, dtype=_I32, device=device)
         self.cross_table = torch.full((R, CW), null, dtype=_I32, device=device)
         self._meta = torch.zeros((2, R), dtype=_I32, device=device)
         self._zeros = torch.zeros(R, dtype=_I32, device=device)
         self._ones = torch.ones(R, dtype=_I32, device=device)
         self._stager = Stager([(R, _I64), (R * SW, _I32), (R * CW, _I32), (2 * R, _I32)], device)
-        self._cohort_stager = Stager([(R, _I64)], device)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
 
@@ -121,19 +122,33 @@ class DecoderKVCacheManager:
         return ids
 
     # ---- device mirror ------------------------------------------------------------
-    def _sync(self, ids: np.ndarray) -> torch.Tensor:
-        """One staged copy of the rows' tables and lengths into the persistent device tensors;
-        returns the rows as a device index."""
-        B = ids.size
-        meta = np.concatenate([self._length[ids], np.maximum(self._cross_length[ids] - 1, 0)])
+    def _sync(self, ids) -> None:
+        """Mark the rows' device mirror stale; the next device read (``_flush``) copies them, so a row
+        changed by several host ops between two reads (admit, admit_prompt, finish ...) costs one copy."""
+        self._dirty[ids] = True
+
+    def _flush(self, ids: np.ndarray | None = None) -> torch.Tensor | None:
+        """One staged copy of every stale row's tables and lengths into the persistent device tensors,
+        before anything on the device reads them. With ``ids`` (rows about to be read, unique) the same
+        copy carries them first and their device index is returned."""
+        stale = np.flatnonzero(self._dirty)
+        if ids is None:
+            if not stale.size:
+                return None
+            rows = stale
+        else:
+            rows = np.concatenate([ids, stale[~np.isin(stale, ids)]]) if stale.size else ids
+        B = rows.size
+        meta = np.concatenate([self._length[rows], np.maximum(self._cross_length[rows] - 1, 0)])
         rows_d, self_d, cross_d, meta_d = self._stager.stage(
-            ids, self._self_table[ids], self._cross_table[ids], meta
+            rows, self._self_table[rows], self._cross_table[rows], meta
         )
         if B:
             self.self_table.index_copy_(0, rows_d, self_d.view(B, -1))
             self.cross_table.index_copy_(0, rows_d, cross_d.view(B, -1))
             self._meta.index_copy_(1, rows_d, meta_d.view(2, B))
-        return rows_d
+        self._dirty[:] = False
+        return None if ids is None else rows_d[: ids.size]
 
     # ---- counts ---------------------------------------------------------------
     def _is_admitted(self, row) -> bool:
@@ -212,7 +227,7 @@ class DecoderKVCacheManager:
     def finish(self, row: int) -> None:
         r = self._row(row)
         self._release(r)
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
 
     def _release(self, r: int) -> None:
         """The host half of ``finish``: references dropped, the row's record cleared (no device work)."""
@@ -227,8 +242,7 @@ class DecoderKVCacheManager:
     # ---- views ------------------------------------------------------------------
     def _rows_index(self, rows, op: str) -> tuple[np.ndarray, torch.Tensor]:
         ids = np.array(check_rows(rows, self._is_admitted, op), dtype=np.int64)
-        (rows_d,) = self._cohort_stager.stage(ids)
-        return ids, rows_d
+        return ids, self._flush(ids)
 
     def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int, prepared) -> list:
         starts = self._zeros[: table.shape[0]]
@@ -272,8 +286,22 @@ class DecoderKVCacheManager:
 
     # ---- writes -------------------------------------------------------------------
     def _write_row(self, table: torch.Tensor, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Tokens ``[start, start + T)`` of one row's region: one append_kv (quantize-and-scatter) per layer."""
-        (rows_d,) = self._cohort_stager.stage(np.array([row], dtype=np.int64))
+        """Tokens ``[start, start + T)`` of one row's region: one append_kv (quantize-and-scatter) per layer.
+
+        Model-dtype pages on the CPU's torch backend take a host shortcut with the same result: the
+        slots come from the host table, and one ``index_copy_`` per layer writes them (no device table
+        read, no views, no launch validation: ``check_kv`` already ran)."""
+        cfg = self.config
+        if not cfg.kv_quantized and cfg.device.type == "cpu" and resolve_backend(cfg.device, self.backend) == "torch":
+            host = self._self_table if table is self.self_table else self._cross_table
+            page, T = cfg.page_size, k.shape[1]
+            positions = np.arange(start, start + T)
+            slots = torch.from_numpy(host[row, positions // page].astype(np.int64) * page + positions % page)
+            for layer, (k_pool, v_pool) in enumerate(self._layer_kv):
+                k_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, k[layer].to(k_pool.dtype))
+                v_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, v[layer].to(v_pool.dtype))
+            return
+        rows_d = self._flush(np.array([row], dtype=np.int64))
         seqlen = torch.full((1,), start, dtype=_I32, device=self.config.device)
         held = self._held[row] if table is self.self_table else self._cross_held[row]
         views = self._views(table.index_select(0, rows_d), seqlen, start, start, [held * self.config.page_size - start])
@@ -293,7 +321,7 @@ class DecoderKVCacheManager:
         dtype = self.config.dtype
         self._write_row(self.cross_table, r, 0, k.to(dtype), v.to(dtype))
         self._cross_length[r] = T
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
 
     def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         r = self._row(row)
@@ -323,16 +351,19 @@ class DecoderKVCacheManager:
         shared = (self.pool._refs[landing] > 1) | self.pool._keyed[landing]  # shared or published
         src = landing[shared]
         need = max(0, end - held)
-        new = self._take(int(src.size) + need)
-        self.pool.copy_blocks(src, new[: src.size])
-        self._rebind(self._self_table, np.full(src.size, r), columns[shared], new[: src.size])
-        self._bind(self._self_table, np.full(need, r), np.arange(held, held + need), new[src.size :])
-        self._held[r] += need
-        self._drop(src)
-        self._sync(np.array([r], dtype=np.int64))
+        if src.size or need:  # (most extends write into pages the row already owns alone)
+            new = self._take(int(src.size) + need)
+            if src.size:
+                self.pool.copy_blocks(src, new[: src.size])
+                self._rebind(self._self_table, np.full(src.size, r), columns[shared], new[: src.size])
+            self._bind(self._self_table, np.full(need, r), np.arange(held, held + need), new[src.size :])
+            self._held[r] += need
+            if src.size:
+                self._drop(src)
+            self._sync(r)
         self._write_row(self.self_table, r, length, k, v)
         self._length[r] = length + T
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
 
     def _step_needs(self, ids: np.ndarray) -> np.ndarray:
         full = self._length[ids] >= self._ceiling[ids]
@@ -392,7 +423,8 @@ class DecoderKVCacheManager:
         ids = np.array(check_rows(rows, self._is_admitted, "append"), dtype=np.int64)
         check_step_kv(self.config, k, v, ids.size)
         self._prepare(ids)  # validates every row's ceiling before its one allocation
-        rows_d = self._sync(ids)
+        self._sync(ids)
+        rows_d = self._flush(ids)
         for layer, view in enumerate(self._self_views(ids, rows_d)):
             append_kv(view, k[layer][:, None], v[layer][:, None], backend=self.backend)
         self._length[ids] += 1
@@ -413,7 +445,7 @@ class DecoderKVCacheManager:
         self._bind(self._self_table, np.full(hits.size, r), np.arange(hits.size), hits, share=True)
         self._held[r] = hits.size
         self._length[r] = hits.size * self.config.page_size
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
         return int(self._length[r])
 
     def retire(self, row: int, tokens, scope=0) -> None:
@@ -448,7 +480,7 @@ class DecoderKVCacheManager:
         r = self._row(row)
         check_rewind(self.config, self, r, n)
         self._length[r] -= n
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
 
     def trim(self, row: int) -> int:
         """See the reference: the pages past ``ceil(length / page)`` go back to the pool."""
@@ -457,7 +489,7 @@ class DecoderKVCacheManager:
         tail = self._unbind(self._self_table, r, int(self._held[r]), keep)
         self._drop(tail)
         self._held[r] = min(keep, int(self._held[r]))
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
         return int(tail.size)
 
     # ---- beams ----------------------------------------------------------------------
