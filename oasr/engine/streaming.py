@@ -21,7 +21,11 @@ managers' public API and the model's ``forward_chunk_paged``. One tick::
     7. decode   the cohort's valid log-probs go through the pooled CTC prefix beam
                 search in one call (``CtcStateCacheManager.decode_cohort``); each
                 stream's best partial hypothesis is reported (greedy on request)
-    8. finish   an ended stream with nothing left to encode is freed: "eos"
+    8. finish   an ended stream with nothing left to encode is freed: "eos"; with
+                ``rescore=True`` its CTC n-best becomes a rescoring job
+    9. rescore  the rescoring jobs advance one decoder step at a time, oldest first,
+                until they are done or the tick's budget binds (``decode_steps_per_tick``
+                steps, ``max_tick_ms`` of wall time); a stream finishes with its job
 
 Policies (see docs/engine.md):
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -50,6 +55,7 @@ import torch
 from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine.decoding import GreedyCtcDecoder
+from oasr.engine.rescoring import RescoreJob
 from oasr.engine.tick import FastModelTick
 from oasr.errors import StreamCapacityError
 from oasr.models.twins import twin_module, twin_name
@@ -66,7 +72,7 @@ from oasr.session import (
 )
 from oasr.stream_context import StreamContext
 
-WAITING, ACTIVE, FINISHED = "waiting", "active", "finished"
+WAITING, ACTIVE, RESCORING, FINISHED = "waiting", "active", "rescoring", "finished"
 ADMISSION_POLICIES = ("length", "arrival")
 
 logger = logging.getLogger("oasr.engine")
@@ -121,6 +127,7 @@ class TickStats:
     encoder_frames: int
     input_frames: int
     finished: int
+    decode_steps: int = 0  # attention-decoder steps run this tick (rescoring), within the tick budget
 
 
 @dataclass
@@ -142,6 +149,7 @@ class _Stream:
     arrival_tick: int = 0  # engine.tick when add_stream ran (the admission clock)
     encoder_out: list = field(default_factory=list)  # with rescore=True: the encoder's chunks, for the 2nd pass
     first_pass: list | None = None
+    nbest: list | None = None  # while rescoring: the CTC n-best its job scores
 
 
 class StreamingEngine:
@@ -164,12 +172,21 @@ class StreamingEngine:
     input first, except that a stream waiting ``max_wait_time`` ticks or more since
     ``add_stream`` goes ahead of every newer one (oldest first), so none starves;
     ``"arrival"`` admits in arrival order.
+
+    Tick budget for the autoregressive work (the rescoring jobs' decoder steps, step 9):
+    at most ``decode_steps_per_tick`` steps (None: no limit) and no new step once
+    ``max_tick_ms`` milliseconds (None: no limit) have passed since the tick's first one,
+    whichever binds first; the first step of a tick always runs, so every tick makes
+    progress. Work left over continues next tick; results do not depend on the budget
+    (each job's arithmetic is its own). ``clock`` (default ``time.monotonic``, seconds)
+    is what the deadline reads; tests inject a fake one.
     """
 
     def __init__(self, model, config: CacheConfig, twin="fast", decoder: str = "beam",
                  ctc_config: CtcDecoderConfig | None = None, keep_log_probs: bool = False,
                  cuda_graphs: bool | None = None, admission: str = "length", max_wait_time: int = 8,
-                 graph_capture=None, rescore: bool = False, rescorer=None, ctc_weight: float = 0.5):
+                 graph_capture=None, rescore: bool = False, rescorer=None, ctc_weight: float = 0.5,
+                 decode_steps_per_tick: int | None = None, max_tick_ms: float | None = None, clock=None):
         if decoder not in ("beam", "greedy"):
             raise ValueError(f"StreamingEngine: decoder must be 'beam' or 'greedy', got {decoder!r}")
         if admission not in ADMISSION_POLICIES:
@@ -178,6 +195,15 @@ class StreamingEngine:
             raise ValueError(f"StreamingEngine: max_wait_time must be an int >= 0 (ticks), got {max_wait_time!r}")
         if cuda_graphs not in (None, True, False):
             raise ValueError(f"StreamingEngine: cuda_graphs must be None, True or False, got {cuda_graphs!r}")
+        if decode_steps_per_tick is not None and (isinstance(decode_steps_per_tick, bool) or not isinstance(
+                decode_steps_per_tick, int) or decode_steps_per_tick < 1):
+            raise ValueError(f"StreamingEngine: decode_steps_per_tick must be None or an int >= 1, got "
+                             f"{decode_steps_per_tick!r}")
+        if max_tick_ms is not None and (isinstance(max_tick_ms, bool) or not isinstance(max_tick_ms, (int, float))
+                                        or not max_tick_ms > 0 or max_tick_ms == float("inf")):
+            raise ValueError(f"StreamingEngine: max_tick_ms must be None or a finite number > 0, got {max_tick_ms!r}")
+        if clock is not None and not callable(clock):
+            raise ValueError(f"StreamingEngine: clock must be callable (seconds), got {clock!r}")
         model.check_cache_config(config)
         param = next(model.parameters())
         if param.device.type != config.device.type:
@@ -214,6 +240,9 @@ class StreamingEngine:
         self.admission = admission
         self.max_wait_time = max_wait_time
         self.tick_monitor = None  # e.g. a CaptureSafetyChecker: its region(label) wraps each model step
+        self.decode_steps_per_tick, self.max_tick_ms = decode_steps_per_tick, max_tick_ms
+        self.clock = clock or time.monotonic
+        self._rescoring: list = []  # (stream id, RescoreJob), oldest first
         self.model_tick = None
         self._setup_rescoring(rescore, rescorer, ctc_weight)  # first: the model step returns what it consumes
         self._setup_model_tick(cuda_graphs, graph_capture)
@@ -297,7 +326,8 @@ class StreamingEngine:
         return list(self._active)
 
     def status(self, stream_id) -> str:
-        """``"waiting"``, ``"active"`` or ``"finished"``."""
+        """``"waiting"``, ``"active"``, ``"rescoring"`` (first pass done, its caches freed, the attention
+        rescoring job still running: ``rescore=True`` with a tick budget) or ``"finished"``."""
         return self._stream(stream_id).state
 
     @property
@@ -383,11 +413,15 @@ class StreamingEngine:
         return taken
 
     def _finish(self, s: _Stream, reason: str, outputs: dict) -> None:
-        tokens, nbest = list(s.partial), []
+        """End the stream's first pass; it finishes now, or once its rescoring job is done."""
+        tokens, nbest, job = list(s.partial), [], None
         if s.state == ACTIVE and self.ctc is not None:
             nbest = self._contexts[s.stream_id].get_decoder().finalize_stream()[0]
             tokens = list(nbest[0].tokens) if nbest else []
-            tokens = self._rescore(s, nbest, tokens)
+            s.first_pass = list(tokens)
+            if self.rescore and nbest:
+                job = RescoreJob(self.rescorer, self._kept_encoder_out(s), nbest, self.ctc_weight, self.ops)
+            s.encoder_out = []
         elif s.greedy is not None:
             tokens = s.greedy.finalize()
         if s.state == ACTIVE:
@@ -396,8 +430,15 @@ class StreamingEngine:
             self._active.remove(s.stream_id)
         elif s.state == WAITING:
             self._waiting.remove(s.stream_id)
-        s.state, s.finish_reason = FINISHED, reason
         s.pending, s.num_pending = [], 0
+        if job is not None:
+            s.state, s.finish_reason, s.nbest = RESCORING, reason, nbest
+            self._rescoring.append((s.stream_id, job))
+            return
+        self._complete(s, reason, tokens, nbest, outputs)
+
+    def _complete(self, s: _Stream, reason: str, tokens: list, nbest: list, outputs: dict) -> None:
+        s.state, s.finish_reason = FINISHED, reason
         log_probs = None
         if self.keep_log_probs:
             V = self.model.config.vocab_size
@@ -408,6 +449,27 @@ class StreamingEngine:
         )
         out = outputs.setdefault(s.stream_id, StepOutput(s.stream_id, [], 0))
         out.finished, out.finish_reason = True, reason
+
+    def _run_rescoring(self, outputs: dict) -> int:
+        """Step 9: advance the rescoring jobs within the tick budget; returns the decoder steps run."""
+        steps, start = 0, None
+        while self._rescoring:
+            if self.decode_steps_per_tick is not None and steps >= self.decode_steps_per_tick:
+                break
+            now = self.clock()
+            if start is None:
+                start = now
+            elif self.max_tick_ms is not None and (now - start) * 1e3 >= self.max_tick_ms:
+                break
+            sid, job = self._rescoring[0]
+            steps += 1
+            if job.advance():
+                self._rescoring.pop(0)
+                s = self._streams[sid]
+                tokens, _ = job.result()
+                nbest, s.nbest = s.nbest, None
+                self._complete(s, s.finish_reason, list(tokens), nbest, outputs)
+        return steps
 
     def step(self) -> dict:
         """Run one tick; returns ``{stream_id: StepOutput}`` for every stream that produced or finished."""
@@ -445,11 +507,12 @@ class StreamingEngine:
             live += sum(enc)
             encoder_frames = sum(enc)
             self._forward(cohort, frames_in, enc, width, outputs)
+        decode_steps = self._run_rescoring(outputs)
         self.stats.append(TickStats(
             tick=self.tick, cohort=len(cohort), width=width, active=active,
             waiting=sum(1 for sid in self._waiting if self._ready(self._streams[sid])),
             used_blocks=used, live_frames=live, encoder_frames=encoder_frames, input_frames=sum(frames_in),
-            finished=sum(1 for o in outputs.values() if o.finished),
+            finished=sum(1 for o in outputs.values() if o.finished), decode_steps=decode_steps,
         ))
         return outputs
 
@@ -555,6 +618,8 @@ class StreamingEngine:
 
     def _progress_possible(self) -> bool:
         """Could another tick do anything without new input?"""
+        if self._rescoring:
+            return True
         for sid in self._active:
             s = self._streams[sid]
             if s.ended or s.num_pending >= self.chunk_input_frames:
@@ -605,6 +670,9 @@ class StreamingEngine:
         state yet and a finished one has nothing to continue (``ValueError``; nothing changes).
         """
         s = self._stream(stream_id)
+        if s.state == RESCORING:
+            raise ValueError(f"stream {stream_id!r} is being rescored (its first pass ended and its caches are "
+                             f"freed); it finishes within a few ticks: take its result then")
         if s.state == FINISHED or (s.state == WAITING and s.session is None):
             why = "has finished" if s.state == FINISHED else "was never admitted (it holds no cache state yet)"
             raise ValueError(f"stream {stream_id!r} {why}: only an admitted stream can be suspended")
@@ -738,15 +806,3 @@ class StreamingEngine:
             return
         for row, sid in enumerate(cohort):
             self._streams[sid].encoder_out.append(hidden[row, : enc[row]].clone())
-
-    def _rescore(self, s: _Stream, nbest: list, tokens: list) -> list:
-        """The second pass: the n-best hypothesis with the best combined score; ``first_pass`` keeps the CTC best."""
-        s.first_pass = list(tokens)
-        if not self.rescore or not nbest:
-            return tokens
-        from oasr.models.attention_decoder import attention_rescore
-
-        enc = self._kept_encoder_out(s)
-        s.encoder_out = []
-        best, _ = attention_rescore(self.rescorer, enc, nbest, self.ctc_weight)
-        return best

@@ -245,7 +245,11 @@ class BlockPool:
                     raise ValueError(f"BlockPool.share: block {i} is held by "
                                      f"{self._owners.name(int(self._owner[i]))}, not by {self._owners.name(owner)}; "
                                      f"blocks are shared within one owner")
-                np.add.at(self._refs, ids, 1)
+                ordered = np.sort(ids)
+                if ids.size > 1 and (ordered[1:] == ordered[:-1]).any():
+                    np.add.at(self._refs, ids, 1)
+                else:  # no repeats: a plain scatter (np.add.at is several times slower on small arrays)
+                    self._refs[ids] += 1
                 if self._parked:
                     for i in given:
                         self._parked.pop(i, None)  # a parked block taken back
@@ -279,7 +283,10 @@ class BlockPool:
                 bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner) | (times > self._refs[safe])
                 if bad.any():
                     self._raise_free_error(ids.tolist() if as_given is None else as_given, owner)
-                np.subtract.at(self._refs, ids, 1)
+                if repeats:
+                    np.subtract.at(self._refs, ids, 1)
+                else:
+                    self._refs[ids] -= 1
                 done = self._refs[ids] == 0
                 if repeats:  # a repeated id reaches 0 at its last place
                     position = np.arange(k)

@@ -54,8 +54,8 @@ from oasr.decoder_common import (
 )
 from oasr.decoder_config import DecoderCacheConfig
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
-from oasr.fast.block_pool import BlockPool
 from oasr.fast.backend import resolve_backend
+from oasr.fast.block_pool import BlockPool
 from oasr.fast.paged_ops import append_kv, check_fp8_supported, quantize_fp8
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache
