@@ -131,13 +131,14 @@ class DecoderKVCacheManager:
         """One staged copy of every stale row's tables and lengths into the persistent device tensors,
         before anything on the device reads them. With ``ids`` (rows about to be read, unique) the same
         copy carries them first and their device index is returned."""
-        stale = np.flatnonzero(self._dirty)
         if ids is None:
-            if not stale.size:
+            rows = np.flatnonzero(self._dirty)
+            if not rows.size:
                 return None
-            rows = stale
         else:
-            rows = np.concatenate([ids, stale[~np.isin(stale, ids)]]) if stale.size else ids
+            self._dirty[ids] = False  # they go first, whether stale or not
+            stale = np.flatnonzero(self._dirty)
+            rows = np.concatenate([ids, stale]) if stale.size else ids
         B = rows.size
         meta = np.concatenate([self._length[rows], np.maximum(self._cross_length[rows] - 1, 0)])
         rows_d, self_d, cross_d, meta_d = self._stager.stage(
