@@ -209,10 +209,12 @@ class DecoderKVCacheManager:
         cfg = self.config
         rows = np.flatnonzero(~self._admitted)[: len(reqs)]
         pages = np.array([cfg.pages_for(r.cross_len) for r in reqs], dtype=np.int64)
-        cross = self._take(int(pages.sum()))  # one allocation for the batch, request order
-        owner = np.repeat(rows, pages)
-        cols = np.arange(cross.size) - np.repeat(np.cumsum(pages) - pages, pages)
-        self._bind(self._cross_table, owner, cols, cross)
+        total = int(pages.sum())
+        if total:  # (a decoder without cross-attention takes none)
+            cross = self._take(total)  # one allocation for the batch, request order
+            owner = np.repeat(rows, pages)
+            cols = np.arange(cross.size) - np.repeat(np.cumsum(pages) - pages, pages)
+            self._bind(self._cross_table, owner, cols, cross)
         self._cross_held[rows] = pages
         self._ceiling[rows] = [r.self_tokens for r in reqs]
         self._cross_ceiling[rows] = [r.cross_len for r in reqs]
