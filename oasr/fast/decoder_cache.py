@@ -32,6 +32,8 @@ tensor), before the step's ``append_kv``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -531,6 +533,42 @@ class DecoderKVCacheManager:
 
 
 class DenseDecoderKV(DenseDecoderKVBase):
-    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the fast twin's fp8 rule."""
+    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the fast twin's fp8 rule.
+
+    Its reads group the query heads of each KV head instead of repeating K and V per query head
+    (``repeat_interleave`` copies the whole cache every layer and step): ``(B * Hkv, G * T, D)``
+    queries against ``(B * Hkv, S, D)`` keys in one batched matmul each way, the same dot products
+    as the reference's. Masks as the reference's: a query with no allowed key reads zeros."""
 
     quantize = staticmethod(quantize_fp8)
+
+    @staticmethod
+    def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """q (B, nH, T, D), k/v (B, Hkv, S, D) fp32, allowed (B, T, S) -> (B, nH, T, D) in q's dtype."""
+        B, nH, T, D = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        G = nH // Hkv
+        qf = q.float().reshape(B * Hkv, G * T, D)  # head h = kv_head * G + g, rows (g, t)
+        scores = torch.bmm(qf, k.reshape(B * Hkv, S, D).transpose(1, 2)).mul_(1.0 / math.sqrt(D))
+        mask = ~allowed[:, None, None]  # (B, 1, 1, T, S)
+        scores = scores.view(B, Hkv, G, T, S).masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).masked_fill_(mask, 0.0)
+        out = torch.bmm(probs.view(B * Hkv, G * T, S), v.reshape(B * Hkv, S, D))
+        return out.view(B, nH, T, D).to(q.dtype)
+
+    def attend_self(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        T = q.shape[2]
+        end = max(self.lengths) + T
+        k = self._load(self.k, self.k_scale, layer, end)
+        v = self._load(self.v, self.v_scale, layer, end)
+        query = torch.tensor(self.lengths)[:, None] + torch.arange(T)[None, :]
+        allowed = torch.arange(end)[None, None, :] <= query[:, :, None]
+        return self._grouped(q, k, v, allowed.to(q.device))
+
+    def attend_cross(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        T = q.shape[2]
+        end = max(self.cross_lengths, default=0)
+        k = self._load(self.cross_k, self.cross_k_scale, layer, end)
+        v = self._load(self.cross_v, self.cross_v_scale, layer, end)
+        allowed = (torch.arange(end)[None, :] < torch.tensor(self.cross_lengths)[:, None])[:, None, :]
+        return self._grouped(q, k, v, allowed.expand(-1, T, -1).to(q.device))
