@@ -290,21 +290,31 @@ class DecoderKVCacheManager:
         return self.pool.gather_kv_blocks(self._cross_table[r, : self._cross_held[r]], 0, int(self._cross_length[r]))
 
     # ---- writes -------------------------------------------------------------------
-    def _write_row(self, table: torch.Tensor, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Tokens ``[start, start + T)`` of one row's region: one append_kv (quantize-and-scatter) per layer.
-
-        Model-dtype pages on the CPU's torch backend take a host shortcut with the same result: the
-        slots come from the host table, and one ``index_copy_`` per layer writes them (no device table
-        read, no views, no launch validation: ``check_kv`` already ran)."""
+    def _host_writes(self) -> bool:
+        """Whether writes take the host shortcut: model-dtype pages on the CPU's torch backend."""
         cfg = self.config
-        if not cfg.kv_quantized and cfg.device.type == "cpu" and resolve_backend(cfg.device, self.backend) == "torch":
+        on_cpu = cfg.device.type == "cpu"
+        return not cfg.kv_quantized and on_cpu and resolve_backend(cfg.device, self.backend) == "torch"
+
+    def _write_host(self, table: np.ndarray, rows: np.ndarray, positions: np.ndarray, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """``k, v (L, N, H, D)`` at (``rows[i]``, ``positions[i]``) of ``table``'s region: the slots from the
+        host table, one ``index_copy_`` per layer; the same bytes as ``append_kv`` writes, without views,
+        device table reads or launch validation (the callers checked the shapes)."""
+        cfg = self.config
+        page = cfg.page_size
+        slots = torch.from_numpy(table[rows, positions // page].astype(np.int64) * page + positions % page)
+        for layer, (k_pool, v_pool) in enumerate(self._layer_kv):
+            k_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, k[layer].to(k_pool.dtype))
+            v_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, v[layer].to(v_pool.dtype))
+
+    def _write_row(self, table: torch.Tensor, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens ``[start, start + T)`` of one row's region: one append_kv (quantize-and-scatter) per layer
+        (on the CPU with model-dtype pages, ``_write_host``)."""
+        if self._host_writes():
             host = self._self_table if table is self.self_table else self._cross_table
-            page, T = cfg.page_size, k.shape[1]
-            positions = np.arange(start, start + T)
-            slots = torch.from_numpy(host[row, positions // page].astype(np.int64) * page + positions % page)
-            for layer, (k_pool, v_pool) in enumerate(self._layer_kv):
-                k_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, k[layer].to(k_pool.dtype))
-                v_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, v[layer].to(v_pool.dtype))
+            T = k.shape[1]
+            self._write_host(host, np.full(T, row), np.arange(start, start + T), k, v)
             return
         rows_d = self._flush(np.array([row], dtype=np.int64))
         seqlen = torch.full((1,), start, dtype=_I32, device=self.config.device)
@@ -429,6 +439,10 @@ class DecoderKVCacheManager:
         check_step_kv(self.config, k, v, ids.size)
         self._prepare(ids)  # validates every row's ceiling before its one allocation
         self._sync(ids)
+        if self._host_writes():  # the device mirror follows at the next read
+            self._write_host(self._self_table, ids, self._length[ids], k, v)
+            self._length[ids] += 1
+            return
         rows_d = self._flush(ids)
         for layer, view in enumerate(self._self_views(ids, rows_d)):
             append_kv(view, k[layer][:, None], v[layer][:, None], backend=self.backend)
