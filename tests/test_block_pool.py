@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import oasr
+from oasr.errors import PoolExhaustedError
 from tests.conftest import assert_same_snapshot, small_config, snapshot
 
 
@@ -175,3 +176,47 @@ def test_freeing_a_parked_block_is_a_double_free_and_changes_nothing(twin, ids):
         pool.free(ids, owner)
     assert_same_snapshot(before[0], snapshot(pool))
     assert (pool.ref_counts(), pool.parked_block_ids()) == before[1:]
+
+
+@pytest.mark.parametrize("few", [0, 16])
+def test_fast_share_and_free_take_the_same_steps_few_or_many_ids(few, monkeypatch):
+    """The fast pool's element loop for a few ids and its vector path give the same pool, the same
+    free-list order, the same parking and the same refusals (random shares and frees with repeats)."""
+    from oasr.fast import block_pool as fast_pool
+
+    monkeypatch.setattr(fast_pool, "_FEW_IDS", few)
+    pools = {name: getattr(oasr, name).BlockPool(small_config(), scratch_blocks=1) for name in ("reference", "fast")}
+    held = []  # one entry per holder
+    for step in range(300):
+        r = random.Random(step)
+        op = r.random()
+        if op < 0.35:
+            call, ids = "allocate", r.randint(0, 3)
+        elif op < 0.6 and held:
+            call, ids = "share", r.choices(held, k=3)
+        elif op < 0.7 and held:
+            call, ids = "publish", held[:1]
+        elif held:  # sometimes one more place than the id has holders: a double free, refused
+            call, ids = "free", r.sample(held, min(len(held), r.randint(1, 4))) + [held[0]] * (r.random() < 0.3)
+        else:
+            continue
+        outcome = {}
+        for name, pool in pools.items():
+            try:
+                if call == "publish":
+                    pool.publish(ids, [("key", step)])
+                else:
+                    outcome[name] = getattr(pool, call)(ids)
+            except (ValueError, KeyError, PoolExhaustedError) as e:
+                outcome[name] = f"refused: {e}"
+        assert outcome.get("reference") == outcome.get("fast"), step
+        assert_same_snapshot(snapshot(pools["reference"]), snapshot(pools["fast"]))
+        if isinstance(outcome.get("fast"), str):
+            continue
+        if call == "allocate":
+            held.extend(outcome["fast"])
+        elif call == "share":
+            held.extend(ids)
+        elif call == "free":
+            for i in ids:
+                held.remove(i)

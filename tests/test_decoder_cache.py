@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -450,3 +451,26 @@ def test_the_pool_refuses_to_free_a_rows_pages_from_outside(ops):
         m.pool.free([block])
     m.finish(row)
     assert m.pool.num_free_blocks == m.pool.num_blocks
+
+
+def test_fast_device_tables_follow_the_host_at_the_next_read():
+    """Host ops only mark rows stale; the next read copies every stale row in one staged copy, and
+    then the device tables equal the host mirror (a row that came and went costs nothing extra)."""
+    m = fast.DecoderKVCacheManager(dcfg())
+    copies = m._stager.copies
+    rows = m.admit([DecoderRequest(3, 4, 2)] * 3)
+    for r in rows:
+        m.prefill(r, *kv(2, 3, 2, 8, seed=r))
+    m.finish(rows[1])
+    (again,) = m.admit([DecoderRequest(2, 2, 0)])
+    m.append([rows[0], rows[2]], *kv(2, 2, 2, 8, seed=7))
+    assert m._stager.copies == copies  # CPU writes go through the host table: nothing read the device yet
+    m.self_caches([rows[0]])
+    assert m._stager.copies == copies + 1  # one copy for every stale row
+    assert not m._dirty.any()
+    assert torch.equal(m.self_table, torch.from_numpy(m._self_table))
+    assert torch.equal(m.cross_table, torch.from_numpy(m._cross_table))
+    want = np.stack([m._length, np.maximum(m._cross_length - 1, 0)]).astype(np.int32)
+    assert torch.equal(m._meta, torch.from_numpy(want))
+    m.self_caches([rows[0], again])
+    assert m._stager.copies == copies + 2  # a read with nothing stale still stages its rows (once)

@@ -19,6 +19,7 @@ from oasr.engine.tick import engine_widths
 from oasr.fast.capture_check import iter_tensors
 from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
 from oasr.models import ConformerConfig, StreamingConformer
+from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
 from tests.test_engine import drive
 
 
@@ -216,3 +217,59 @@ def test_graphs_bench_section_says_it_needs_cuda_on_the_cpu():
 
     rows = section(quick=True, device="cpu")
     assert len(rows) == 1 and rows[0]["case"] == "skipped" and "CUDA" in rows[0]["note"]
+
+
+# ---- rescoring under graphs: the step returns the encoder output -----------------------------------
+class RecordingRescorer(AttentionDecoder):
+    """An ``AttentionDecoder`` that remembers every encoder output it scored against."""
+
+    def __init__(self, model):
+        cfg = model.config
+        super().__init__(DecoderConfig(vocab_size=cfg.vocab_size, encoder_dim=cfg.hidden_dim, seed=2))
+        self.seen = []
+
+    def cross_kv(self, enc):  # a rescoring job computes its encoder output's cross K/V once
+        self.seen.append(enc.clone())
+        return super().cross_kv(enc)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+def test_graphed_rescoring_equals_eager_bit_for_bit(kv_cache_dtype):
+    model = make_model()
+    cfg = model.config.cache_config(max_batch_size=8, block_size_frames=3, kv_cache_dtype=kv_cache_dtype)
+    capture = StandInCapture()
+    rescorers = {"graphed": RecordingRescorer(model), "eager": RecordingRescorer(model)}
+    engines = {
+        "graphed": StreamingEngine(model, cfg, twin="fast", cuda_graphs=True, graph_capture=capture, rescore=True,
+                                   rescorer=rescorers["graphed"]),
+        "eager": StreamingEngine(model, cfg, twin="fast", cuda_graphs=False, rescore=True,
+                                 rescorer=rescorers["eager"]),
+    }
+    assert engines["graphed"].execution == "graphed" and engines["graphed"].model_tick.with_hidden
+    assert not model.ctc._forward_hooks  # nothing hooks into the model: a replay would not run it
+    got, want = drive_streams(engines["graphed"]), drive_streams(engines["eager"])
+    assert capture.replays > 0
+    for sid in want:
+        assert got[sid].tokens == want[sid].tokens and got[sid].first_pass == want[sid].first_pass
+        assert [h.tokens for h in got[sid].nbest] == [h.tokens for h in want[sid].nbest]
+    seen_g, seen_e = rescorers["graphed"].seen, rescorers["eager"].seen
+    assert len(seen_g) == len(want) and len(seen_g) == len(seen_e)
+    for a, b in zip(seen_g, seen_e, strict=True):
+        assert a.shape[0] > 0 and torch.equal(a, b)  # the second pass read the same encoder output, bit for bit
+
+
+def test_model_step_hidden_is_the_ctc_heads_input():
+    """The hidden states a step returns are exactly what the CTC head turns into its log-probs."""
+    model = make_model()
+    cfg = model.config.cache_config(max_batch_size=4, block_size_frames=3)
+    engine = StreamingEngine(model, cfg, twin="fast", rescore=True)
+    sid = engine.add_stream()
+    engine.push(sid, torch.randn(16 * 3, 20, generator=torch.Generator().manual_seed(1)))
+    engine.step()
+    tick = engine.model_tick
+    hidden, log_probs = tick.hidden(1), tick.log_probs(1)
+    with torch.no_grad():
+        assert torch.equal(torch.log_softmax(model.ctc(hidden), -1), log_probs)
+    plain = StreamingEngine(model, cfg, twin="fast")
+    with pytest.raises(ValueError, match="hidden=False"):
+        plain.model_tick.hidden(1)

@@ -29,14 +29,14 @@ FORMATS = {
 }
 
 
-def build(fmt: str, cuda_graphs: bool, num_left_chunks: int = 2, max_batch_size: int = 8):
+def build(fmt: str, cuda_graphs: bool, num_left_chunks: int = 2, max_batch_size: int = 8, **engine_kw):
     dtype, kv = FORMATS[fmt]
     model = StreamingConformer(ConformerConfig(input_dim=20, hidden_dim=64, n_head=4, n_kv_head=2, head_dim=64,
                                                chunk_size=4, num_left_chunks=num_left_chunks, seed=4))
     model = model.to(device="cuda", dtype=dtype)
     cfg = model.config.cache_config(max_batch_size=max_batch_size, block_size_frames=8, device="cuda", dtype=dtype,
                                     kv_cache_dtype=kv)
-    return StreamingEngine(model, cfg, twin="fast", cuda_graphs=cuda_graphs, keep_log_probs=True)
+    return StreamingEngine(model, cfg, twin="fast", cuda_graphs=cuda_graphs, keep_log_probs=True, **engine_kw)
 
 
 def drive_streams(engine, streams: int = 11, seed: int = 0):
@@ -101,3 +101,22 @@ def test_cuda_graphs_default_on_for_the_fast_twin():
     engine = StreamingEngine(model, model.config.cache_config(max_batch_size=4, device="cuda"), twin="fast")
     assert engine.execution == "graphed" and engine.model_tick.graph_stats.num_graphs == 3
     assert engine.pool.num_used_blocks == 0  # capture ran on the padding lane
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_graphed_rescoring_equals_eager_bit_for_bit(fmt):
+    """rescore=True keeps the graphs: the replayed step returns the encoder output the second pass reads."""
+    from tests.test_graph_runner import RecordingRescorer
+
+    engines, rescorers = {}, {}
+    for graphs in (True, False):
+        rescorers[graphs] = RecordingRescorer(build(fmt, False).model)  # its config only (CPU, fp32 weights)
+        engines[graphs] = build(fmt, graphs, rescore=True, rescorer=rescorers[graphs])
+    assert engines[True].execution == "graphed" and engines[False].execution == "eager"
+    got, want = drive_streams(engines[True]), drive_streams(engines[False])
+    for sid in want:
+        assert got[sid].tokens == want[sid].tokens and got[sid].first_pass == want[sid].first_pass
+        assert torch.equal(got[sid].log_probs, want[sid].log_probs), sid
+    assert len(rescorers[True].seen) == len(want)
+    for a, b in zip(rescorers[True].seen, rescorers[False].seen, strict=True):
+        assert torch.equal(a, b)

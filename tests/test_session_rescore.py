@@ -38,7 +38,7 @@ from session_helpers import (
 )
 
 from oasr import session as S
-from oasr.models import attention_decoder
+from oasr.engine import rescoring
 
 
 def rescoring_engine(model, twin: str, rescore: bool = True):
@@ -49,14 +49,19 @@ def rescoring_engine(model, twin: str, rescore: bool = True):
 def second_pass(monkeypatch):
     """Record what every second pass was given (the encoder output) and what it scored."""
     calls = []
-    real = attention_decoder.attention_rescore
+    init, result = rescoring.RescoreJob.__init__, rescoring.RescoreJob.result
 
-    def recording(decoder, enc, nbest, ctc_weight=0.5):
-        best, scores = real(decoder, enc, nbest, ctc_weight)
-        calls.append((enc.clone(), [float(s).hex() for s in scores]))
+    def recording_init(self, decoder, enc, nbest, ctc_weight, ops):
+        self.recorded_enc = enc.clone()
+        init(self, decoder, enc, nbest, ctc_weight, ops)
+
+    def recording_result(self):
+        best, scores = result(self)
+        calls.append((self.recorded_enc, [float(s).hex() for s in scores]))
         return best, scores
 
-    monkeypatch.setattr(attention_decoder, "attention_rescore", recording)
+    monkeypatch.setattr(rescoring.RescoreJob, "__init__", recording_init)
+    monkeypatch.setattr(rescoring.RescoreJob, "result", recording_result)
     return calls
 
 

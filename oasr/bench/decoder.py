@@ -45,13 +45,17 @@ def section(quick: bool, device="cpu") -> list[dict]:
 
     device = torch.device(device)
     sizes = (1, 8, 32) if quick else (1, 8, 32, 128)
-    repeats = 2 if quick else 3
+    base = 2 if quick else 3
     rows_out = []
     for rows in sizes:
+        # a step of a few rows takes about a millisecond: a median of 3 such samples on a shared machine is
+        # noise, so small sizes take more. Warm-up and timed steps stay inside the page after HISTORY
+        # (3 + 12 < PAGE): the query of the step after a full page would find no prepared slot
+        repeats = max(base, min(PAGE - 4, 64 // rows))
         row = {"section": "decoder", "case": f"rows={rows} layers={LAYERS} history={HISTORY} page={PAGE}"}
         for name, ops in (("reference", reference), ("fast", fast)):
-            args = (ops, *_setup(ops, rows, repeats + 2, device))
-            ms = median_ms(lambda a=args: _step(*a), repeats=repeats, device=device)
+            args = (ops, *_setup(ops, rows, repeats + 4, device))
+            ms = median_ms(lambda a=args: _step(*a), repeats=repeats, warmup=3, device=device)
             row[f"{name}_ms"] = ms
             row[f"{name}_tok_s"] = rows / (ms / 1e3)
         rows_out.append(row)

@@ -75,7 +75,7 @@ def _beam_rows(quick: bool, device) -> list[dict]:
                 peak = [0]
                 args = (ops, storage, decoder, enc, cfg, beam, max_new, peak)
                 results[storage, name] = _search(*args)
-                row[f"{name}_ms"] = median_ms(lambda a=args: _search(*a), repeats=1 if quick else 3, device=device)
+                row[f"{name}_ms"] = median_ms(lambda a=args: _search(*a), repeats=1 if quick else 5, device=device)
                 row["kv_bytes"] = peak[0]
             out[storage] = row
         same = all(results["paged", n][0] == results["dense", n][0] for n in ("reference", "fast"))
@@ -120,7 +120,7 @@ def _prefix_rows(quick: bool, device) -> list[dict]:
         for name, ops in (("reference", reference), ("fast", fast)):
             row["prefill_tokens"] = _serve(ops, cfg, prompts, cached, device)
             row[f"{name}_ms"] = median_ms(lambda ops=ops, on=cached: _serve(ops, cfg, prompts, on, device),
-                                          repeats=1 if quick else 3, device=device)
+                                          repeats=1 if quick else 5, device=device)
         rows.append(row)
     rows[1]["tokens_saved"] = rows[0]["prefill_tokens"] - rows[1]["prefill_tokens"]
     return rows

@@ -320,9 +320,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                      f"{args.twin}): graphs capture the fast twin's model step on a GPU; the CPU runs eager")
     if args.rescore and args.decoder != "beam":
         parser.error("--rescore rescores the CTC beam search's n-best; it needs --decoder beam")
-    if args.rescore and args.cuda_graphs:
-        parser.error("--rescore reads the encoder output through a hook that a CUDA graph replay skips; "
-                     "drop --cuda-graphs")
     if args.plot:
         check_output_path(parser, args.plot, "--plot")
     try:
@@ -397,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     ctc_config = decoder_config(args)
     engine = StreamingEngine(model, cache_config, twin=args.twin, decoder=args.decoder, ctc_config=ctc_config,
                              keep_log_probs=args.check_sample > 0, rescore=args.rescore,
-                             cuda_graphs=False if args.rescore else args.cuda_graphs)
+                             cuda_graphs=args.cuda_graphs)
     total = sum(s.features.shape[0] for s in workload)
     progress = tqdm(total=total, unit="frame", unit_scale=True, desc="demo", disable=args.quiet, file=sys.stderr)
     start = time.perf_counter()

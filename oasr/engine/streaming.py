@@ -21,7 +21,11 @@ managers' public API and the model's ``forward_chunk_paged``. One tick::
     7. decode   the cohort's valid log-probs go through the pooled CTC prefix beam
                 search in one call (``CtcStateCacheManager.decode_cohort``); each
                 stream's best partial hypothesis is reported (greedy on request)
-    8. finish   an ended stream with nothing left to encode is freed: "eos"
+    8. finish   an ended stream with nothing left to encode is freed: "eos"; with
+                ``rescore=True`` its CTC n-best becomes a rescoring job
+    9. rescore  the rescoring jobs advance one decoder step at a time, oldest first,
+                until they are done or the tick's budget binds (``decode_steps_per_tick``
+                steps, ``max_tick_ms`` of wall time); a stream finishes with its job
 
 Policies (see docs/engine.md):
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -50,6 +55,7 @@ import torch
 from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine.decoding import GreedyCtcDecoder
+from oasr.engine.rescoring import RescoreJob
 from oasr.engine.streaming_backend import build_streaming_backend, paged_kind_or_refuse
 from oasr.engine.tick import FastModelTick
 from oasr.errors import StreamCapacityError
@@ -67,7 +73,7 @@ from oasr.session import (
 )
 from oasr.stream_context import StreamContext
 
-WAITING, ACTIVE, FINISHED = "waiting", "active", "finished"
+WAITING, ACTIVE, RESCORING, FINISHED = "waiting", "active", "rescoring", "finished"
 ADMISSION_POLICIES = ("length", "arrival")
 
 logger = logging.getLogger("oasr.engine")
@@ -122,6 +128,7 @@ class TickStats:
     encoder_frames: int
     input_frames: int
     finished: int
+    decode_steps: int = 0  # attention-decoder steps run this tick (rescoring), within the tick budget
 
 
 @dataclass
@@ -143,6 +150,7 @@ class _Stream:
     arrival_tick: int = 0  # engine.tick when add_stream ran (the admission clock)
     encoder_out: list = field(default_factory=list)  # with rescore=True: the encoder's chunks, for the 2nd pass
     first_pass: list | None = None
+    nbest: list | None = None  # while rescoring: the CTC n-best its job scores
 
 
 class StreamingEngine:
@@ -165,12 +173,21 @@ class StreamingEngine:
     input first, except that a stream waiting ``max_wait_time`` ticks or more since
     ``add_stream`` goes ahead of every newer one (oldest first), so none starves;
     ``"arrival"`` admits in arrival order.
+
+    Tick budget for the autoregressive work (the rescoring jobs' decoder steps, step 9):
+    at most ``decode_steps_per_tick`` steps (None: no limit) and no new step once
+    ``max_tick_ms`` milliseconds (None: no limit) have passed since the tick's first one,
+    whichever binds first; the first step of a tick always runs, so every tick makes
+    progress. Work left over continues next tick; results do not depend on the budget
+    (each job's arithmetic is its own). ``clock`` (default ``time.monotonic``, seconds)
+    is what the deadline reads; tests inject a fake one.
     """
 
     def __init__(self, model, config: CacheConfig, twin="fast", decoder: str = "beam",
                  ctc_config: CtcDecoderConfig | None = None, keep_log_probs: bool = False,
                  cuda_graphs: bool | None = None, admission: str = "length", max_wait_time: int = 8,
-                 graph_capture=None, rescore: bool = False, rescorer=None, ctc_weight: float = 0.5):
+                 graph_capture=None, rescore: bool = False, rescorer=None, ctc_weight: float = 0.5,
+                 decode_steps_per_tick: int | None = None, max_tick_ms: float | None = None, clock=None):
         if decoder not in ("beam", "greedy"):
             raise ValueError(f"StreamingEngine: decoder must be 'beam' or 'greedy', got {decoder!r}")
         if admission not in ADMISSION_POLICIES:
@@ -180,6 +197,15 @@ class StreamingEngine:
         if cuda_graphs not in (None, True, False):
             raise ValueError(f"StreamingEngine: cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         self.backend_kind = paged_kind_or_refuse(model)  # the encoder's streaming_kind, read before anything else
+        if decode_steps_per_tick is not None and (isinstance(decode_steps_per_tick, bool) or not isinstance(
+                decode_steps_per_tick, int) or decode_steps_per_tick < 1):
+            raise ValueError(f"StreamingEngine: decode_steps_per_tick must be None or an int >= 1, got "
+                             f"{decode_steps_per_tick!r}")
+        if max_tick_ms is not None and (isinstance(max_tick_ms, bool) or not isinstance(max_tick_ms, (int, float))
+                                        or not max_tick_ms > 0 or max_tick_ms == float("inf")):
+            raise ValueError(f"StreamingEngine: max_tick_ms must be None or a finite number > 0, got {max_tick_ms!r}")
+        if clock is not None and not callable(clock):
+            raise ValueError(f"StreamingEngine: clock must be callable (seconds), got {clock!r}")
         model.check_cache_config(config)
         param = next(model.parameters())
         if param.device.type != config.device.type:
@@ -212,9 +238,12 @@ class StreamingEngine:
         self.admission = admission
         self.max_wait_time = max_wait_time
         self.tick_monitor = None  # e.g. a CaptureSafetyChecker: its region(label) wraps each model step
+        self.decode_steps_per_tick, self.max_tick_ms = decode_steps_per_tick, max_tick_ms
+        self.clock = clock or time.monotonic
+        self._rescoring: list = []  # (stream id, RescoreJob), oldest first
         self.model_tick = None
+        self._setup_rescoring(rescore, rescorer, ctc_weight)  # first: the model step returns what it consumes
         self._setup_model_tick(cuda_graphs, graph_capture)
-        self._setup_rescoring(rescore, rescorer, ctc_weight)
 
     def _setup_model_tick(self, cuda_graphs, capture) -> None:
         """Pick the eager or graphed model step (fast twin) and report the choice once."""
@@ -228,7 +257,7 @@ class StreamingEngine:
         graphs = bool(cuda_graphs) if cuda_graphs is not None else (on_cuda and self.twin == "fast")
         if self.twin == "fast":
             self.model_tick = FastModelTick(self.model, self.att, self.cnn, self.states, self.ops, self.config,
-                                            graphs=graphs, capture=capture)
+                                            graphs=graphs, capture=capture, hidden=self.rescore)
         self.execution = "graphed" if graphs else "eager"
         if graphs:
             self.execution_note = f"graphed: {self.model_tick.graph_stats.format()}"
@@ -295,7 +324,8 @@ class StreamingEngine:
         return list(self._active)
 
     def status(self, stream_id) -> str:
-        """``"waiting"``, ``"active"`` or ``"finished"``."""
+        """``"waiting"``, ``"active"``, ``"rescoring"`` (first pass done, its caches freed, the attention
+        rescoring job still running: ``rescore=True`` with a tick budget) or ``"finished"``."""
         return self._stream(stream_id).state
 
     @property
@@ -381,11 +411,15 @@ class StreamingEngine:
         return taken
 
     def _finish(self, s: _Stream, reason: str, outputs: dict) -> None:
-        tokens, nbest = list(s.partial), []
+        """End the stream's first pass; it finishes now, or once its rescoring job is done."""
+        tokens, nbest, job = list(s.partial), [], None
         if s.state == ACTIVE and self.ctc is not None:
             nbest = self._contexts[s.stream_id].get_decoder().finalize_stream()[0]
             tokens = list(nbest[0].tokens) if nbest else []
-            tokens = self._rescore(s, nbest, tokens)
+            s.first_pass = list(tokens)
+            if self.rescore and nbest:
+                job = RescoreJob(self.rescorer, self._kept_encoder_out(s), nbest, self.ctc_weight, self.ops)
+            s.encoder_out = []
         elif s.greedy is not None:
             tokens = s.greedy.finalize()
         if s.state == ACTIVE:
@@ -394,8 +428,15 @@ class StreamingEngine:
             self._active.remove(s.stream_id)
         elif s.state == WAITING:
             self._waiting.remove(s.stream_id)
-        s.state, s.finish_reason = FINISHED, reason
         s.pending, s.num_pending = [], 0
+        if job is not None:
+            s.state, s.finish_reason, s.nbest = RESCORING, reason, nbest
+            self._rescoring.append((s.stream_id, job))
+            return
+        self._complete(s, reason, tokens, nbest, outputs)
+
+    def _complete(self, s: _Stream, reason: str, tokens: list, nbest: list, outputs: dict) -> None:
+        s.state, s.finish_reason = FINISHED, reason
         log_probs = None
         if self.keep_log_probs:
             V = self.model.config.vocab_size
@@ -406,6 +447,27 @@ class StreamingEngine:
         )
         out = outputs.setdefault(s.stream_id, StepOutput(s.stream_id, [], 0))
         out.finished, out.finish_reason = True, reason
+
+    def _run_rescoring(self, outputs: dict) -> int:
+        """Step 9: advance the rescoring jobs within the tick budget; returns the decoder steps run."""
+        steps, start = 0, None
+        while self._rescoring:
+            if self.decode_steps_per_tick is not None and steps >= self.decode_steps_per_tick:
+                break
+            now = self.clock()
+            if start is None:
+                start = now
+            elif self.max_tick_ms is not None and (now - start) * 1e3 >= self.max_tick_ms:
+                break
+            sid, job = self._rescoring[0]
+            steps += 1
+            if job.advance():
+                self._rescoring.pop(0)
+                s = self._streams[sid]
+                tokens, _ = job.result()
+                nbest, s.nbest = s.nbest, None
+                self._complete(s, s.finish_reason, list(tokens), nbest, outputs)
+        return steps
 
     def step(self) -> dict:
         """Run one tick; returns ``{stream_id: StepOutput}`` for every stream that produced or finished."""
@@ -443,11 +505,12 @@ class StreamingEngine:
             live += sum(enc)
             encoder_frames = sum(enc)
             self._forward(cohort, frames_in, enc, width, outputs)
+        decode_steps = self._run_rescoring(outputs)
         self.stats.append(TickStats(
             tick=self.tick, cohort=len(cohort), width=width, active=active,
             waiting=sum(1 for sid in self._waiting if self._ready(self._streams[sid])),
             used_blocks=used, live_frames=live, encoder_frames=encoder_frames, input_frames=sum(frames_in),
-            finished=sum(1 for o in outputs.values() if o.finished),
+            finished=sum(1 for o in outputs.values() if o.finished), decode_steps=decode_steps,
         ))
         return outputs
 
@@ -456,10 +519,10 @@ class StreamingEngine:
             s = self._streams[sid]
             s.max_extent = max(s.max_extent, self.att.cached_frames(sid) + enc[row])
         if self.model_tick is not None:
-            log_probs = self._model_step_fast(cohort, frames_in, enc, width)
+            log_probs, hidden = self._model_step_fast(cohort, frames_in, enc, width)
         else:
-            log_probs = self._model_step_reference(cohort, frames_in, enc, width)
-        self._keep_encoder_out(cohort, enc)
+            log_probs, hidden = self._model_step_reference(cohort, frames_in, enc, width)
+        self._keep_encoder_out(cohort, enc, hidden)
         chunks = [log_probs[row, : enc[row]] for row in range(len(cohort))]
         partials = self._decode(cohort, chunks)
         for row, sid in enumerate(cohort):
@@ -482,8 +545,11 @@ class StreamingEngine:
         monitor = self.tick_monitor
         return nullcontext() if monitor is None else monitor.region(f"tick {self.tick}, width {width}")
 
-    def _model_step_fast(self, cohort: list, frames_in: list, enc: list, width: int) -> torch.Tensor:
-        """Fill the pinned inputs on the host, then the capture-safe region: model step, commit, readback."""
+    def _model_step_fast(self, cohort: list, frames_in: list, enc: list, width: int) -> tuple:
+        """Fill the pinned inputs on the host, then the capture-safe region: model step, commit, readback.
+
+        Returns ``(log_probs, hidden)`` as float32 CPU tensors; ``hidden`` (the encoder output) only with
+        ``rescore``, else None."""
         tick = self.model_tick
         xs, meta = tick.host_inputs(width)
         xs.zero_()
@@ -496,10 +562,11 @@ class StreamingEngine:
         with self._model_region(width):
             tick.run(cohort, width)
             self.att.commit_chunks_batched(cohort, enc)
-        return tick.log_probs(width)
+        return tick.log_probs(width), (tick.hidden(width) if self.rescore else None)
 
-    def _model_step_reference(self, cohort: list, frames_in: list, enc: list, width: int) -> torch.Tensor:
-        """The reference twin's step: plain tensors through ``forward_chunk_paged`` (the oracle's way)."""
+    def _model_step_reference(self, cohort: list, frames_in: list, enc: list, width: int) -> tuple:
+        """The reference twin's step: plain tensors through ``forward_chunk_paged`` (the oracle's way);
+        returns ``(log_probs, hidden or None)`` like ``_model_step_fast``."""
         cfg = self.config
         pad = width - len(cohort)
         xs = torch.zeros((width, self.chunk_input_frames, self.input_dim), dtype=cfg.dtype)
@@ -511,12 +578,14 @@ class StreamingEngine:
         caches = self.att.get_paged_caches(cohort, pad_to=width)
         cnn_cache = self.cnn.get_cache(cohort, pad_to=width)
         views = self.states.views(cohort, pad_to=width)
-        log_probs, _, new_cnn = self.model.forward_chunk_paged(
-            xs.to(cfg.device), offsets + [0] * pad, caches, cnn_cache, views, frames_in + [0] * pad, twin=self.ops
+        extra = {"with_hidden": True} if self.rescore else {}
+        log_probs, _, new_cnn, *hidden = self.model.forward_chunk_paged(
+            xs.to(cfg.device), offsets + [0] * pad, caches, cnn_cache, views, frames_in + [0] * pad, twin=self.ops,
+            **extra,
         )
         self.att.commit_chunks_batched(cohort, enc)
         self.cnn.update(cohort, new_cnn, pad_to=width)
-        return log_probs.float().cpu()
+        return log_probs.float().cpu(), (hidden[0].float().cpu() if hidden else None)
 
     def _decode(self, cohort: list, chunks: list) -> list:
         """Decode the cohort's chunks; return each stream's best partial token list."""
@@ -547,6 +616,8 @@ class StreamingEngine:
 
     def _progress_possible(self) -> bool:
         """Could another tick do anything without new input?"""
+        if self._rescoring:
+            return True
         for sid in self._active:
             s = self._streams[sid]
             if s.ended or s.num_pending >= self.chunk_input_frames:
@@ -597,6 +668,9 @@ class StreamingEngine:
         state yet and a finished one has nothing to continue (``ValueError``; nothing changes).
         """
         s = self._stream(stream_id)
+        if s.state == RESCORING:
+            raise ValueError(f"stream {stream_id!r} is being rescored (its first pass ended and its caches are "
+                             f"freed); it finishes within a few ticks: take its result then")
         if s.state == FINISHED or (s.state == WAITING and s.session is None):
             why = "has finished" if s.state == FINISHED else "was never admitted (it holds no cache state yet)"
             raise ValueError(f"stream {stream_id!r} {why}: only an admitted stream can be suspended")
@@ -689,17 +763,14 @@ class StreamingEngine:
     def _setup_rescoring(self, rescore: bool, rescorer, ctc_weight: float) -> None:
         """With ``rescore=True`` a finished stream's CTC n-best is rescored by an attention decoder
         (``rescorer``, default a seeded ``AttentionDecoder`` over this encoder's hidden size):
-        score = decoder log-likelihood + ``ctc_weight`` * CTC log-score. The encoder output reaches it
-        through a forward hook on the CTC head's input, so the encoder's forward is unchanged."""
+        score = decoder log-likelihood + ``ctc_weight`` * CTC log-score. The model step returns the
+        encoder output (the CTC head's input) beside the log-probs -- graphed, into the width's static
+        output buffers -- so rescoring runs with or without CUDA graphs and reads the same values."""
         self.rescore, self.rescorer, self.ctc_weight = bool(rescore), None, float(ctc_weight)
-        self._hidden = None
         if not self.rescore:
             return
         if self.decoder != "beam":
             raise ValueError("StreamingEngine: rescore=True rescores the CTC n-best; it needs decoder='beam'")
-        if self.execution == "graphed":
-            raise ValueError("StreamingEngine: rescore=True reads the encoder output through a forward hook, which "
-                             "a CUDA graph replay does not run; use cuda_graphs=False")
         from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
 
         cfg = self.model.config
@@ -711,7 +782,6 @@ class StreamingEngine:
                 f"{self.rescorer.config.encoder_dim}) does not match the encoder (vocab_size={cfg.vocab_size}, "
                 f"hidden_dim={cfg.hidden_dim})"
             )
-        self.model.ctc.register_forward_hook(self._capture_hidden)
 
     def _kept_encoder_out(self, s: _Stream) -> torch.Tensor:
         """The stream's kept encoder output so far, ``(offset, hidden_dim)`` fp32, for its session."""
@@ -729,24 +799,8 @@ class StreamingEngine:
                     "rescore=True), this engine does not rescore (rescore=False)")
         return ""
 
-    def _capture_hidden(self, module, inputs, output) -> None:
-        self._hidden = inputs[0]
-
-    def _keep_encoder_out(self, cohort: list, enc: list) -> None:
+    def _keep_encoder_out(self, cohort: list, enc: list, hidden) -> None:
         if not self.rescore:
             return
-        hidden = self._hidden.detach().float().cpu()
         for row, sid in enumerate(cohort):
             self._streams[sid].encoder_out.append(hidden[row, : enc[row]].clone())
-
-    def _rescore(self, s: _Stream, nbest: list, tokens: list) -> list:
-        """The second pass: the n-best hypothesis with the best combined score; ``first_pass`` keeps the CTC best."""
-        s.first_pass = list(tokens)
-        if not self.rescore or not nbest:
-            return tokens
-        from oasr.models.attention_decoder import attention_rescore
-
-        enc = self._kept_encoder_out(s)
-        s.encoder_out = []
-        best, _ = attention_rescore(self.rescorer, enc, nbest, self.ctc_weight)
-        return best

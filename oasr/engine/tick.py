@@ -13,6 +13,7 @@ pageable memory (``oasr.fast.capture_check`` checks it on the CPU)::
                                                                           |
     slot states <--------------------------index_copy_ (scatter)------- outputs[w]
     decode <-- event.synchronize() <-- pinned log-probs <--one non_blocking copy-- outputs[w]
+    rescore <------------------------- pinned hidden <----one non_blocking copy-- outputs[w]  (hidden=True)
 
 * **Static batches.** Each cohort width ``w`` has its own device buffers for the
   inputs and the gathered slot states, allocated once. A captured graph reads
@@ -25,9 +26,14 @@ pageable memory (``oasr.fast.capture_check`` checks it on the CPU)::
   grid are a function of the width alone, the same eager and graphed (which is
   what makes the two bit-identical). The grid then covers the worst case; splits
   past a row's keys exit at once.
-* **Readback.** The cohort's log-probs come back through one ``non_blocking``
-  copy into a pinned buffer and an event; ``log_probs(width)`` waits on the
-  event when the host needs them (the decoder), not before.
+* **Outputs.** The step returns what the decode strategy consumes: the CTC
+  log-probs always, and with ``hidden=True`` the encoder's hidden states (the CTC
+  head's input), which attention rescoring keeps for its second pass. Graphed,
+  they land in the width's captured outputs (static per width); eager, in fresh
+  tensors. Either way nothing hooks into the model: a graph replay runs no Python.
+* **Readback.** The outputs come back through one ``non_blocking`` copy each into
+  pinned host buffers and one event; ``log_probs(width)`` / ``hidden(width)`` wait
+  on the event when the host needs them (the decoder, rescoring), not before.
 
 Graphs (``graphs=True``) are captured at construction for every width, with
 the padding lane as every row (lengths 0), so capture advances no stream. The
@@ -70,8 +76,10 @@ class FastModelTick:
     config's device; a CPU device is refused there). Tests pass a stand-in.
     """
 
-    def __init__(self, model, att, cnn, states, ops, config, graphs: bool = False, capture=None):
+    def __init__(self, model, att, cnn, states, ops, config, graphs: bool = False, capture=None,
+                 hidden: bool = False):
         mc = model.config
+        self.with_hidden = bool(hidden)
         self.model, self.att, self.cnn, self.states, self.ops = model, att, cnn, states, ops
         self.config = config
         self.widths = engine_widths(config.max_batch_size)
@@ -87,6 +95,10 @@ class FastModelTick:
         self._host_meta = torch.zeros((rows, 2), dtype=torch.int64, pin_memory=on_cuda)
         self._host_log_probs = torch.zeros((rows, self.output_frames, mc.vocab_size), dtype=dtype,
                                            pin_memory=on_cuda)
+        self._host_hidden = None
+        if self.with_hidden:
+            self._host_hidden = torch.zeros((rows, self.output_frames, mc.hidden_dim), dtype=dtype,
+                                            pin_memory=on_cuda)
         self._uploaded = torch.cuda.Event() if on_cuda else None
         self._read_back = torch.cuda.Event() if on_cuda else None
         self._batches = {}
@@ -123,7 +135,8 @@ class FastModelTick:
 
     def pinned_host_tensors(self) -> list[torch.Tensor]:
         """The host buffers that cross to and from the device (pinned on CUDA)."""
-        return [self._host_xs, self._host_meta, self._host_log_probs]
+        hidden = [self._host_hidden] if self.with_hidden else []
+        return [self._host_xs, self._host_meta, self._host_log_probs, *hidden]
 
     def static_buffers(self, width: int) -> list[torch.Tensor]:
         """Every device tensor a step at ``width`` reads besides the pool and the table buffers."""
@@ -143,6 +156,15 @@ class FastModelTick:
             self._read_back.synchronize()
         return self._host_log_probs[:width].to(torch.float32, copy=True)
 
+    def hidden(self, width: int) -> torch.Tensor:
+        """The last tick's ``(w, T, hidden_dim)`` encoder output as a fresh float32 CPU tensor (waits for the
+        copy); only with ``hidden=True``."""
+        if not self.with_hidden:
+            raise ValueError("FastModelTick.hidden: this tick was built with hidden=False (it returns log-probs only)")
+        if self._read_back is not None:
+            self._read_back.synchronize()
+        return self._host_hidden[:width].to(torch.float32, copy=True)
+
     # ---- device side --------------------------------------------------------------------------
     def _plan(self, views: list, width: int) -> list:
         """The views with the worst-case maxima: launch parameters fixed per width.
@@ -158,10 +180,11 @@ class FastModelTick:
         return plan
 
     def _step(self, width: int):
-        """The capture-safe step at ``width``: static batch in, ``(log_probs, chunk_lens, new_cnn, new_tails)``."""
+        """The capture-safe step at ``width``: static batch in, ``(log_probs, chunk_lens, new_cnn, new_tails)``
+        and with ``hidden`` the encoder output as a fifth item."""
         b = self._batches[width]
         return self.model.paged_chunk_core(b.xs, b.meta[:, 0], b.meta[:, 1], self._plans[width], b.cnn, b.tails,
-                                           self.ops)
+                                           self.ops, **({"with_hidden": True} if self.with_hidden else {}))
 
     def run(self, cohort: list, width: int) -> None:
         """One model step for ``cohort`` padded to ``width`` (host inputs filled); issues the readback."""
@@ -177,10 +200,12 @@ class FastModelTick:
             v = views[spec.name]
             torch.index_select(v.buffer, spec.slot_axis, v.index, out=out)
         torch.index_select(cnn_view.buffer, cnn_view.spec.slot_axis, cnn_view.index, out=b.cnn)
-        log_probs, _, new_cnn, new_tails = self.runner.replay(width) if self.runner else self._step(width)
+        log_probs, _, new_cnn, new_tails, *hidden = self.runner.replay(width) if self.runner else self._step(width)
         for spec, tail in zip(self.specs, new_tails, strict=True):
             views[spec.name].scatter(tail)
         cnn_view.scatter(new_cnn)
         self._host_log_probs[:width].copy_(log_probs, non_blocking=True)
+        if hidden:
+            self._host_hidden[:width].copy_(hidden[0], non_blocking=True)
         if self._read_back is not None:
             self._read_back.record()

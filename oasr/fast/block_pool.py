@@ -45,6 +45,8 @@ from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
 from oasr.fast.staging import Stager
 from oasr.validate import check_count, gather_range
 
+_FEW_IDS = 16  # free_array takes the element loop up to this many ids
+
 
 def _id_array(block_ids) -> tuple[list, np.ndarray]:
     """``block_ids`` as Python ints (for messages) and as int64 (an id past int64 becomes -1: out of range)."""
@@ -232,11 +234,15 @@ class BlockPool:
         owner = self._owners.check("share", owner)
         with self._lock:
             if ids.size:
-                in_range = (ids >= 0) & (ids < self.num_blocks)
-                safe = np.where(in_range, ids, 0)
-                bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner)
-                if bad.any():
-                    i = given[int(np.argmax(bad))]
+                if ids.size <= _FEW_IDS:  # a few ids: element checks, then one scatter (repeats: add.at)
+                    n = self.num_blocks
+                    bad = [not 0 <= i < n or self._is_free[i] or self._owner[i] != owner for i in given]
+                else:
+                    in_range = (ids >= 0) & (ids < self.num_blocks)
+                    safe = np.where(in_range, ids, 0)
+                    bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner)
+                if any(bad) if isinstance(bad, list) else bad.any():
+                    i = given[bad.index(True) if isinstance(bad, list) else int(np.argmax(bad))]
                     if not 0 <= i < self.num_blocks:
                         raise ValueError(f"BlockPool.share: block id {i} outside [0, {self.num_blocks})")
                     if self._is_free[i]:
@@ -245,7 +251,10 @@ class BlockPool:
                     raise ValueError(f"BlockPool.share: block {i} is held by "
                                      f"{self._owners.name(int(self._owner[i]))}, not by {self._owners.name(owner)}; "
                                      f"blocks are shared within one owner")
-                np.add.at(self._refs, ids, 1)
+                if len(set(given)) < len(given):
+                    np.add.at(self._refs, ids, 1)
+                else:  # no repeats: a plain scatter (np.add.at is several times slower on small arrays)
+                    self._refs[ids] += 1
                 if self._parked:
                     for i in given:
                         self._parked.pop(i, None)  # a parked block taken back
@@ -265,19 +274,29 @@ class BlockPool:
         owner = self._owners.check("free", owner)
         with self._lock:
             n, k = self.num_blocks, ids.size
+            if k <= _FEW_IDS:  # a few ids (a row's pages): a plain loop beats ~20 vector ops of setup
+                self._free_few(ids.tolist(), as_given, owner)
+                return
             if k:
                 in_range = (ids >= 0) & (ids < n)
                 safe = np.where(in_range, ids, 0)
                 times = 1  # how often each id is given; more than its holders is a double free (a parked
-                if k > 1:  # block has none), as in the reference's loop
+                repeats = False  # block has none), as in the reference's loop
+                if k > 1:
+                    ordered = np.sort(safe)
+                    repeats = bool((ordered[1:] == ordered[:-1]).any())  # cheaper than unique when none repeat
+                if repeats:
                     _, where, counts = np.unique(safe, return_inverse=True, return_counts=True)
                     times = counts[where]
                 bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner) | (times > self._refs[safe])
                 if bad.any():
                     self._raise_free_error(ids.tolist() if as_given is None else as_given, owner)
-                np.subtract.at(self._refs, ids, 1)
+                if repeats:
+                    np.subtract.at(self._refs, ids, 1)
+                else:
+                    self._refs[ids] -= 1
                 done = self._refs[ids] == 0
-                if k > 1:  # a repeated id reaches 0 at its last place
+                if repeats:  # a repeated id reaches 0 at its last place
                     position = np.arange(k)
                     self._last_place[ids] = position
                     done &= self._last_place[ids] == position
@@ -288,6 +307,24 @@ class BlockPool:
                         self._parked[i] = None
                     ids = ids[~park]
             self._push_free(ids)
+
+    def _free_few(self, given: list, as_given: list | None, owner: int) -> None:
+        """``free_array`` for a few ids, element by element: the same checks, order and effect."""
+        n, seen = self.num_blocks, {}
+        for i in given:
+            if not 0 <= i < n or self._is_free[i] or self._owner[i] != owner or seen.get(i, 0) >= self._refs[i]:
+                self._raise_free_error(given if as_given is None else as_given, owner)
+            seen[i] = seen.get(i, 0) + 1
+        freed = []
+        for i in given:  # a repeated id reaches 0 at its last place, as in the vectorised path
+            self._refs[i] -= 1
+            if self._refs[i] == 0:
+                if self._keyed[i]:
+                    self._parked[i] = None
+                else:
+                    freed.append(i)
+        if freed:
+            self._push_free(np.array(freed, dtype=np.int64))
 
     def _raise_free_error(self, ids: list, owner: int) -> None:
         """The reference's validation loop, run only to raise its error for the first bad id."""

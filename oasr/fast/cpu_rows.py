@@ -172,3 +172,56 @@ def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: fl
         else:
             out[b, :, :n] = torch.bmm(probs, v).view(H, n, D)
     return out
+
+
+# Decode steps (one query frame per row) over short spans: one batched pass for all rows beats the
+# row loop's few ops per row once there are several rows (a beam, a batch of decoder rows).
+DECODE_BATCH_MIN_ROWS = 2
+DECODE_BATCH_MAX_SPAN = 128
+
+
+def use_decode_batch(cache: PagedKVCache, rows: int, num_frames: int) -> bool:
+    """Whether a call takes ``attend_decode_batch`` (host-known sizes only; no read)."""
+    return (num_frames == 1 and rows >= DECODE_BATCH_MIN_ROWS and not cache.quantized
+            and cache.max_span + 1 <= DECODE_BATCH_MAX_SPAN)
+
+
+def attend_decode_batch(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: float,
+                        causal: bool) -> torch.Tensor:
+    """``attend_rows`` for one query frame per row (``T == 1``), all rows in one pass.
+
+    Every row's keys ``[seqstart, seqlen + 1)`` are gathered into a padded ``(B, L, Hkv, D)`` (one
+    ``index_select`` each for K and V, slots from one broadcast); padding keys are masked out of the
+    scores and zeroed in V (the pool may hold NaN there, and 0 * NaN is NaN); a row with no key (its
+    length 0, or nothing in range) gets zeros, like the reference. With one query at position
+    ``seqlen``, causal and non-causal read the same keys.
+    """
+    B, H, T, D = q.shape
+    Hkv = cache.n_kv_head
+    G = H // Hkv
+    seqlens, starts = cache.cache_seqlens.tolist(), cache.cache_seqstarts.tolist()
+    ends = [s + n if n else 0 for s, n in zip(seqlens, lens, strict=True)]  # a row without its query: no keys
+    L = max(ends)
+    out_dtype = q.dtype
+    if L <= 0:
+        return torch.zeros_like(q)
+    slots = _slots(cache, L)[:, :L]  # (B, L) physical slots; columns past a row's table are masked below
+    k_flat, v_flat = cache.k_cache.view(-1, Hkv, D), cache.v_cache.view(-1, Hkv, D)
+    k = k_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D)
+    v = v_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D)
+    key = torch.arange(L)
+    ok = (key[None, :] < torch.tensor(ends)[:, None]) & (key[None, :] >= torch.tensor(starts)[:, None])  # (B, L)
+    if k.dtype != torch.float32:
+        k, v = k.float(), v.float()
+    v = v.masked_fill_(~ok[:, :, None, None], 0.0)
+    k = k.transpose(1, 2).reshape(B * Hkv, L, D)  # one small copy: (B * Hkv, L, D) for the batched matmuls
+    v = v.transpose(1, 2).reshape(B * Hkv, L, D)
+    qf = q.float().reshape(B * Hkv, G, D)  # query head h = kv_head * G + g
+    scores = torch.bmm(qf, k.transpose(1, 2)).mul_(scale).view(B, Hkv, G, L)
+    scores = scores.masked_fill_(~ok[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1)
+    empty = ~ok.any(dim=1)  # (B,) rows with no key
+    if bool(empty.any()):
+        probs = probs.masked_fill_(empty[:, None, None, None], 0.0)
+    out = torch.bmm(probs.view(B * Hkv, G, L), v)  # (B * Hkv, G, D)
+    return out.view(B, H, 1, D).to(out_dtype)

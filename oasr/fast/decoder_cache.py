@@ -32,6 +32,8 @@ tensor), before the step's ``append_kv``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -54,6 +56,7 @@ from oasr.decoder_common import (
 )
 from oasr.decoder_config import DecoderCacheConfig
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
+from oasr.fast.backend import resolve_backend
 from oasr.fast.block_pool import BlockPool
 from oasr.fast.paged_ops import append_kv, check_fp8_supported, quantize_fp8
 from oasr.fast.staging import Stager
@@ -89,13 +92,13 @@ class DecoderKVCacheManager:
         self._cross_ceiling = np.zeros(R, dtype=np.int64)
         self._requests: list = [None] * R
         self._admitted = np.zeros(R, dtype=bool)
+        self._dirty = np.zeros(R, dtype=bool)  # rows whose device mirror is stale (see _flush)
         self.self_table = torch.full((R, SW), null, dtype=_I32, device=device)
         self.cross_table = torch.full((R, CW), null, dtype=_I32, device=device)
         self._meta = torch.zeros((2, R), dtype=_I32, device=device)
         self._zeros = torch.zeros(R, dtype=_I32, device=device)
         self._ones = torch.ones(R, dtype=_I32, device=device)
         self._stager = Stager([(R, _I64), (R * SW, _I32), (R * CW, _I32), (2 * R, _I32)], device)
-        self._cohort_stager = Stager([(R, _I64)], device)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
 
@@ -121,19 +124,34 @@ class DecoderKVCacheManager:
         return ids
 
     # ---- device mirror ------------------------------------------------------------
-    def _sync(self, ids: np.ndarray) -> torch.Tensor:
-        """One staged copy of the rows' tables and lengths into the persistent device tensors;
-        returns the rows as a device index."""
-        B = ids.size
-        meta = np.concatenate([self._length[ids], np.maximum(self._cross_length[ids] - 1, 0)])
+    def _sync(self, ids) -> None:
+        """Mark the rows' device mirror stale; the next device read (``_flush``) copies them, so a row
+        changed by several host ops between two reads (admit, admit_prompt, finish ...) costs one copy."""
+        self._dirty[ids] = True
+
+    def _flush(self, ids: np.ndarray | None = None) -> torch.Tensor | None:
+        """One staged copy of every stale row's tables and lengths into the persistent device tensors,
+        before anything on the device reads them. With ``ids`` (rows about to be read, unique) the same
+        copy carries them first and their device index is returned."""
+        if ids is None:
+            rows = np.flatnonzero(self._dirty)
+            if not rows.size:
+                return None
+        else:
+            self._dirty[ids] = False  # they go first, whether stale or not
+            stale = np.flatnonzero(self._dirty)
+            rows = np.concatenate([ids, stale]) if stale.size else ids
+        B = rows.size
+        meta = np.concatenate([self._length[rows], np.maximum(self._cross_length[rows] - 1, 0)])
         rows_d, self_d, cross_d, meta_d = self._stager.stage(
-            ids, self._self_table[ids], self._cross_table[ids], meta
+            rows, self._self_table[rows], self._cross_table[rows], meta
         )
         if B:
             self.self_table.index_copy_(0, rows_d, self_d.view(B, -1))
             self.cross_table.index_copy_(0, rows_d, cross_d.view(B, -1))
             self._meta.index_copy_(1, rows_d, meta_d.view(2, B))
-        return rows_d
+        self._dirty[:] = False
+        return None if ids is None else rows_d[: ids.size]
 
     # ---- counts ---------------------------------------------------------------
     def _is_admitted(self, row) -> bool:
@@ -193,10 +211,12 @@ class DecoderKVCacheManager:
         cfg = self.config
         rows = np.flatnonzero(~self._admitted)[: len(reqs)]
         pages = np.array([cfg.pages_for(r.cross_len) for r in reqs], dtype=np.int64)
-        cross = self._take(int(pages.sum()))  # one allocation for the batch, request order
-        owner = np.repeat(rows, pages)
-        cols = np.arange(cross.size) - np.repeat(np.cumsum(pages) - pages, pages)
-        self._bind(self._cross_table, owner, cols, cross)
+        total = int(pages.sum())
+        if total:  # (a decoder without cross-attention takes none)
+            cross = self._take(total)  # one allocation for the batch, request order
+            owner = np.repeat(rows, pages)
+            cols = np.arange(cross.size) - np.repeat(np.cumsum(pages) - pages, pages)
+            self._bind(self._cross_table, owner, cols, cross)
         self._cross_held[rows] = pages
         self._ceiling[rows] = [r.self_tokens for r in reqs]
         self._cross_ceiling[rows] = [r.cross_len for r in reqs]
@@ -212,7 +232,7 @@ class DecoderKVCacheManager:
     def finish(self, row: int) -> None:
         r = self._row(row)
         self._release(r)
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
 
     def _release(self, r: int) -> None:
         """The host half of ``finish``: references dropped, the row's record cleared (no device work)."""
@@ -227,8 +247,7 @@ class DecoderKVCacheManager:
     # ---- views ------------------------------------------------------------------
     def _rows_index(self, rows, op: str) -> tuple[np.ndarray, torch.Tensor]:
         ids = np.array(check_rows(rows, self._is_admitted, op), dtype=np.int64)
-        (rows_d,) = self._cohort_stager.stage(ids)
-        return ids, rows_d
+        return ids, self._flush(ids)
 
     def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int, prepared) -> list:
         starts = self._zeros[: table.shape[0]]
@@ -271,9 +290,33 @@ class DecoderKVCacheManager:
         return self.pool.gather_kv_blocks(self._cross_table[r, : self._cross_held[r]], 0, int(self._cross_length[r]))
 
     # ---- writes -------------------------------------------------------------------
+    def _host_writes(self) -> bool:
+        """Whether writes take the host shortcut: model-dtype pages on the CPU's torch backend."""
+        cfg = self.config
+        on_cpu = cfg.device.type == "cpu"
+        return not cfg.kv_quantized and on_cpu and resolve_backend(cfg.device, self.backend) == "torch"
+
+    def _write_host(self, table: np.ndarray, rows: np.ndarray, positions: np.ndarray, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """``k, v (L, N, H, D)`` at (``rows[i]``, ``positions[i]``) of ``table``'s region: the slots from the
+        host table, one ``index_copy_`` per layer; the same bytes as ``append_kv`` writes, without views,
+        device table reads or launch validation (the callers checked the shapes)."""
+        cfg = self.config
+        page = cfg.page_size
+        slots = torch.from_numpy(table[rows, positions // page].astype(np.int64) * page + positions % page)
+        for layer, (k_pool, v_pool) in enumerate(self._layer_kv):
+            k_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, k[layer].to(k_pool.dtype))
+            v_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, v[layer].to(v_pool.dtype))
+
     def _write_row(self, table: torch.Tensor, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Tokens ``[start, start + T)`` of one row's region: one append_kv (quantize-and-scatter) per layer."""
-        (rows_d,) = self._cohort_stager.stage(np.array([row], dtype=np.int64))
+        """Tokens ``[start, start + T)`` of one row's region: one append_kv (quantize-and-scatter) per layer
+        (on the CPU with model-dtype pages, ``_write_host``)."""
+        if self._host_writes():
+            host = self._self_table if table is self.self_table else self._cross_table
+            T = k.shape[1]
+            self._write_host(host, np.full(T, row), np.arange(start, start + T), k, v)
+            return
+        rows_d = self._flush(np.array([row], dtype=np.int64))
         seqlen = torch.full((1,), start, dtype=_I32, device=self.config.device)
         held = self._held[row] if table is self.self_table else self._cross_held[row]
         views = self._views(table.index_select(0, rows_d), seqlen, start, start, [held * self.config.page_size - start])
@@ -293,7 +336,7 @@ class DecoderKVCacheManager:
         dtype = self.config.dtype
         self._write_row(self.cross_table, r, 0, k.to(dtype), v.to(dtype))
         self._cross_length[r] = T
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
 
     def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         r = self._row(row)
@@ -323,16 +366,19 @@ class DecoderKVCacheManager:
         shared = (self.pool._refs[landing] > 1) | self.pool._keyed[landing]  # shared or published
         src = landing[shared]
         need = max(0, end - held)
-        new = self._take(int(src.size) + need)
-        self.pool.copy_blocks(src, new[: src.size])
-        self._rebind(self._self_table, np.full(src.size, r), columns[shared], new[: src.size])
-        self._bind(self._self_table, np.full(need, r), np.arange(held, held + need), new[src.size :])
-        self._held[r] += need
-        self._drop(src)
-        self._sync(np.array([r], dtype=np.int64))
+        if src.size or need:  # (most extends write into pages the row already owns alone)
+            new = self._take(int(src.size) + need)
+            if src.size:
+                self.pool.copy_blocks(src, new[: src.size])
+                self._rebind(self._self_table, np.full(src.size, r), columns[shared], new[: src.size])
+            self._bind(self._self_table, np.full(need, r), np.arange(held, held + need), new[src.size :])
+            self._held[r] += need
+            if src.size:
+                self._drop(src)
+            self._sync(r)
         self._write_row(self.self_table, r, length, k, v)
         self._length[r] = length + T
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
 
     def _step_needs(self, ids: np.ndarray) -> np.ndarray:
         full = self._length[ids] >= self._ceiling[ids]
@@ -392,7 +438,12 @@ class DecoderKVCacheManager:
         ids = np.array(check_rows(rows, self._is_admitted, "append"), dtype=np.int64)
         check_step_kv(self.config, k, v, ids.size)
         self._prepare(ids)  # validates every row's ceiling before its one allocation
-        rows_d = self._sync(ids)
+        self._sync(ids)
+        if self._host_writes():  # the device mirror follows at the next read
+            self._write_host(self._self_table, ids, self._length[ids], k, v)
+            self._length[ids] += 1
+            return
+        rows_d = self._flush(ids)
         for layer, view in enumerate(self._self_views(ids, rows_d)):
             append_kv(view, k[layer][:, None], v[layer][:, None], backend=self.backend)
         self._length[ids] += 1
@@ -413,7 +464,7 @@ class DecoderKVCacheManager:
         self._bind(self._self_table, np.full(hits.size, r), np.arange(hits.size), hits, share=True)
         self._held[r] = hits.size
         self._length[r] = hits.size * self.config.page_size
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
         return int(self._length[r])
 
     def retire(self, row: int, tokens, scope=0) -> None:
@@ -448,7 +499,7 @@ class DecoderKVCacheManager:
         r = self._row(row)
         check_rewind(self.config, self, r, n)
         self._length[r] -= n
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
 
     def trim(self, row: int) -> int:
         """See the reference: the pages past ``ceil(length / page)`` go back to the pool."""
@@ -457,7 +508,7 @@ class DecoderKVCacheManager:
         tail = self._unbind(self._self_table, r, int(self._held[r]), keep)
         self._drop(tail)
         self._held[r] = min(keep, int(self._held[r]))
-        self._sync(np.array([r], dtype=np.int64))
+        self._sync(r)
         return int(tail.size)
 
     # ---- beams ----------------------------------------------------------------------
@@ -496,6 +547,42 @@ class DecoderKVCacheManager:
 
 
 class DenseDecoderKV(DenseDecoderKVBase):
-    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the fast twin's fp8 rule."""
+    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the fast twin's fp8 rule.
+
+    Its reads group the query heads of each KV head instead of repeating K and V per query head
+    (``repeat_interleave`` copies the whole cache every layer and step): ``(B * Hkv, G * T, D)``
+    queries against ``(B * Hkv, S, D)`` keys in one batched matmul each way, the same dot products
+    as the reference's. Masks as the reference's: a query with no allowed key reads zeros."""
 
     quantize = staticmethod(quantize_fp8)
+
+    @staticmethod
+    def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """q (B, nH, T, D), k/v (B, Hkv, S, D) fp32, allowed (B, T, S) -> (B, nH, T, D) in q's dtype."""
+        B, nH, T, D = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        G = nH // Hkv
+        qf = q.float().reshape(B * Hkv, G * T, D)  # head h = kv_head * G + g, rows (g, t)
+        scores = torch.bmm(qf, k.reshape(B * Hkv, S, D).transpose(1, 2)).mul_(1.0 / math.sqrt(D))
+        mask = ~allowed[:, None, None]  # (B, 1, 1, T, S)
+        scores = scores.view(B, Hkv, G, T, S).masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).masked_fill_(mask, 0.0)
+        out = torch.bmm(probs.view(B * Hkv, G * T, S), v.reshape(B * Hkv, S, D))
+        return out.view(B, nH, T, D).to(q.dtype)
+
+    def attend_self(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        T = q.shape[2]
+        end = max(self.lengths) + T
+        k = self._load(self.k, self.k_scale, layer, end)
+        v = self._load(self.v, self.v_scale, layer, end)
+        query = torch.tensor(self.lengths)[:, None] + torch.arange(T)[None, :]
+        allowed = torch.arange(end)[None, None, :] <= query[:, :, None]
+        return self._grouped(q, k, v, allowed.to(q.device))
+
+    def attend_cross(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        T = q.shape[2]
+        end = max(self.cross_lengths, default=0)
+        k = self._load(self.cross_k, self.cross_k_scale, layer, end)
+        v = self._load(self.cross_v, self.cross_v_scale, layer, end)
+        allowed = (torch.arange(end)[None, :] < torch.tensor(self.cross_lengths)[:, None])[:, None, :]
+        return self._grouped(q, k, v, allowed.expand(-1, T, -1).to(q.device))

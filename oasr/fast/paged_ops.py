@@ -240,7 +240,10 @@ def paged_attention(
     what = "query frames (q's dim 2)"
     if name == "torch":
         kernel_policy.serve_out_of_scope("paged_attention", q.device.type)
-        if cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
+        if cpu_rows.use_decode_batch(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
+            lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
+            return cpu_rows.attend_decode_batch(q, cache, lens, scale, causal)
+        if cpu_rows.use_row_loop(cache, B, T):
             lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
             return cpu_rows.attend_rows(q, cache, lens, scale, causal)
         lens = _host_lens(cache, chunk_lens, T, "paged_attention", what)

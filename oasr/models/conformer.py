@@ -467,7 +467,7 @@ class StreamingConformer(nn.Module):
     # ---- 3. a cohort, paged caches -------------------------------------------------------------
     @torch.no_grad()
     def forward_chunk_paged(self, xs: torch.Tensor, offsets, att_caches, cnn_cache: torch.Tensor,
-                            states: Mapping, input_lens=None, twin="reference"):
+                            states: Mapping, input_lens=None, twin="reference", with_hidden: bool = False):
         """One chunk for each row of a cohort, K/V through paged views.
 
         ``xs (B, T_in, input_dim)`` (rows padded with anything past their length);
@@ -479,10 +479,12 @@ class StreamingConformer(nn.Module):
         ``input_lens (B,)``: valid feature frames per row (``T_in`` by default, 0 for a
         padding row); ``twin``: whose ``append_kv`` / ``paged_attention`` to run.
 
-        Returns ``(log_probs (B, T_in // 4, vocab), chunk_lens (B,), new_cnn_cache)``.
-        Row ``b``'s frames past ``chunk_lens[b] = input_lens[b] // 4`` are garbage that
-        no valid frame reads. K/V is appended to the pool; the caller commits
-        ``chunk_lens`` to the manager and writes ``new_cnn_cache`` back.
+        Returns ``(log_probs (B, T_in // 4, vocab), chunk_lens (B,), new_cnn_cache)``, and with
+        ``with_hidden`` a fourth item, the encoder output (the CTC head's input) ``(B, T_in // 4,
+        hidden_dim)``: what an attention decoder rescoring the CTC n-best attends to. Row ``b``'s
+        frames past ``chunk_lens[b] = input_lens[b] // 4`` are garbage that no valid frame reads.
+        K/V is appended to the pool; the caller commits ``chunk_lens`` to the manager and writes
+        ``new_cnn_cache`` back.
         """
         cfg = self.config
         twin_module(twin)
@@ -496,18 +498,19 @@ class StreamingConformer(nn.Module):
         lens_in = self._lens(input_lens, B, T_in, xs.device)
         offsets = _row_values(offsets, B, None, xs.device, "forward_chunk_paged: offsets")
         tails = [states[spec.name].gather() for spec in self.streaming_state_specs]
-        log_probs, chunk_lens, new_cnn, new_tails = self.paged_chunk_core(
-            xs, offsets, lens_in, att_caches, cnn_cache, tails, twin
+        log_probs, chunk_lens, new_cnn, new_tails, *hidden = self.paged_chunk_core(
+            xs, offsets, lens_in, att_caches, cnn_cache, tails, twin, with_hidden=with_hidden
         )
         if log_probs.shape[1] == 0:
-            return log_probs, chunk_lens, cnn_cache
+            return log_probs, chunk_lens, cnn_cache, *hidden
         for spec, tail in zip(self.streaming_state_specs, new_tails, strict=True):
             states[spec.name].scatter(tail)
-        return log_probs, chunk_lens, new_cnn
+        return log_probs, chunk_lens, new_cnn, *hidden
 
     @torch.no_grad()
     def paged_chunk_core(self, xs: torch.Tensor, offsets: torch.Tensor, input_lens: torch.Tensor, att_caches,
-                         cnn_cache: torch.Tensor, tails: list, twin="reference", num_splits: int | None = None):
+                         cnn_cache: torch.Tensor, tails: list, twin="reference", num_splits: int | None = None,
+                         with_hidden: bool = False):
         """The body of ``forward_chunk_paged``, device tensors in and out: what a CUDA graph captures.
 
         ``xs (B, T_in, input_dim)``; ``offsets``, ``input_lens``: ``(B,)`` int64 on ``xs``'s device,
@@ -517,8 +520,9 @@ class StreamingConformer(nn.Module):
         gathered. ``num_splits`` pins the fast twin's attention split count (None: the launcher's
         choice from the views' ``max_span``; only given for the fast twin).
 
-        Returns ``(log_probs, chunk_lens, new_cnn_cache, new_tails)`` and writes nothing but the
-        chunk's K/V into the pool. Nothing here synchronises with the host, reads host data or makes a
+        Returns ``(log_probs, chunk_lens, new_cnn_cache, new_tails)``, with ``with_hidden`` a fifth
+        item ``hidden (B, T_in // 4, hidden_dim)`` (the CTC head's input, for a second pass), and writes
+        nothing but the chunk's K/V into the pool. Nothing here synchronises with the host, reads host data or makes a
         shape from values: every shape follows from ``B`` and ``T_in`` (``CaptureSafetyChecker`` checks).
         """
         cfg = self.config
@@ -527,7 +531,8 @@ class StreamingConformer(nn.Module):
         x, chunk_lens, new_tails = self.subsample(xs, tails, input_lens)
         T = x.shape[1]
         if T == 0:
-            return self._empty_output(B, xs), chunk_lens, cnn_cache, list(tails)
+            hidden = [x] if with_hidden else []
+            return self._empty_output(B, xs), chunk_lens, cnn_cache, list(tails), *hidden
         cos, sin = self._cos_sin(offsets[:, None] + torch.arange(T, device=xs.device)[None, :])
         lens32 = chunk_lens.to(torch.int32)
         split_kwargs = {} if num_splits is None else {"num_splits": num_splits}
@@ -543,4 +548,5 @@ class StreamingConformer(nn.Module):
 
             x, extended = layer(x, cos, sin, attend, cnn_cache[i])
             new_cnn.append(last_valid_frames(extended, chunk_lens, cfg.kernel_size - 1))
-        return self._head(x), chunk_lens, torch.stack(new_cnn), new_tails
+        hidden = [x] if with_hidden else []
+        return self._head(x), chunk_lens, torch.stack(new_cnn), new_tails, *hidden
