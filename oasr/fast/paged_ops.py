@@ -180,6 +180,9 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
     check_kv_chunk(cache, k, v)
     name = resolve_backend(k.device, backend)
     B, T = k.shape[:2]
+    if B == 0:  # an empty cohort writes nothing (checked like any other; no row path, no launch)
+        _host_lens(cache, chunk_lens, T, "append_kv")
+        return
     if name == "torch":
         if cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
             cpu_rows.append_kv_rows(cache, k, v, _host_lens_list(cache, chunk_lens, T, "append_kv"))
@@ -235,6 +238,9 @@ def paged_attention(
     B, n_head, T, D = q.shape
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     what = "query frames (q's dim 2)"
+    if B == 0:  # an empty cohort: an empty output (checked like any other; no row path, no launch)
+        _host_lens(cache, chunk_lens, T, "paged_attention", what)
+        return torch.zeros_like(q)
     if name == "torch":
         if cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
             lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
