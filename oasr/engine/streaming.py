@@ -3,8 +3,9 @@
 Works with either twin (``twin="reference"`` or ``"fast"``); it only calls the
 managers' public API and the model's ``forward_chunk_paged``. One tick::
 
-    1. admit    waiting streams, shortest buffered input first but any stream that has
-                waited ``max_wait_time`` ticks ahead of newer ones (``admission_order``),
+    1. admit    resumed streams first (input or not), then waiting streams, shortest
+                buffered input first but any stream that has waited
+                ``max_wait_time`` ticks ahead of newer ones (``admission_order``),
                 while a slot is free and the pool can still hold one more stream's
                 worst case (``blocks_per_stream``)
     2. pick     active streams holding a whole chunk (4 * chunk_size feature frames)
@@ -673,7 +674,8 @@ class StreamingEngine:
         return data
 
     def resume(self, data, stream_id=None):
-        """Add a suspended stream back; it waits for admission like a new one and carries its state.
+        """Add a suspended stream back; it carries its state and is admitted ahead of new arrivals, as
+        soon as there is room, whether or not it has input yet (module docstring).
 
         ``data`` is verified whole first (``oasr.session.read_session``: truncated, corrupt or
         foreign bytes raise ``SessionError`` naming what differs), then against this engine:
