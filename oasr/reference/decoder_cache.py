@@ -32,6 +32,11 @@ Invariants (tests check them after every operation):
   * a row holds ``ceil(length / page)`` or one more (prepared) self pages and
     exactly ``ceil(cross_len / page)`` cross pages;
   * every public method validates everything before it changes anything.
+
+Row ids are ints; a numpy integer is taken by its value (ids read back from an
+array work), a bool or any other type is refused with ``ValueError`` (``True``
+is not row 1), and an int that is not an admitted row is a ``KeyError``. The
+same holds for ``select``'s indices and a decode group's row positions.
 """
 
 from __future__ import annotations
