@@ -127,6 +127,9 @@ class DenseDecoderKV:
                 raise ValueError(f"write: {name} is {t.dtype}, the decoder serves {cfg.dtype} (no silent conversion)")
 
     def prefill(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write row ``b``'s prompt K/V ``(L, T, n_kv_head, head_dim)`` into its empty buffer (``ValueError``
+        otherwise).
+        """
         b = self._check_row(b, "prefill")
         T = check_kv(self.config, k, v, "prefill", (), convert=False)
         if self.lengths[b]:
@@ -267,9 +270,11 @@ class PagedDecoderKV:
         return {} if self.backend is None else {"backend": self.backend}
 
     def prefill(self, b: int, k, v) -> None:
+        """Write row ``b``'s prompt K/V through the manager (see ``DecoderKVCacheManager.prefill``)."""
         self.manager.prefill(self.rows[group_row(b, self.batch_size, "prefill")], k, v)
 
     def fill_cross(self, b: int, k, v) -> None:
+        """Write row ``b``'s cross-attention K/V through the manager; the cached cross views are rebuilt."""
         self.manager.fill_cross(self.rows[group_row(b, self.batch_size, "fill_cross")], k, v)
         self._cross = None
 
@@ -299,6 +304,7 @@ class PagedDecoderKV:
         return out.reshape(B, nH, T, D)
 
     def gather_self(self, b: int) -> torch.Tensor:
+        """Row ``b``'s self-attention K/V, all layers, as one dense tensor (for checks)."""
         return self.manager.gather_self(self.rows[group_row(b, self.batch_size, "gather_self")])
 
     def select(self, idx) -> PagedDecoderKV:

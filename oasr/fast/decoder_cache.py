@@ -153,6 +153,7 @@ class DecoderKVCacheManager:
         return int((~self._admitted).sum())
 
     def row_pages(self, row: int) -> RowPages:
+        """``RowPages`` of an admitted row: its self and cross page ids, length and ceiling."""
         row = self._row(row, "row_pages")
         return RowPages(tuple(self._self_table[row, : self._held[row]].tolist()),
                         tuple(self._cross_table[row, : self._cross_held[row]].tolist()),
@@ -172,6 +173,7 @@ class DecoderKVCacheManager:
         return self.pool.num_free_blocks - self.reserved_blocks
 
     def describe(self, row: int) -> DecoderRowInfo:
+        """``DecoderRowInfo`` of an admitted row: pages, lengths and ceilings (``KeyError`` otherwise)."""
         r = self._row(row, "describe")
         return DecoderRowInfo(r, tuple(self._self_table[r, : self._held[r]].tolist()),
                               tuple(self._cross_table[r, : self._cross_held[r]].tolist()),
@@ -179,6 +181,7 @@ class DecoderKVCacheManager:
                               int(self._cross_ceiling[r]))
 
     def length(self, row: int) -> int:
+        """Tokens the row holds (``KeyError`` unless admitted)."""
         return int(self._length[self._row(row, "length")])
 
     # ---- admission --------------------------------------------------------------
@@ -211,6 +214,7 @@ class DecoderKVCacheManager:
         return rows.tolist()
 
     def finish(self, row: int) -> None:
+        """Release the row: its pages go back to the pool (``KeyError`` unless admitted)."""
         r = self._row(row, "finish")
         self._release(r)
         self._sync(np.array([r], dtype=np.int64))
@@ -264,10 +268,12 @@ class DecoderKVCacheManager:
         return (self._cross_length[ids] > 0).astype(np.int64).tolist()
 
     def gather_self(self, row: int) -> torch.Tensor:
+        """The row's self-attention K/V, all layers, as one dense tensor (for checks)."""
         r = self._row(row, "gather_self")
         return self.pool.gather_kv_blocks(self._self_table[r, : self._held[r]], 0, int(self._length[r]))
 
     def gather_cross(self, row: int) -> torch.Tensor:
+        """The row's cross-attention K/V, all layers, as one dense tensor (for checks)."""
         r = self._row(row, "gather_cross")
         return self.pool.gather_kv_blocks(self._cross_table[r, : self._cross_held[r]], 0, int(self._cross_length[r]))
 
@@ -297,6 +303,7 @@ class DecoderKVCacheManager:
         self._sync(np.array([r], dtype=np.int64))
 
     def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write an empty row's prompt K/V ``(L, T, n_kv_head, head_dim)`` (``ValueError`` past its ceiling)."""
         r = self._row(row, "prefill")
         T = check_kv(self.config, k, v, "prefill", (), convert=False)
         if self._length[r]:

@@ -136,6 +136,7 @@ class DecoderKVCacheManager:
         return len(self._free_rows)
 
     def row_pages(self, row: int) -> RowPages:
+        """``RowPages`` of an admitted row: its self and cross page ids, length and ceiling."""
         row, r = self._row(row, "row_pages")
         return RowPages(tuple(r.self_blocks), tuple(r.cross_blocks), r.length, r.request.self_tokens)
 
@@ -154,11 +155,13 @@ class DecoderKVCacheManager:
         return self.pool.num_free_blocks - self.reserved_blocks
 
     def describe(self, row: int) -> DecoderRowInfo:
+        """``DecoderRowInfo`` of an admitted row: pages, lengths and ceilings (``KeyError`` otherwise)."""
         row, r = self._row(row, "describe")
         return DecoderRowInfo(row, tuple(r.self_blocks), tuple(r.cross_blocks), r.length, r.cross_length,
                               r.request.self_tokens, r.request.cross_len)
 
     def length(self, row: int) -> int:
+        """Tokens the row holds (``KeyError`` unless admitted)."""
         return self._row(row, "length")[1].length
 
     # ---- admission --------------------------------------------------------------
@@ -243,6 +246,7 @@ class DecoderKVCacheManager:
         return self.pool.gather_kv_blocks(r.self_blocks, 0, r.length)
 
     def gather_cross(self, row: int) -> torch.Tensor:
+        """The row's cross-attention K/V, all layers, as one dense tensor (for checks)."""
         row, r = self._row(row, "gather_cross")
         return self.pool.gather_kv_blocks(r.cross_blocks, 0, r.cross_length)
 
