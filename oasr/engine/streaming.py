@@ -776,6 +776,7 @@ class StreamingEngine:
     # ---- lifetime ----------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` has run: the engine holds no model and runs no more ticks."""
         return self.model is None
 
     def _check_open(self) -> None:
