@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
@@ -108,12 +109,29 @@ def judge(config: DecoderCacheConfig, requests: list[DecoderRequest], free_rows:
     return Admission(True, "", need)
 
 
+def as_index(value, what: str, op: str) -> int:
+    """``value`` as a Python int: an ``int`` or a numpy integer (taken by its value, so ids read back
+    from numpy arrays work); anything else, bools included (``True`` is not row 1), is a ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{op}: {what} must be ints (or numpy integers), got {value!r}")
+    return int(value)
+
+
+def check_row(row, admitted, op: str) -> int:
+    """One admitted row id as an int (``as_index``): ValueError for a non-integer, KeyError when the row
+    is not admitted (``admitted(row) -> bool``)."""
+    r = as_index(row, "row ids", op)
+    if not admitted(r):
+        raise KeyError(f"{op}: row {r} is not admitted (never admitted, or finished)")
+    return r
+
+
 def check_rows(rows, admitted, op: str, unique: bool = True) -> list[int]:
-    """``rows`` as a list of admitted row ids (``admitted(row) -> bool``); ValueError / KeyError otherwise."""
-    ids = list(rows) if isinstance(rows, (list, tuple)) else [rows]
+    """``rows`` (one id, or a list or tuple of them) as a list of admitted row ids, each an int
+    (``check_row``); a repeated row is a ValueError."""
+    given = list(rows) if isinstance(rows, (list, tuple)) else [rows]
+    ids = [as_index(r, "row ids", op) for r in given]  # every type first, then admission
     for r in ids:
-        if isinstance(r, bool) or not isinstance(r, int):
-            raise ValueError(f"{op}: row ids must be ints, got {r!r}")
         if not admitted(r):
             raise KeyError(f"{op}: row {r} is not admitted (never admitted, or finished)")
     if unique and len(set(ids)) != len(ids):
@@ -183,8 +201,9 @@ def reserved_pages(config: DecoderCacheConfig, rows, pinned=()) -> int:
 
 
 def select_sources(ids: list[int], idx) -> list[int]:
-    """The source row of each position of ``select(rows, idx)``; an index out of range raises."""
-    picks = [int(i) for i in idx]
+    """The source row of each position of ``select(rows, idx)``: each index an int or a numpy integer
+    (``as_index``: ``1.5`` or ``True`` is refused, not read as 1); an index out of range raises."""
+    picks = [as_index(i, "indices", "select") for i in idx]
     bad = [i for i in picks if not 0 <= i < len(ids)]
     if bad:
         raise ValueError(f"select: index {bad[0]} outside [0, {len(ids)})")
@@ -198,6 +217,8 @@ def plan_select(config: DecoderCacheConfig, manager, ids: list[int], idx) -> tup
     ``pinned_blocks()``. A repeated source becomes a fork in a fresh row (sharing every page); the
     select is refused when the forks need more rows than are free after the dropped rows finish, or
     when the copies the forks owe do not fit the free blocks after the dropped rows' pages return.
+    A page only dropped rows hold returns whether it goes to the free list or parks (a published
+    page): parked pages count as free, as in ``pool.num_free_blocks``.
     """
     sources = select_sources(ids, idx)
     dropped = [r for r in ids if r not in sources]
@@ -209,7 +230,7 @@ def plan_select(config: DecoderCacheConfig, manager, ids: list[int], idx) -> tup
     before = [manager.row_pages(r) for r in manager.rows]
     after = [manager.row_pages(r) for r in sources + others]
     pinned = manager.pinned_blocks()
-    held_after = set(pinned)
+    held_after = set()  # a pinned page no kept row holds parks, and parked pages count as free
     for r in after:
         held_after.update(r.self_blocks + r.cross_blocks)
     freed = {b for r in before for b in r.self_blocks + r.cross_blocks} - held_after

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from oasr.decoder_common import check_cross_fill, check_kv, select_sources
+from oasr.decoder_common import as_index, check_cross_fill, check_kv, check_step_kv, select_sources
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 
 
@@ -50,6 +50,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
     return (probs @ vh).to(q.dtype)
+
+
+def group_row(b, batch: int, op: str) -> int:
+    """Position ``b`` in a group of ``batch`` rows, as an int: an int or a numpy integer (never a bool,
+    which would read as 0 or 1), ValueError otherwise; KeyError outside ``[0, batch)``."""
+    b = as_index(b, "group rows", op)
+    if not 0 <= b < batch:
+        raise KeyError(f"{op}: row {b} outside the group's [0, {batch})")
+    return b
 
 
 class DenseDecoderKV:
@@ -98,12 +107,30 @@ class DenseDecoderKV:
         return x.float() * scales[layer][:, :, :end, None]
 
     # ---- writes ---------------------------------------------------------------------
-    def _check_row(self, b: int, op: str) -> None:
-        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch_size:
-            raise KeyError(f"{op}: row {b!r} outside the group's [0, {self.batch_size})")
+    def _check_row(self, b, op: str) -> int:
+        return group_row(b, self.batch_size, op)
+
+    def _check_step_kv(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write``'s arguments before anything is stored: a layer index, ``(B, 1, H, D)`` in the model dtype."""
+        L = self.config.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
+            raise ValueError(f"write: layer must be an int in [0, {L}), got {layer!r}")
+        cfg = self.config
+        want = (self.batch_size, 1, cfg.n_kv_head, cfg.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"write: {name} must be (B, 1, H, D) = {want}, got {got}")
+            if t.device != cfg.device:
+                raise ValueError(f"write: {name} is on {t.device}, the group on {cfg.device}")
+            if t.dtype != cfg.dtype:
+                raise ValueError(f"write: {name} is {t.dtype}, the decoder serves {cfg.dtype} (no silent conversion)")
 
     def prefill(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._check_row(b, "prefill")
+        """Write row ``b``'s prompt K/V ``(L, T, n_kv_head, head_dim)`` into its empty buffer (``ValueError``
+        otherwise).
+        """
+        b = self._check_row(b, "prefill")
         T = check_kv(self.config, k, v, "prefill", (), convert=False)
         if self.lengths[b]:
             raise ValueError(f"prefill: row {b} already holds {self.lengths[b]} tokens; prefill an empty row")
@@ -116,7 +143,7 @@ class DenseDecoderKV:
 
     def fill_cross(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Same rules as the manager's: idempotent same-length refill, converted dtype."""
-        self._check_row(b, "fill_cross")
+        b = self._check_row(b, "fill_cross")
         T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
         check_cross_fill(b, T, self.cross_capacity, self.cross_lengths[b])
         dtype = self.config.dtype
@@ -131,7 +158,10 @@ class DenseDecoderKV:
             raise ValueError(f"row {full[0]} is at the group's capacity of {self.capacity} tokens")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """This step's ``k, v (B, 1, H, D)`` at each row's length (one quantize-and-scatter per layer)."""
+        """This step's ``k, v (B, 1, H, D)`` at each row's length (one quantize-and-scatter per layer).
+        The shape, dtype (the model's: no silent conversion) and device are checked first: a
+        ``ValueError`` stores nothing."""
+        self._check_step_kv(layer, k, v)
         rows = torch.arange(self.batch_size, device=k.device)
         pos = torch.tensor(self.lengths, device=k.device)
         self._store(self.k, self.k_scale, layer, rows, pos, k[:, 0])
@@ -141,7 +171,9 @@ class DenseDecoderKV:
         self.lengths = [n + 1 for n in self.lengths]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One token for every row, ``k, v (L, B, H, D)``."""
+        """One token for every row, ``k, v (L, B, H, D)`` in the model dtype, checked whole before any
+        layer is written (``ValueError``, nothing stored)."""
+        check_step_kv(self.config, k, v, self.batch_size)
         self.begin_step()
         for layer in range(self.config.num_layers):
             self.write(layer, k[layer][:, None], v[layer][:, None])
@@ -170,6 +202,7 @@ class DenseDecoderKV:
 
     def gather_self(self, b: int) -> torch.Tensor:
         """Row b's self K/V as packed ``(L, H, length, 2D)`` in the model dtype (the manager's format)."""
+        b = self._check_row(b, "gather_self")
         n = self.lengths[b]
         out = []
         for layer in range(self.config.num_layers):
@@ -237,10 +270,12 @@ class PagedDecoderKV:
         return {} if self.backend is None else {"backend": self.backend}
 
     def prefill(self, b: int, k, v) -> None:
-        self.manager.prefill(self.rows[b], k, v)
+        """Write row ``b``'s prompt K/V through the manager (see ``DecoderKVCacheManager.prefill``)."""
+        self.manager.prefill(self.rows[group_row(b, self.batch_size, "prefill")], k, v)
 
     def fill_cross(self, b: int, k, v) -> None:
-        self.manager.fill_cross(self.rows[b], k, v)
+        """Write row ``b``'s cross-attention K/V through the manager; the cached cross views are rebuilt."""
+        self.manager.fill_cross(self.rows[group_row(b, self.batch_size, "fill_cross")], k, v)
         self._cross = None
 
     def begin_step(self) -> None:
@@ -269,7 +304,8 @@ class PagedDecoderKV:
         return out.reshape(B, nH, T, D)
 
     def gather_self(self, b: int) -> torch.Tensor:
-        return self.manager.gather_self(self.rows[b])
+        """Row ``b``'s self-attention K/V, all layers, as one dense tensor (for checks)."""
+        return self.manager.gather_self(self.rows[group_row(b, self.batch_size, "gather_self")])
 
     def select(self, idx) -> PagedDecoderKV:
         """Keep and reorder rows (the others finish); a repeated index forks a row onto shared,

@@ -545,6 +545,19 @@ def _decode_engine(raw: bytes) -> EngineStream:
                         max_extent, partial, pending, log_probs, greedy_tokens, greedy_last)
 
 
+def _check_engine_frames(session: StreamSession) -> None:
+    """The engine's ``offset`` (encoder frames produced, the next chunk's absolute position) is the
+    frame count every other section keeps too: the attention section's ``total_frames`` and the CTC
+    beam's ``frames_decoded``. A session where they differ would resume at wrong positions."""
+    e = session.engine
+    if e.offset != session.kv.total_frames:
+        raise SessionError(f"engine stream section: offset {e.offset} encoder frames, the attention section has "
+                           f"seen total_frames={session.kv.total_frames}")
+    if session.beam is not None and session.beam.frames_decoded != e.offset:
+        raise SessionError(f"engine stream section: offset {e.offset} encoder frames, the CTC beam section decoded "
+                           f"frames_decoded={session.beam.frames_decoded}")
+
+
 def _decode_encoder_out(raw: bytes, g: SessionGeometry) -> torch.Tensor:
     r = _Reader(raw, "encoder output")
     frames, width = r.unpack("qI")
@@ -590,6 +603,7 @@ def read_session(data, expect: SessionGeometry | None = None) -> StreamSession:
         session.ctc_config, session.beam = _decode_beam(sections[SEC_CTC_BEAM])
     if SEC_ENGINE in sections:
         session.engine = _decode_engine(sections[SEC_ENGINE])
+        _check_engine_frames(session)
     if SEC_ENCODER_OUT in sections:
         if session.engine is None:
             raise SessionError("encoder output section (flag bit 3) without the engine stream section: only an "

@@ -232,6 +232,7 @@ class LockstepManagers(RuleBasedStateMachine):
         self.live: dict[int, int] = {}  # sid -> batch
         self.next_sid = 0
         self.seed = 0
+        self.refusals = 0  # chunks refused at max_prefix_len (both twins, state unchanged)
 
     @rule(batch=st.integers(1, 3))
     def allocate(self, batch):
@@ -244,11 +245,31 @@ class LockstepManagers(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data(), T=st.integers(0, 6))
     def decode(self, data, T):
+        """A chunk of ``T`` frames; past ``max_prefix_len`` both twins refuse it and keep their state.
+
+        A frame adds at most one token to a prefix, so a chunk can only be refused when the longest
+        kept prefix plus ``T`` passes the limit; whether it is refused then depends on the search,
+        and both twins must agree.
+        """
         sid = data.draw(st.sampled_from(sorted(self.live)))
         self.seed += 1
         lp = log_probs(self.live[sid], T, self.seed)
-        self.ref.get_decoder(sid).decode_chunk(lp)
-        self.fast.get_decoder(sid).decode_chunk(lp)
+        before = [mgr.snapshot_stream(sid) for mgr in (self.ref, self.fast)]
+        refused = []
+        for mgr in (self.ref, self.fast):
+            try:
+                mgr.get_decoder(sid).decode_chunk(lp)
+                refused.append(False)
+            except RuntimeError as err:
+                assert f"max_prefix_len={CONFIG.max_prefix_len}" in str(err) and "state is unchanged" in str(err)
+                refused.append(True)
+        assert refused[0] == refused[1], f"reference refused: {refused[0]}, fast refused: {refused[1]}"
+        if refused[0]:
+            longest = max((len(e.tokens) for row in before[0].rows for e in row), default=0)
+            assert longest + T > CONFIG.max_prefix_len
+            for mgr, snap in zip((self.ref, self.fast), before, strict=True):
+                assert mgr.snapshot_stream(sid) == snap
+            self.refusals += 1
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -3,8 +3,9 @@
 Works with either twin (``twin="reference"`` or ``"fast"``); it only calls the
 managers' public API and the model's ``forward_chunk_paged``. One tick::
 
-    1. admit    waiting streams, shortest buffered input first but any stream that has
-                waited ``max_wait_time`` ticks ahead of newer ones (``admission_order``),
+    1. admit    resumed streams first (input or not), then waiting streams, shortest
+                buffered input first but any stream that has waited
+                ``max_wait_time`` ticks ahead of newer ones (``admission_order``),
                 while a slot is free and the pool can still hold one more stream's
                 worst case (``blocks_per_stream``)
     2. pick     active streams holding a whole chunk (4 * chunk_size feature frames)
@@ -37,8 +38,12 @@ Policies (see docs/engine.md):
 * Cohort width is the next power of two of the ready streams, capped at
   ``max_batch_size`` (a non-power-of-two ``max_batch_size`` is then one more
   width). A later CUDA-graph capture needs only those few shapes.
+* A resumed stream (``resume``) is admitted before every new arrival and as soon as there
+  is room, input or not: it held a slot when it was suspended, so a suspension and resume
+  between two ticks gives it its slot back before any other stream can take it.
 * Bad input (unknown id, wrong feature shape, non-finite values, push after
-  ``end_stream``) raises before anything changes; no other stream is touched.
+  ``end_stream``, a stream id that is not an int or a str) raises before anything changes;
+  no other stream is touched.
 """
 
 from __future__ import annotations
@@ -74,9 +79,28 @@ from oasr.session import (
 from oasr.stream_context import StreamContext
 
 WAITING, ACTIVE, RESCORING, FINISHED = "waiting", "active", "rescoring", "finished"
+STREAM_ID_BITS = 64  # an int id is stored as a signed 64-bit integer in a session
 ADMISSION_POLICIES = ("length", "arrival")
 
 logger = logging.getLogger("oasr.engine")
+
+
+def check_stream_id(stream_id) -> None:
+    """A stream id is an ``int`` within signed 64 bits or a ``str`` encodable as UTF-8: the two kinds a
+    session stores (so a suspended stream comes back under its own id). ``ValueError`` otherwise: a
+    bool (it would collide with 0 and 1), a float, bytes, a tuple, a numpy integer (pass ``int(x)``)."""
+    if isinstance(stream_id, str):
+        try:
+            stream_id.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"stream id {stream_id!r}: a str id must be encodable as UTF-8") from None
+        return
+    if isinstance(stream_id, int) and not isinstance(stream_id, bool):
+        low, high = -(2 ** (STREAM_ID_BITS - 1)), 2 ** (STREAM_ID_BITS - 1)
+        if not low <= stream_id < high:
+            raise ValueError(f"stream id {stream_id}: an int id must fit in signed 64 bits [{low}, {high})")
+        return
+    raise ValueError(f"stream ids are ints or strs, got {stream_id!r} ({type(stream_id).__name__})")
 
 
 @dataclass
@@ -172,7 +196,7 @@ class StreamingEngine:
     ``admission``: ``"length"`` (default) admits ready waiting streams shortest buffered
     input first, except that a stream waiting ``max_wait_time`` ticks or more since
     ``add_stream`` goes ahead of every newer one (oldest first), so none starves;
-    ``"arrival"`` admits in arrival order.
+    ``"arrival"`` admits in arrival order. Resumed streams go first either way (module docstring).
 
     Tick budget for the autoregressive work (the rescoring jobs' decoder steps, step 9):
     at most ``decode_steps_per_tick`` steps (None: no limit) and no new step once
@@ -181,6 +205,15 @@ class StreamingEngine:
     progress. Work left over continues next tick; results do not depend on the budget
     (each job's arithmetic is its own). ``clock`` (default ``time.monotonic``, seconds)
     is what the deadline reads; tests inject a fake one.
+
+    Stream ids are ints (within 64 bits, signed) or strs (encodable as UTF-8): the ids a session
+    stores. Anything else (a bool, a float, bytes, a tuple, a larger int) is refused at
+    ``add_stream`` and ``resume`` with ``ValueError``.
+
+    ``close()`` (or leaving a ``with StreamingEngine(...) as engine:`` block) drops the engine's
+    references to the model, its model step and the rescorer; its results stay readable, and
+    every call that would run the model raises ``ValueError``. The engine adds nothing to the model
+    (no hook), so a closed or dropped engine leaves the model as it found it.
     """
 
     def __init__(self, model, config: CacheConfig, twin="fast", decoder: str = "beam",
@@ -285,6 +318,7 @@ class StreamingEngine:
 
     def push(self, stream_id, features) -> None:
         """Append ``(T, input_dim)`` feature frames, any ``T >= 0``, to a stream's input."""
+        self._check_open()
         s = self._stream(stream_id)
         if s.state == FINISHED:
             raise ValueError(f"stream {stream_id!r} has finished (finish_reason={s.finish_reason!r}); "
@@ -305,6 +339,7 @@ class StreamingEngine:
 
     def end_stream(self, stream_id) -> None:
         """No more input: the stream finishes once its buffered frames are encoded."""
+        self._check_open()
         s = self._stream(stream_id)
         if s.ended:
             raise ValueError(f"stream {stream_id!r}: end_stream called twice")
@@ -377,24 +412,27 @@ class StreamingEngine:
     def admission_order(self) -> list:
         """Waiting stream ids in the order the next admission considers them (see ``admission``).
 
-        ``"length"``: streams that have waited ``max_wait_time`` ticks or more (``tick - arrival_tick``,
-        counted at the tick that admits) first, oldest first; then the rest by buffered feature frames,
-        fewest first, ties in arrival order. ``"arrival"``: arrival order.
+        Resumed streams (still carrying their session) come first, in the order they were resumed.
+        Then, ``"length"``: streams that have waited ``max_wait_time`` ticks or more (``tick -
+        arrival_tick``, counted at the tick that admits), oldest first; then the rest by buffered
+        feature frames, fewest first, ties in arrival order. ``"arrival"``: arrival order.
         """
+        resumed = [sid for sid in self._waiting if self._streams[sid].session is not None]
+        waiting = [sid for sid in self._waiting if self._streams[sid].session is None]
         if self.admission == "arrival":
-            return list(self._waiting)
+            return resumed + waiting
         now = self.tick
-        overdue = [sid for sid in self._waiting if now - self._streams[sid].arrival_tick >= self.max_wait_time]
+        overdue = [sid for sid in waiting if now - self._streams[sid].arrival_tick >= self.max_wait_time]
         late = set(overdue)
-        rest = sorted((sid for sid in self._waiting if sid not in late), key=lambda sid: self._streams[sid].num_pending)
-        return overdue + rest
+        rest = sorted((sid for sid in waiting if sid not in late), key=lambda sid: self._streams[sid].num_pending)
+        return resumed + overdue + rest
 
     # ---- the tick ------------------------------------------------------------------------
     def _admit(self) -> None:
         for sid in self.admission_order():
             s = self._streams[sid]
-            if not self._ready(s):
-                continue  # nothing to encode yet: do not hold a slot for it
+            if not self._ready(s) and s.session is None:
+                continue  # nothing to encode yet: do not hold a slot for it (a resumed stream held one)
             if not self.can_admit():
                 break  # every stream reserves the same worst case: if this one does not fit, none does
             self._contexts[sid] = self._allocate_caches(sid, s)
@@ -471,6 +509,7 @@ class StreamingEngine:
 
     def step(self) -> dict:
         """Run one tick; returns ``{stream_id: StepOutput}`` for every stream that produced or finished."""
+        self._check_open()
         self.tick += 1
         outputs: dict = {}
         # a waiting stream that ended with too little input for one encoder frame needs no admission
@@ -622,17 +661,22 @@ class StreamingEngine:
             s = self._streams[sid]
             if s.ended or s.num_pending >= self.chunk_input_frames:
                 return True
-        return any(self._ready(self._streams[sid]) for sid in self._waiting) and self.can_admit()
+        return any(self._ready(self._streams[sid]) or self._streams[sid].session is not None
+                   for sid in self._waiting) and self.can_admit()
 
     # ---- sessions (oasr.session) ------------------------------------------------------------
     def _claim_id(self, stream_id):
-        """``stream_id``, or a fresh int id for None; ``ValueError`` if it is in use."""
+        """``stream_id``, or a fresh int id for None; ``ValueError`` if it is not an int or a str
+        (``check_stream_id``) or is in use."""
+        self._check_open()
         if stream_id is None:
             stream_id = next(self._ids)
             while stream_id in self._streams:
                 stream_id = next(self._ids)
-        elif stream_id in self._streams:
-            raise ValueError(f"stream id {stream_id!r} is already in use")
+        else:
+            check_stream_id(stream_id)
+            if stream_id in self._streams:
+                raise ValueError(f"stream id {stream_id!r} is already in use")
         return stream_id
 
     def _allocate_caches(self, sid, s: _Stream) -> StreamContext:
@@ -667,6 +711,7 @@ class StreamingEngine:
         one still waiting for admission, can be suspended; a stream never admitted holds no
         state yet and a finished one has nothing to continue (``ValueError``; nothing changes).
         """
+        self._check_open()
         s = self._stream(stream_id)
         if s.state == RESCORING:
             raise ValueError(f"stream {stream_id!r} is being rescored (its first pass ended and its caches are "
@@ -701,7 +746,8 @@ class StreamingEngine:
         return data
 
     def resume(self, data, stream_id=None):
-        """Add a suspended stream back; it waits for admission like a new one and carries its state.
+        """Add a suspended stream back; it carries its state and is admitted ahead of new arrivals, as
+        soon as there is room, whether or not it has input yet (module docstring).
 
         ``data`` is verified whole first (``oasr.session.read_session``: truncated, corrupt or
         foreign bytes raise ``SessionError`` naming what differs), then against this engine:
@@ -714,6 +760,7 @@ class StreamingEngine:
         on an error. Admission then restores the caches (``oasr.session.restore_stream``) in
         new slots and blocks; the stream goes on exactly as if it had never left. Returns its id.
         """
+        self._check_open()
         session = read_session(data, expect=SessionGeometry.of(self.config))
         e = session.engine
         if e is None:
@@ -736,6 +783,9 @@ class StreamingEngine:
                          f"over {mcfg.vocab_size}")
         if self.keep_log_probs and e.log_probs is None:
             wrong.append("log-probs: this engine keeps them, the session carries none")
+        if e.input_frames != e.offset * self.rate:  # every chunk before a suspension is a whole one
+            wrong.append(f"frame counts: {e.input_frames} feature frames consumed for offset {e.offset} encoder "
+                         f"frames, this model makes one encoder frame of every {self.rate}")
         if wrong:
             raise SessionError("foreign session for this engine: " + "; ".join(wrong))
         need = -(-session.kv.seqlen // self.config.block_size_frames)
@@ -782,6 +832,28 @@ class StreamingEngine:
                 f"{self.rescorer.config.encoder_dim}) does not match the encoder (vocab_size={cfg.vocab_size}, "
                 f"hidden_dim={cfg.hidden_dim})"
             )
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has run: the engine holds no model and runs no more ticks."""
+        return self.model is None
+
+    def _check_open(self) -> None:
+        if self.model is None:
+            raise ValueError("StreamingEngine is closed: it holds no model (results stay readable)")
+
+    def close(self) -> None:
+        """Drop every reference to the model (the engine's own, its model step's, the rescorer).
+        Idempotent. Finished streams' results stay readable; ``add_stream``, ``push``,
+        ``end_stream``, ``step``, ``run``, ``suspend`` and ``resume`` raise ``ValueError`` from then on."""
+        self.model = self.model_tick = self.rescorer = None
+
+    def __enter__(self) -> StreamingEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _kept_encoder_out(self, s: _Stream) -> torch.Tensor:
         """The stream's kept encoder output so far, ``(offset, hidden_dim)`` fp32, for its session."""

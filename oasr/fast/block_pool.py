@@ -343,7 +343,9 @@ class BlockPool:
 
     def copy_blocks(self, src, dst) -> None:
         """Copy block ``src[j]`` onto block ``dst[j]`` (K, V, scales, every layer): one staged copy of the
-        ids, then one ``index_copy_`` per pool tensor (the copy-on-write of a whole step at once)."""
+        ids, then one ``index_copy_`` per pool tensor (the copy-on-write of a whole step at once).
+        As the reference: every destination gets its source's contents from before the call (the
+        sources are gathered first); a destination given twice is refused."""
         _, s = _id_array(src)
         given, d = _id_array(dst)
         if s.size != d.size:
@@ -353,6 +355,10 @@ class BlockPool:
         if bad.any():
             i = int(both[int(np.argmax(bad))])
             raise ValueError(f"BlockPool.copy_blocks: block id {i} outside [0, {self.num_blocks})")
+        values, counts = np.unique(d, return_counts=True)
+        if (counts > 1).any():
+            twice = int(values[int(np.argmax(counts > 1))])
+            raise ValueError(f"BlockPool.copy_blocks: destination block {twice} given more than once")
         if not s.size:
             return
         src_d, dst_d = self._copy_stager.stage(s, d)

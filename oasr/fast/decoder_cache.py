@@ -47,6 +47,7 @@ from oasr.decoder_common import (
     check_pool,
     check_requests,
     check_rewind,
+    check_row,
     check_rows,
     check_step_kv,
     cow_writes,
@@ -157,10 +158,9 @@ class DecoderKVCacheManager:
     def _is_admitted(self, row) -> bool:
         return 0 <= row < self.config.max_rows and bool(self._admitted[row])
 
-    def _row(self, row) -> int:
-        if isinstance(row, bool) or not isinstance(row, int) or not self._is_admitted(row):
-            raise KeyError(f"row {row!r} is not admitted (never admitted, or finished)")
-        return row
+    def _row(self, row, op: str) -> int:
+        """The row id as an int (see the reference: ValueError for a non-integer, KeyError if not admitted)."""
+        return check_row(row, self._is_admitted, op)
 
     @property
     def rows(self) -> list[int]:
@@ -171,6 +171,8 @@ class DecoderKVCacheManager:
         return int((~self._admitted).sum())
 
     def row_pages(self, row: int) -> RowPages:
+        """``RowPages`` of an admitted row: its self and cross page ids, length and ceiling."""
+        row = self._row(row, "row_pages")
         return RowPages(tuple(self._self_table[row, : self._held[row]].tolist()),
                         tuple(self._cross_table[row, : self._cross_held[row]].tolist()),
                         int(self._length[row]), int(self._ceiling[row]))
@@ -189,14 +191,16 @@ class DecoderKVCacheManager:
         return self.pool.num_free_blocks - self.reserved_blocks
 
     def describe(self, row: int) -> DecoderRowInfo:
-        r = self._row(row)
+        """``DecoderRowInfo`` of an admitted row: pages, lengths and ceilings (``KeyError`` otherwise)."""
+        r = self._row(row, "describe")
         return DecoderRowInfo(r, tuple(self._self_table[r, : self._held[r]].tolist()),
                               tuple(self._cross_table[r, : self._cross_held[r]].tolist()),
                               int(self._length[r]), int(self._cross_length[r]), int(self._ceiling[r]),
                               int(self._cross_ceiling[r]))
 
     def length(self, row: int) -> int:
-        return int(self._length[self._row(row)])
+        """Tokens the row holds (``KeyError`` unless admitted)."""
+        return int(self._length[self._row(row, "length")])
 
     # ---- admission --------------------------------------------------------------
     def can_admit(self, requests) -> Admission:
@@ -230,7 +234,8 @@ class DecoderKVCacheManager:
         return rows.tolist()
 
     def finish(self, row: int) -> None:
-        r = self._row(row)
+        """Release the row: its pages go back to the pool (``KeyError`` unless admitted)."""
+        r = self._row(row, "finish")
         self._release(r)
         self._sync(r)
 
@@ -282,11 +287,13 @@ class DecoderKVCacheManager:
         return (self._cross_length[ids] > 0).astype(np.int64).tolist()
 
     def gather_self(self, row: int) -> torch.Tensor:
-        r = self._row(row)
+        """The row's self-attention K/V, all layers, as one dense tensor (for checks)."""
+        r = self._row(row, "gather_self")
         return self.pool.gather_kv_blocks(self._self_table[r, : self._held[r]], 0, int(self._length[r]))
 
     def gather_cross(self, row: int) -> torch.Tensor:
-        r = self._row(row)
+        """The row's cross-attention K/V, all layers, as one dense tensor (for checks)."""
+        r = self._row(row, "gather_cross")
         return self.pool.gather_kv_blocks(self._cross_table[r, : self._cross_held[r]], 0, int(self._cross_length[r]))
 
     # ---- writes -------------------------------------------------------------------
@@ -325,7 +332,7 @@ class DecoderKVCacheManager:
 
     def fill_cross(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the row's cross K/V once (see the reference for the rules and why the dtype converts)."""
-        r = self._row(row)
+        r = self._row(row, "fill_cross")
         T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
         check_cross_fill(r, T, int(self._cross_ceiling[r]), int(self._cross_length[r]))
         blocks = self._cross_table[r, : self._cross_held[r]]
@@ -339,7 +346,8 @@ class DecoderKVCacheManager:
         self._sync(r)
 
     def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        r = self._row(row)
+        """Write an empty row's prompt K/V ``(L, T, n_kv_head, head_dim)`` (``ValueError`` past its ceiling)."""
+        r = self._row(row, "prefill")
         T = check_kv(self.config, k, v, "prefill", (), convert=False)
         if self._length[r]:
             raise ValueError(f"prefill: row {r} already holds {int(self._length[r])} tokens; prefill an empty row")
@@ -349,7 +357,7 @@ class DecoderKVCacheManager:
 
     def extend(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """See the reference: ``T`` more tokens at the row's length; shared pages it writes are copied first."""
-        r = self._row(row)
+        r = self._row(row, "extend")
         T = check_kv(self.config, k, v, "extend", (), convert=False)
         if self._length[r] + T > self._ceiling[r]:
             raise ValueError(f"extend: row {r} holds {int(self._length[r])} tokens and declared "
@@ -437,6 +445,8 @@ class DecoderKVCacheManager:
         """One decode step for many rows, ``k, v (L, B, H, D)``: one staged copy, one append_kv per layer."""
         ids = np.array(check_rows(rows, self._is_admitted, "append"), dtype=np.int64)
         check_step_kv(self.config, k, v, ids.size)
+        if not ids.size:  # an empty cohort: nothing to write (the reference's loops run zero times)
+            return
         self._prepare(ids)  # validates every row's ceiling before its one allocation
         self._sync(ids)
         if self._host_writes():  # the device mirror follows at the next read
@@ -452,7 +462,7 @@ class DecoderKVCacheManager:
     # ---- prefix caching (see the reference) ---------------------------------------------------
     def admit_prompt(self, row: int, tokens, scope=0) -> int:
         """See the reference: bind the longest published prefix; returns the cached token count."""
-        r = self._row(row)
+        r = self._row(row, "admit_prompt")
         ids = check_tokens(tokens, "admit_prompt")
         if self._length[r] or self._held[r]:
             raise ValueError(f"admit_prompt: row {r} already holds {int(self._length[r])} tokens; admit its "
@@ -469,7 +479,7 @@ class DecoderKVCacheManager:
 
     def retire(self, row: int, tokens, scope=0) -> None:
         """See the reference: publish the row's full pages under its history, then finish it."""
-        r = self._row(row)
+        r = self._row(row, "retire")
         ids = check_tokens(tokens, "retire")
         if len(ids) != self._length[r]:
             raise ValueError(f"retire: row {r} holds {int(self._length[r])} tokens, got a history of {len(ids)}")
@@ -484,7 +494,7 @@ class DecoderKVCacheManager:
     def abandon(self, row: int) -> None:
         """See the reference: host bookkeeping only (no staged copy, no launch, no wait); the row's
         device table entries are stale until its next admission rewrites them, and nothing reads them."""
-        self._release(self._row(row))
+        self._release(self._row(row, "abandon"))
 
     def reset(self) -> None:
         """See the reference: finish every row, drop the parked pages and the prefix index."""
@@ -496,14 +506,14 @@ class DecoderKVCacheManager:
     # ---- rewind and trim ------------------------------------------------------------------
     def rewind(self, row: int, n: int) -> None:
         """See the reference: drop the last ``n`` tokens; pages stay bound and are re-served first."""
-        r = self._row(row)
+        r = self._row(row, "rewind")
         check_rewind(self.config, self, r, n)
         self._length[r] -= n
         self._sync(r)
 
     def trim(self, row: int) -> int:
         """See the reference: the pages past ``ceil(length / page)`` go back to the pool."""
-        r = self._row(row)
+        r = self._row(row, "trim")
         keep = self.config.pages_for(int(self._length[r]))
         tail = self._unbind(self._self_table, r, int(self._held[r]), keep)
         self._drop(tail)

@@ -182,6 +182,9 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
     check_kv_chunk(cache, k, v)
     name = resolve_backend(k.device, backend)
     B, T = k.shape[:2]
+    if B == 0:  # an empty cohort writes nothing (checked like any other; no row path, no launch)
+        _host_lens(cache, chunk_lens, T, "append_kv")
+        return
     if name == "torch":
         kernel_policy.serve_out_of_scope("append_kv", k.device.type)
         if cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
@@ -238,6 +241,9 @@ def paged_attention(
     B, n_head, T, D = q.shape
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     what = "query frames (q's dim 2)"
+    if B == 0:  # an empty cohort: an empty output (checked like any other; no row path, no launch)
+        _host_lens(cache, chunk_lens, T, "paged_attention", what)
+        return torch.zeros_like(q)
     if name == "torch":
         kernel_policy.serve_out_of_scope("paged_attention", q.device.type)
         if cpu_rows.use_decode_batch(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows

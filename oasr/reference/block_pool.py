@@ -26,7 +26,8 @@ at it): ``allocate`` sets it to 1, ``share(ids, owner)`` raises it by one per id
 held by several rows of its owner: copy-on-write beams, a cached prompt prefix), ``free`` drops one
 reference per id given and returns a block to the free list only when its count reaches 0. The
 owner tag stays one per block: sharing is among the rows of one manager, never across owners.
-``copy_blocks(src, dst)`` copies whole blocks (K, V, scales) in every layer, the copy-on-write step.
+``copy_blocks(src, dst)`` copies whole blocks (K, V, scales) in every layer, the copy-on-write step,
+as one batched copy (each destination gets its source's old contents; a repeated destination is refused).
 
 Parking (prefix caching). ``publish(ids, keys, owner)`` names held blocks by a key (a prefix
 hash). A published block whose count reaches 0 is parked, not freed: it keeps its bytes, its
@@ -243,19 +244,27 @@ class BlockPool:
                     self._free.append(i)
 
     def copy_blocks(self, src, dst) -> None:
-        """Copy block ``src[j]`` onto block ``dst[j]`` (K, V and scales, every layer): copy-on-write."""
+        """Copy block ``src[j]`` onto block ``dst[j]`` (K, V and scales, every layer): copy-on-write.
+
+        One batched copy: every destination receives its source's contents from before the call,
+        also when a destination is another pair's source (``copy_blocks([1, 2], [2, 3])`` puts the
+        old block 1 in 2 and the old block 2 in 3). A destination given twice is refused
+        (``ValueError``, nothing copied): it would have two contents.
+        """
         src, dst = [int(i) for i in src], [int(i) for i in dst]
         if len(src) != len(dst):
             raise ValueError(f"BlockPool.copy_blocks: {len(src)} sources for {len(dst)} destinations")
         for i in src + dst:
             if not 0 <= i < self.num_blocks:
                 raise ValueError(f"BlockPool.copy_blocks: block id {i} outside [0, {self.num_blocks})")
-        for s, d in zip(src, dst, strict=True):
-            self.k_pool[:, d] = self.k_pool[:, s]
-            self.v_pool[:, d] = self.v_pool[:, s]
-            if self.k_scale is not None:
-                self.k_scale[:, d] = self.k_scale[:, s]
-                self.v_scale[:, d] = self.v_scale[:, s]
+        twice = sorted({d for d in dst if dst.count(d) > 1})
+        if twice:
+            raise ValueError(f"BlockPool.copy_blocks: destination block {twice[0]} given more than once")
+        tensors = [t for t in (self.k_pool, self.v_pool, self.k_scale, self.v_scale) if t is not None]
+        old = [[t[:, s].clone() for t in tensors] for s in src]  # every source read before any write
+        for d, contents in zip(dst, old, strict=True):
+            for t, block in zip(tensors, contents, strict=True):
+                t[:, d] = block
 
     def zero_blocks(self, block_ids) -> None:
         """Zero K and V of ``block_ids`` in every layer."""

@@ -32,6 +32,11 @@ Invariants (tests check them after every operation):
   * a row holds ``ceil(length / page)`` or one more (prepared) self pages and
     exactly ``ceil(cross_len / page)`` cross pages;
   * every public method validates everything before it changes anything.
+
+Row ids are ints; a numpy integer is taken by its value (ids read back from an
+array work), a bool or any other type is refused with ``ValueError`` (``True``
+is not row 1), and an int that is not an admitted row is a ``KeyError``. The
+same holds for ``select``'s indices and a decode group's row positions.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from oasr.decoder_common import (
     check_pool,
     check_requests,
     check_rewind,
+    check_row,
     check_rows,
     check_step_kv,
     cow_writes,
@@ -111,10 +117,11 @@ class DecoderKVCacheManager:
         return ids
 
     # ---- counts ---------------------------------------------------------------
-    def _row(self, row: int) -> _Row:
-        if row not in self._rows:
-            raise KeyError(f"row {row!r} is not admitted (never admitted, or finished)")
-        return self._rows[row]
+    def _row(self, row, op: str) -> tuple[int, _Row]:
+        """``(row id as an int, its record)``: ``check_row``'s ValueError for a non-integer id (a bool is
+        not row 1, a numpy integer is its value), KeyError for a row not admitted."""
+        r = check_row(row, self._admitted, op)
+        return r, self._rows[r]
 
     def _admitted(self, row) -> bool:
         return row in self._rows
@@ -129,7 +136,8 @@ class DecoderKVCacheManager:
         return len(self._free_rows)
 
     def row_pages(self, row: int) -> RowPages:
-        r = self._rows[row]
+        """``RowPages`` of an admitted row: its self and cross page ids, length and ceiling."""
+        row, r = self._row(row, "row_pages")
         return RowPages(tuple(r.self_blocks), tuple(r.cross_blocks), r.length, r.request.self_tokens)
 
     def pinned_blocks(self) -> list[int]:
@@ -147,12 +155,14 @@ class DecoderKVCacheManager:
         return self.pool.num_free_blocks - self.reserved_blocks
 
     def describe(self, row: int) -> DecoderRowInfo:
-        r = self._row(row)
+        """``DecoderRowInfo`` of an admitted row: pages, lengths and ceilings (``KeyError`` otherwise)."""
+        row, r = self._row(row, "describe")
         return DecoderRowInfo(row, tuple(r.self_blocks), tuple(r.cross_blocks), r.length, r.cross_length,
                               r.request.self_tokens, r.request.cross_len)
 
     def length(self, row: int) -> int:
-        return self._row(row).length
+        """Tokens the row holds (``KeyError`` unless admitted)."""
+        return self._row(row, "length")[1].length
 
     # ---- admission --------------------------------------------------------------
     def can_admit(self, requests) -> Admission:
@@ -181,7 +191,7 @@ class DecoderKVCacheManager:
 
     def finish(self, row: int) -> None:
         """Free the whole row: its self and cross pages go back to the pool, the row id to the free rows."""
-        r = self._row(row)
+        row, r = self._row(row, "finish")
         self._drop(self._unbind(r.self_blocks) + self._unbind(r.cross_blocks))
         del self._rows[row]
         self._free_rows.append(row)
@@ -232,11 +242,12 @@ class DecoderKVCacheManager:
 
     def gather_self(self, row: int) -> torch.Tensor:
         """The row's self K/V as packed ``(L, H, length, 2D)`` in the model dtype (dequantized for fp8)."""
-        r = self._row(row)
+        row, r = self._row(row, "gather_self")
         return self.pool.gather_kv_blocks(r.self_blocks, 0, r.length)
 
     def gather_cross(self, row: int) -> torch.Tensor:
-        r = self._row(row)
+        """The row's cross-attention K/V, all layers, as one dense tensor (for checks)."""
+        row, r = self._row(row, "gather_cross")
         return self.pool.gather_kv_blocks(r.cross_blocks, 0, r.cross_length)
 
     # ---- writes -------------------------------------------------------------------
@@ -257,7 +268,7 @@ class DecoderKVCacheManager:
         request, and converting there costs nothing that a caller-side copy would not (self writes,
         made every step by the decoder's own projections, keep the strict rule).
         """
-        r = self._row(row)
+        row, r = self._row(row, "fill_cross")
         T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
         check_cross_fill(row, T, r.request.cross_len, r.cross_length)
         shared = [b for b in r.cross_blocks if self.pool.ref_count(b) > 1]
@@ -270,7 +281,7 @@ class DecoderKVCacheManager:
 
     def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the prompt's K/V ``(L, T, H, D)`` into an empty row (its pages come from its reservation)."""
-        r = self._row(row)
+        row, r = self._row(row, "prefill")
         T = check_kv(self.config, k, v, "prefill", (), convert=False)
         if r.length:
             raise ValueError(f"prefill: row {row} already holds {r.length} tokens; prefill an empty row")
@@ -281,7 +292,7 @@ class DecoderKVCacheManager:
     def extend(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``T`` more tokens ``(L, T, H, D)`` at the row's length: the rest of a prompt after a prefix
         hit, a speculative draft after a ``rewind``. Shared pages it writes are copied first."""
-        r = self._row(row)
+        row, r = self._row(row, "extend")
         T = check_kv(self.config, k, v, "extend", (), convert=False)
         if r.length + T > r.request.self_tokens:
             raise ValueError(f"extend: row {row} holds {r.length} tokens and declared {r.request.self_tokens}, "
@@ -374,7 +385,7 @@ class DecoderKVCacheManager:
         fewer than the prompt. Then write the rest with ``extend(row, k[:, n:], v[:, n:])``. The row must
         be freshly admitted (empty); nothing changes on a refusal. ``scope`` (``oasr.prefix_cache``): rows
         share only within one scope; an attention decoder passes the utterance its rows attend to."""
-        r = self._row(row)
+        row, r = self._row(row, "admit_prompt")
         ids = check_tokens(tokens, "admit_prompt")
         if r.length or r.self_blocks:
             raise ValueError(f"admit_prompt: row {row} already holds {r.length} tokens; admit its prompt first")
@@ -389,7 +400,7 @@ class DecoderKVCacheManager:
     def retire(self, row: int, tokens, scope=0) -> None:
         """Finish a row that ended normally, publishing its full pages under ``tokens`` (its whole
         committed history, ``length`` ids): they park when no row holds them, for later prompts."""
-        r = self._row(row)
+        row, r = self._row(row, "retire")
         ids = check_tokens(tokens, "retire")
         if len(ids) != r.length:
             raise ValueError(f"retire: row {row} holds {r.length} tokens, got a history of {len(ids)}")
@@ -404,6 +415,7 @@ class DecoderKVCacheManager:
         """Finish a row after a failed session with host bookkeeping only: no launch, no copy, no wait
         (references dropped exactly as ``evict`` drops them; the row's device entries are rewritten at
         its next admission, before any read)."""
+        row, _ = self._row(row, "abandon")
         self.finish(row)
 
     def reset(self) -> None:
@@ -419,14 +431,14 @@ class DecoderKVCacheManager:
         any new page is taken (the free count does not move, unless a page it writes is shared: that
         one is copied first). Stale bytes past the new length are never read: views stop at ``length``.
         Refused, changing nothing, when ``n`` is not in ``[0, length]`` or the copies would not fit."""
-        r = self._row(row)
+        row, r = self._row(row, "rewind")
         check_rewind(self.config, self, row, n)
         r.length -= n
 
     def trim(self, row: int) -> int:
         """Return the row's self pages past ``ceil(length / page)`` to the pool (one reference each);
         returns how many were unbound. The row may take them again, out of its reservation."""
-        r = self._row(row)
+        row, r = self._row(row, "trim")
         tail = self._unbind(r.self_blocks, self.config.pages_for(r.length))
         self._drop(tail)
         return len(tail)
