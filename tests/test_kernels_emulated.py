@@ -1,6 +1,6 @@
 """The CUDA kernels, run on the CPU by the SIMT emulator, against the reference.
 
-Same `.cu` sources as the GPU build (see kernels_cu/emu/simt_emu.h for what the
+Same `.cu` sources as the GPU build (see oasr/kernels_cu/emu/simt_emu.h for what the
 emulator can and cannot show). Every case uses a shuffled block table and a
 pool poisoned with NaN wherever the op must not read; append is compared
 bitwise over the whole pool, gather bitwise over its whole output, attention

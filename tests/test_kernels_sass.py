@@ -161,7 +161,7 @@ V2 = [k for k in registry.attention_kernels() if registry.kernel_version(k) == 2
 
 
 @needs_toolchain
-@pytest.mark.skipif(not V2, reason="no v2 attention kernel registered (kernels_cu/paged_chunk_attention_v2.cu)")
+@pytest.mark.skipif(not V2, reason="no v2 attention kernel registered (oasr/kernels_cu/paged_chunk_attention_v2.cu)")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_v2_main_loop_runs_on_tensor_cores(attention_report, arch):
     rows = [r for r in attention_report["kernels"] if r["version"] == 2 and r["arch"] == arch]

@@ -42,10 +42,26 @@ def cache_dir() -> Path:
 def cuda_include_dir() -> str:
     """Directory holding cuda_fp16.h / cuda_bf16.h for NVRTC.
 
-    Prefers the headers that ship with the pip CUDA runtime (found by
+    ``OASR_CUDA_INCLUDE``, when set, is the only place looked in (as for the emulation build).
+    Otherwise prefers the headers that ship with the pip CUDA runtime (found by
     cuda.pathfinder; they match the pip NVRTC), then CUDA_HOME / CUDA_PATH and
     /usr/local/cuda. NVRTC does not need the toolkit's crt/ directory.
     """
+    if os.environ.get("OASR_CUDA_INCLUDE"):
+        candidates = [os.environ["OASR_CUDA_INCLUDE"]]
+    else:
+        candidates = _default_include_candidates()
+    for path in candidates:
+        if os.path.isfile(os.path.join(path, "cuda_fp16.h")) and os.path.isfile(os.path.join(path, "cuda_bf16.h")):
+            return path
+    raise RuntimeError(
+        "oasr kernels: no CUDA headers (cuda_fp16.h, cuda_bf16.h) found; looked in "
+        + ", ".join(candidates)
+        + ". Install nvidia-cuda-runtime (pip) or set CUDA_HOME or OASR_CUDA_INCLUDE."
+    )
+
+
+def _default_include_candidates() -> list[str]:
     candidates: list[str] = []
     try:
         from cuda.pathfinder import find_nvidia_header_directory
@@ -59,14 +75,7 @@ def cuda_include_dir() -> str:
         if os.environ.get(var):
             candidates.append(os.path.join(os.environ[var], "include"))
     candidates.append("/usr/local/cuda/include")
-    for path in candidates:
-        if os.path.isfile(os.path.join(path, "cuda_fp16.h")) and os.path.isfile(os.path.join(path, "cuda_bf16.h")):
-            return path
-    raise RuntimeError(
-        "oasr kernels: no CUDA headers (cuda_fp16.h, cuda_bf16.h) found; looked in "
-        + ", ".join(candidates)
-        + ". Install nvidia-cuda-runtime (pip) or set CUDA_HOME."
-    )
+    return candidates
 
 
 def nvrtc_version() -> str:

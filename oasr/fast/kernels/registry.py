@@ -1,4 +1,4 @@
-"""The kernels in ``kernels_cu/``: their families, parameters and instantiations.
+"""The kernels in ``oasr/kernels_cu/``: their families, parameters and instantiations.
 
 One entry per ``__global__`` template. Both executors read this list: NVRTC
 compiles each family's source with the instantiations as name expressions, and
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-# The .cu sources live at the repository root (editable install); OASR_KERNELS_DIR overrides.
-KERNELS_DIR = Path(os.environ.get("OASR_KERNELS_DIR") or Path(__file__).resolve().parents[3] / "kernels_cu")
+# The .cu sources ship inside the package (oasr/kernels_cu/, package data), so an installed wheel and an
+# editable checkout read them the same way; OASR_KERNELS_DIR overrides.
+KERNELS_DIR = Path(os.environ.get("OASR_KERNELS_DIR") or Path(__file__).resolve().parents[2] / "kernels_cu")
 SHARED_HEADERS = ("common.cuh", "warp_mma.cuh", "attention_window.cuh")
 EMULATION_HEADERS = ("emu/simt_emu.h", "emu/warp_emu.h")
 
@@ -40,7 +41,7 @@ FP8_HEAD_DIMS = HEAD_DIMS  # the fp8 kernels tile the same head dims
 @dataclass(frozen=True)
 class Kernel:
     name: str  # the C++ template, namespace included
-    family: str  # source file stem in kernels_cu/
+    family: str  # source file stem in oasr/kernels_cu/
     params: tuple[tuple[str, str], ...]  # (name, kind)
     instances: tuple[tuple[str, ...], ...]  # template argument lists
 
@@ -233,7 +234,7 @@ def source_path(family: str) -> Path:
 
 
 def read_sources(family: str, *, emulation: bool = False) -> dict[str, str]:
-    """The texts a build of ``family`` depends on, by path relative to kernels_cu/ (for cache keys)."""
+    """The texts a build of ``family`` depends on, by path relative to oasr/kernels_cu/ (for cache keys)."""
     names = [f"{family}.cu", *SHARED_HEADERS, *(EMULATION_HEADERS if emulation else ())]
     return {name: (KERNELS_DIR / name).read_text() for name in names}
 
