@@ -89,7 +89,7 @@ class DecoderCacheConfig:
                 or self.max_cross_tokens < 0:
             raise ValueError(f"DecoderCacheConfig.max_cross_tokens must be an int >= 0, got {self.max_cross_tokens!r}")
         self.device = torch.device(self.device)
-        self.dtype = _as_dtype(self.dtype)
+        self.dtype = _as_dtype(self.dtype, "DecoderCacheConfig")
         if self.kv_cache_dtype in ("auto", "model"):
             self.kv_cache_dtype = None
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -166,3 +166,25 @@ def test_q_in_the_kv_layout_is_refused(twin):
         twin.paged_attention(q3.transpose(1, 2).contiguous(), cache)
     with pytest.raises(ValueError, match=r"append_kv: k must be \(B=1, T, n_kv_head=2, head_dim=8\)"):
         twin.append_kv(cache, k[:, :3].transpose(1, 2).contiguous(), k[:, :3].transpose(1, 2).contiguous())
+
+
+def test_q_in_the_kv_layout_is_named_when_chunk_lens_exceed_its_frames(twin):
+    """A (B, T, n_head, D) q whose head count passes for frames: the error names q's layout, not only
+    chunk_lens (it used to say "chunk_lens[0]=4 outside [0, T=2]" and nothing about the layout)."""
+    cfg = small_config(num_layers=1, n_kv_head=2, chunk_size=4, block_size_frames=4)
+    pool = twin.BlockPool(cfg)
+    att = twin.AttentionCacheManager(pool, cfg)
+    att.allocate_stream("s")
+    att.prepare_chunk("s")
+    cache = att.get_paged_caches(["s"])[0]
+    k = torch.randn(1, 4, 2, cfg.head_dim)
+    twin.append_kv(cache, k, k)
+    q = torch.randn(1, 2, 4, cfg.head_dim)  # n_head 2, T 4
+    assert twin.paged_attention(q, cache, [4]).shape == q.shape
+    layout = (r"q must be \(B, n_head, T, head_dim\), heads before frames; if it is \(B, T, n_head, head_dim\), "
+              r"pass q.transpose\(1, 2\)")
+    wrong = q.transpose(1, 2).contiguous()  # (1, 4, 2, D): 4 "heads", T 2
+    with pytest.raises(ValueError, match=r"chunk_lens\[0\]=4 is more than q's T=2 \(its dim 2\)\. " + layout):
+        twin.paged_attention(wrong, cache, [4])
+    with pytest.raises(ValueError, match=r"chunk_lens\[0\]=4 is more than q's T=2 .*" + layout):
+        twin.paged_attention(wrong, cache, torch.tensor([4]))
