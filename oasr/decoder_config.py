@@ -1,4 +1,4 @@
-"""``DecoderCacheConfig``: geometry and capacity of an autoregressive decoder's K/V (seed 000 §10, §10.6).
+"""``DecoderCacheConfig``: geometry and capacity of an autoregressive decoder's K/V (an attention rescorer's).
 
 The decoder's K/V is the second growing, block-addressed cache, on its own
 pool and with its own policy: a row grows one token per step and is never

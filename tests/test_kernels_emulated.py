@@ -142,7 +142,7 @@ def test_append_matches_reference_bitwise(emu, dtype, head_dim, seed):
 
 def test_append_two_byte_units_and_refused_cast(emu):
     # A misaligned chunk forces the 2-byte copy path. An fp32 chunk into a bf16 pool is refused by
-    # both twins alike (issue 14: it used to be cast silently), before anything is written.
+    # both twins alike (never cast silently), before anything is written.
     s = make_scenario(7, **_geometry(7, 64, torch.bfloat16))
     k32 = torch.randn(s.k.shape)
     storage = torch.empty(k32.numel() + 1, dtype=torch.bfloat16)

@@ -87,7 +87,7 @@ def test_trip_count_compare_before_step():
 @pytest.mark.parametrize(
     "regs,smem,threads,arch,expect",
     [
-        (71, 25600, 128, "sm_90", (7, "registers")),  # v1 bf16 D=64 (issue 9: 1.11 waves at 128 streams)
+        (71, 25600, 128, "sm_90", (7, "registers")),  # v1 bf16 D=64 (1.11 waves at 128 streams)
         (78, 25600, 128, "sm_80", (6, "registers")),
         (122, 46080, 128, "sm_90", (4, "registers")),
         (24, 0, 128, "sm_90", (16, "threads")),

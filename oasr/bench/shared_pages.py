@@ -1,4 +1,4 @@
-"""Bench section: shared decoder pages (issue 12).
+"""Bench section: shared decoder pages (copy-on-write beams, prefix caching).
 
 Two measurements, reference against fast:
 

@@ -1,7 +1,7 @@
 """``GraphRunner``: one CUDA graph per cohort width, replayed instead of launching a forward op by op.
 
-In the manner of vLLM's CUDA-graph runner (and seed 000's graphed encoder
-forward): a *step* is a function of the width only. It reads static input
+In the manner of vLLM's CUDA-graph runner (and of a graphed streaming
+encoder forward): a *step* is a function of the width only. It reads static input
 buffers that the caller fills before each replay, and returns output tensors.
 The runner captures ``step(width)`` once per width, all graphs in one shared
 memory pool, largest width first (a smaller graph's allocations then fit in

@@ -125,7 +125,7 @@ DISCLAIMER = (
     "Nothing here ran on a GPU."
 )
 
-# -- the workload the model prices: the ASR shape of issue 9 ---------------------------------------
+# -- the workload the model prices: one tick of a 128-stream ASR encoder layer ---------------------
 
 
 @dataclass(frozen=True)
