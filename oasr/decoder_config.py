@@ -125,6 +125,7 @@ class DecoderCacheConfig:
     # ---- derived --------------------------------------------------------------
     @property
     def kv_quantized(self) -> bool:
+        """Whether the K/V is stored as fp8 with per-vector scales."""
         return self.kv_cache_dtype is not None
 
     @property
@@ -159,9 +160,11 @@ class DecoderCacheConfig:
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one page: ``bytes_per_token * page_size``."""
         return self.bytes_per_token * self.page_size
 
     def pages_for(self, tokens: int) -> int:
+        """Pages that hold ``tokens`` tokens (rounded up)."""
         return math.ceil(tokens / self.page_size)
 
     def pool_config(self) -> CacheConfig:

@@ -80,6 +80,7 @@ class DenseDecoderKV:
 
     @property
     def batch_size(self) -> int:
+        """Rows in the group."""
         return len(self.lengths)
 
     def _store(self, data: list, scales, layer: int, rows, positions, x: torch.Tensor) -> None:
@@ -103,6 +104,9 @@ class DenseDecoderKV:
             raise KeyError(f"{op}: row {b!r} outside the group's [0, {self.batch_size})")
 
     def prefill(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write row ``b``'s prompt K/V ``(L, T, n_kv_head, head_dim)`` into its empty buffer (``ValueError``
+        otherwise).
+        """
         self._check_row(b, "prefill")
         T = check_kv(self.config, k, v, "prefill", (), convert=False)
         if self.lengths[b]:
@@ -126,6 +130,7 @@ class DenseDecoderKV:
         self.cross_lengths[b] = T
 
     def begin_step(self) -> None:
+        """Start a decode step: every row must have room for one more token (``ValueError`` otherwise)."""
         full = [b for b, n in enumerate(self.lengths) if n >= self.capacity]
         if full:
             raise ValueError(f"row {full[0]} is at the group's capacity of {self.capacity} tokens")
@@ -138,6 +143,7 @@ class DenseDecoderKV:
         self._store(self.v, self.v_scale, layer, rows, pos, v[:, 0])
 
     def end_step(self) -> None:
+        """Finish a decode step: every row is one token longer."""
         self.lengths = [n + 1 for n in self.lengths]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -149,6 +155,7 @@ class DenseDecoderKV:
 
     # ---- reads ----------------------------------------------------------------------
     def attend_self(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``q`` over each row's own tokens at ``layer`` (the step's included)."""
         T = q.shape[2]
         lens = torch.tensor(self.lengths, device=q.device)
         end = max(self.lengths) + T
@@ -160,6 +167,7 @@ class DenseDecoderKV:
         return _attend(q, k, v, allowed)
 
     def attend_cross(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` over each row's cross-attention K/V (the encoder output) at ``layer``."""
         T = q.shape[2]
         end = max(self.cross_lengths, default=0)
         k = self._load(self.cross_k, self.cross_k_scale, layer, end)
@@ -223,37 +231,46 @@ class PagedDecoderKV:
 
     @classmethod
     def admit(cls, manager, requests: list[DecoderRequest], ops, backend: str | None = None) -> PagedDecoderKV:
+        """Admit ``requests`` on ``manager`` and wrap the rows as one group (``AdmissionError`` if they do not fit)."""
         return cls(manager, manager.admit(requests), ops, backend)
 
     @property
     def batch_size(self) -> int:
+        """Rows in the group."""
         return len(self.rows)
 
     @property
     def lengths(self) -> list[int]:
+        """Each row's token count, in group order."""
         return [self.manager.length(r) for r in self.rows]
 
     def _kw(self) -> dict:
         return {} if self.backend is None else {"backend": self.backend}
 
     def prefill(self, b: int, k, v) -> None:
+        """Write row ``b``'s prompt K/V through the manager (see ``DecoderKVCacheManager.prefill``)."""
         self.manager.prefill(self.rows[b], k, v)
 
     def fill_cross(self, b: int, k, v) -> None:
+        """Write row ``b``'s cross-attention K/V through the manager; the cached cross views are rebuilt."""
         self.manager.fill_cross(self.rows[b], k, v)
         self._cross = None
 
     def begin_step(self) -> None:
+        """Start a decode step: the manager prepares a page for each row's next token and hands out the views."""
         self.manager.prepare_step(self.rows)
         self._self = self.manager.self_caches(self.rows)
 
     def write(self, layer: int, k, v) -> None:
+        """Append this step's K/V ``(B, 1, n_kv_head, head_dim)`` at ``layer``."""
         self.ops.append_kv(self._self[layer], k, v, **self._kw())
 
     def attend_self(self, layer: int, q):
+        """Causal paged attention of ``q`` over each row's tokens at ``layer``."""
         return self.ops.paged_attention(q, self._self[layer], causal=True, **self._kw())
 
     def end_step(self) -> None:
+        """Finish a decode step: the manager commits one token per row."""
         self.manager.commit_step(self.rows)
         self._self = None
 
@@ -269,6 +286,7 @@ class PagedDecoderKV:
         return out.reshape(B, nH, T, D)
 
     def gather_self(self, b: int) -> torch.Tensor:
+        """Row ``b``'s self-attention K/V, all layers, as one dense tensor (for checks)."""
         return self.manager.gather_self(self.rows[b])
 
     def select(self, idx) -> PagedDecoderKV:
@@ -277,11 +295,13 @@ class PagedDecoderKV:
         return PagedDecoderKV(self.manager, self.manager.select(self.rows, idx), self.ops, self.backend)
 
     def merge(self, other: PagedDecoderKV) -> PagedDecoderKV:
+        """One group of both groups' rows (``ValueError`` unless they share the manager)."""
         if other.manager is not self.manager:
             raise ValueError("merge: paged groups must share one DecoderKVCacheManager")
         return PagedDecoderKV(self.manager, self.rows + other.rows, self.ops, self.backend)
 
     def finish(self) -> None:
+        """Finish every row (their pages go back to the pool); the group is empty afterwards."""
         for r in self.rows:
             self.manager.finish(r)
         self.rows = []

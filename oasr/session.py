@@ -118,11 +118,13 @@ class SessionGeometry:
 
     @classmethod
     def of(cls, config: CacheConfig) -> SessionGeometry:
+        """The geometry fields of ``config`` a session must match to be resumed."""
         return cls(config.num_layers, config.n_kv_head, config.head_dim, config.hidden_dim, config.kernel_size,
                    config.chunk_size, config.block_size_frames, config.num_left_chunks, config.dtype,
                    config.kv_cache_dtype, config.prefill_kv_window)
 
     def differences(self, other: SessionGeometry) -> list[str]:
+        """One line per field that differs from ``other``: the session's value and this one's."""
         return [
             f"{name}: session {getattr(self, name)!r}, here {getattr(other, name)!r}"
             for name in self.__dataclass_fields__
@@ -190,6 +192,7 @@ class StreamSession:
 
     @property
     def flags(self) -> int:
+        """The header's section flags: which optional sections (CTC beam, engine, encoder output) follow."""
         return ((FLAG_CTC_BEAM if self.beam is not None else 0) | (FLAG_ENGINE if self.engine is not None else 0)
                 | (FLAG_ENCODER_OUT if self.encoder_out is not None else 0))
 

@@ -57,3 +57,20 @@ def test_docs_and_code_explain_instead_of_citing_history():
 def test_notebooks_say_both_twins_run():
     stale = [name for name, text in _texts() if name.startswith("notebooks/") and "once the fast twin" in text]
     assert not stale, stale
+
+
+def test_every_public_function_and_method_has_a_docstring():
+    """What ``help()`` shows a user: every public function, and every public method of a public class, says
+    what it does (names starting with ``_`` are internal and exempt)."""
+    import ast
+
+    missing = []
+    for path in sorted((ROOT / "oasr").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            items = [(node.name, node)] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else []
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                items = [(f"{node.name}.{f.name}", f) for f in node.body
+                         if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            missing += [f"{path.relative_to(ROOT)}:{f.lineno} {name}" for name, f in items
+                        if not name.split(".")[-1].startswith("_") and ast.get_docstring(f) is None]
+    assert not missing, f"{len(missing)} without a docstring:\n" + "\n".join(missing)

@@ -36,6 +36,7 @@ DTYPE = torch.bfloat16
 
 
 def require_cuda(device) -> torch.device:
+    """``device`` as a CUDA ``torch.device``; ``ValueError`` if it is not one torch can use."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError(f"oasr.bench.attention_gpu needs a CUDA device, got {device} "
@@ -44,6 +45,7 @@ def require_cuda(device) -> torch.device:
 
 
 def shape_for(history: int, base: AttentionShape = ASR_SHAPE) -> AttentionShape:
+    """``base`` with ``history`` frames of keys before the chunk."""
     return replace(base, keys=history + base.chunk)
 
 

@@ -73,6 +73,7 @@ def _measure(engine, streams: int, ticks: int, warmup: int):
 
 
 def section(quick: bool, device="cpu") -> list[dict]:
+    """This section's rows (``quick``: the reduced grid) on ``device``; see the module docstring."""
     device = torch.device(device)
     if device.type != "cuda":
         return [{"section": "graphs", "case": "skipped", "note": "CUDA graphs need a CUDA device (run --device cuda)"}]

@@ -151,11 +151,13 @@ def decoder_config(args) -> CtcDecoderConfig | None:
 
 
 def build(args) -> tuple[StreamingConformer, CacheConfig]:
+    """The seeded model (on ``args.device``) and the cache config for the options."""
     mcfg, cache = configs(args)
     return StreamingConformer(mcfg).to(args.device), cache
 
 
 def fp8_round_trip(t: torch.Tensor) -> torch.Tensor:
+    """``t`` quantized to e4m3 pages and back: what fp8 K/V storage does to it."""
     return dequantize(*quantize(t), t.dtype)
 
 
@@ -196,6 +198,7 @@ def check_sample(model, cache_config, engine, workload, count: int) -> tuple[boo
 
 
 def plot(engine, path: str, title: str) -> None:
+    """Write the pool-occupancy and streams-per-tick figure of ``engine``'s run to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,6 +245,7 @@ def kv_storage_lines(cfg) -> list[str]:
 
 
 def summary(engine, workload, wall: float, args) -> list[str]:
+    """The run's summary lines: geometry, throughput, peak pool, memory by component and utilisation."""
     cfg, mcfg = engine.config, engine.model.config
     results = [engine.result(s.stream_id) for s in workload]
     reasons = {r: sum(1 for x in results if x.finish_reason == r) for r in ("eos", "length")}

@@ -115,10 +115,12 @@ class FastModelTick:
 
     @property
     def graphed(self) -> bool:
+        """Whether the model step replays CUDA graphs."""
         return self.runner is not None
 
     @property
     def graph_stats(self):
+        """The graphs' ``GraphStats`` (count, capture time, memory), or None when eager."""
         return None if self.runner is None else self.runner.stats
 
     def pinned_host_tensors(self) -> list[torch.Tensor]:

@@ -146,13 +146,16 @@ class DecoderKVCacheManager:
 
     @property
     def rows(self) -> list[int]:
+        """The admitted rows, in ascending order."""
         return np.flatnonzero(self._admitted).tolist()
 
     @property
     def num_free_rows(self) -> int:
+        """Rows that can still be admitted."""
         return int((~self._admitted).sum())
 
     def row_pages(self, row: int) -> RowPages:
+        """``RowPages`` of an admitted row: its self and cross page ids, length and ceiling."""
         return RowPages(tuple(self._self_table[row, : self._held[row]].tolist()),
                         tuple(self._cross_table[row, : self._cross_held[row]].tolist()),
                         int(self._length[row]), int(self._ceiling[row]))
@@ -168,9 +171,11 @@ class DecoderKVCacheManager:
 
     @property
     def available_blocks(self) -> int:
+        """Free blocks not reserved for admitted rows' ceilings."""
         return self.pool.num_free_blocks - self.reserved_blocks
 
     def describe(self, row: int) -> DecoderRowInfo:
+        """``DecoderRowInfo`` of an admitted row: pages, lengths and ceilings (``KeyError`` otherwise)."""
         r = self._row(row)
         return DecoderRowInfo(r, tuple(self._self_table[r, : self._held[r]].tolist()),
                               tuple(self._cross_table[r, : self._cross_held[r]].tolist()),
@@ -178,14 +183,19 @@ class DecoderKVCacheManager:
                               int(self._cross_ceiling[r]))
 
     def length(self, row: int) -> int:
+        """Tokens the row holds (``KeyError`` unless admitted)."""
         return int(self._length[self._row(row)])
 
     # ---- admission --------------------------------------------------------------
     def can_admit(self, requests) -> Admission:
+        """Whether ``requests`` fit now, with the reason when not (never changes anything)."""
         reqs = check_requests(requests)
         return judge(self.config, reqs, self.num_free_rows, self.pool.num_free_blocks, self.reserved_blocks)
 
     def admit(self, requests) -> list[int]:
+        """Admit ``requests`` (each row's ceiling reserved) and return their rows (``AdmissionError`` if they do not
+        fit).
+        """
         reqs = check_requests(requests)
         answer = self.can_admit(reqs)
         if not answer:
@@ -210,6 +220,7 @@ class DecoderKVCacheManager:
         return rows.tolist()
 
     def finish(self, row: int) -> None:
+        """Release the row: its pages go back to the pool (``KeyError`` unless admitted)."""
         r = self._row(row)
         self._release(r)
         self._sync(np.array([r], dtype=np.int64))
@@ -247,6 +258,7 @@ class DecoderKVCacheManager:
                            longest, longest, prepared)
 
     def self_caches(self, rows) -> list[PagedKVCache]:
+        """Per layer, the paged view of ``rows``' self-attention K/V (after ``prepare_step``)."""
         ids, rows_d = self._rows_index(rows, "self_caches")
         return self._self_views(ids, rows_d)
 
@@ -259,14 +271,17 @@ class DecoderKVCacheManager:
                            max(longest - 1, 0), longest, lens > 0)
 
     def cross_query_lens(self, rows) -> list[int]:
+        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths)."""
         ids = np.array(check_rows(rows, self._is_admitted, "cross_query_lens"), dtype=np.int64)
         return (self._cross_length[ids] > 0).astype(np.int64).tolist()
 
     def gather_self(self, row: int) -> torch.Tensor:
+        """The row's self-attention K/V, all layers, as one dense tensor (for checks)."""
         r = self._row(row)
         return self.pool.gather_kv_blocks(self._self_table[r, : self._held[r]], 0, int(self._length[r]))
 
     def gather_cross(self, row: int) -> torch.Tensor:
+        """The row's cross-attention K/V, all layers, as one dense tensor (for checks)."""
         r = self._row(row)
         return self.pool.gather_kv_blocks(self._cross_table[r, : self._cross_held[r]], 0, int(self._cross_length[r]))
 
@@ -296,6 +311,7 @@ class DecoderKVCacheManager:
         self._sync(np.array([r], dtype=np.int64))
 
     def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write an empty row's prompt K/V ``(L, T, n_kv_head, head_dim)`` (``ValueError`` past its ceiling)."""
         r = self._row(row)
         T = check_kv(self.config, k, v, "prefill", (), convert=False)
         if self._length[r]:
@@ -369,6 +385,7 @@ class DecoderKVCacheManager:
         self._drop(src)
 
     def prepare_step(self, rows) -> None:
+        """Make room for one more token in each of ``rows`` (a page where a row crosses a boundary)."""
         ids = np.array(check_rows(rows, self._is_admitted, "prepare_step"), dtype=np.int64)
         self._prepare(ids)
         self._sync(ids)
@@ -382,6 +399,7 @@ class DecoderKVCacheManager:
                              f"(call prepare_step first)")
 
     def commit_step(self, rows) -> None:
+        """Each of ``rows`` is one token longer (after ``prepare_step`` and the step's writes)."""
         ids = np.array(check_rows(rows, self._is_admitted, "commit_step"), dtype=np.int64)
         self._check_prepared(ids)
         self._length[ids] += 1

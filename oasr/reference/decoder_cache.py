@@ -126,9 +126,11 @@ class DecoderKVCacheManager:
 
     @property
     def num_free_rows(self) -> int:
+        """Rows that can still be admitted."""
         return len(self._free_rows)
 
     def row_pages(self, row: int) -> RowPages:
+        """``RowPages`` of an admitted row: its self and cross page ids, length and ceiling."""
         r = self._rows[row]
         return RowPages(tuple(r.self_blocks), tuple(r.cross_blocks), r.length, r.request.self_tokens)
 
@@ -147,11 +149,13 @@ class DecoderKVCacheManager:
         return self.pool.num_free_blocks - self.reserved_blocks
 
     def describe(self, row: int) -> DecoderRowInfo:
+        """``DecoderRowInfo`` of an admitted row: pages, lengths and ceilings (``KeyError`` otherwise)."""
         r = self._row(row)
         return DecoderRowInfo(row, tuple(r.self_blocks), tuple(r.cross_blocks), r.length, r.cross_length,
                               r.request.self_tokens, r.request.cross_len)
 
     def length(self, row: int) -> int:
+        """Tokens the row holds (``KeyError`` unless admitted)."""
         return self._row(row).length
 
     # ---- admission --------------------------------------------------------------
@@ -227,6 +231,7 @@ class DecoderKVCacheManager:
         return self._views([self._table(self._rows[r].cross_blocks, width) for r in ids], lens, width, spans, reads)
 
     def cross_query_lens(self, rows) -> list[int]:
+        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths)."""
         ids = check_rows(rows, self._admitted, "cross_query_lens")
         return [1 if self._rows[r].cross_length else 0 for r in ids]
 
@@ -236,6 +241,7 @@ class DecoderKVCacheManager:
         return self.pool.gather_kv_blocks(r.self_blocks, 0, r.length)
 
     def gather_cross(self, row: int) -> torch.Tensor:
+        """The row's cross-attention K/V, all layers, as one dense tensor (for checks)."""
         r = self._row(row)
         return self.pool.gather_kv_blocks(r.cross_blocks, 0, r.cross_length)
 

@@ -225,6 +225,7 @@ class EmulatedExecutor:
         self._functions: dict[str, object] = {}
 
     def load_all(self) -> None:
+        """Build (or load from the cache) every family's emulation library now, not at a first launch."""
         build()  # one parallel build of every family
         for family in registry.families():
             _library(family)
@@ -234,6 +235,9 @@ class EmulatedExecutor:
         return EMULATED_RESIDENT_CTAS
 
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
+        """Run one instantiation of ``kernel`` over ``grid`` x ``block`` on CPU tensors' addresses (``args`` by
+        ``kernel.params``).
+        """
         registry.check_grid(kernel, grid)
         symbol = kernel.emu_symbol(targs)
         fn = self._functions.get(symbol)
@@ -250,6 +254,7 @@ _EXECUTOR: EmulatedExecutor | None = None
 
 
 def executor() -> EmulatedExecutor:
+    """The process's one ``EmulatedExecutor``."""
     global _EXECUTOR
     if _EXECUTOR is None:
         _EXECUTOR = EmulatedExecutor()

@@ -35,6 +35,7 @@ NVRTC_STD = "c++17"
 
 
 def cache_dir() -> Path:
+    """Where compiled kernels are cached: ``$OASR_KERNEL_CACHE``, else ``~/.cache/oasr/kernels``."""
     root = os.environ.get("OASR_KERNEL_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "oasr" / "kernels"
 
@@ -79,6 +80,7 @@ def _default_include_candidates() -> list[str]:
 
 
 def nvrtc_version() -> str:
+    """NVRTC's version, ``major.minor`` (part of the cache key)."""
     from cuda.bindings import nvrtc
 
     _, major, minor = nvrtc.nvrtcVersion()
@@ -86,6 +88,7 @@ def nvrtc_version() -> str:
 
 
 def program_options(family: str, arch: str):
+    """NVRTC options for ``family`` on ``arch``: the kernels' and CUDA headers' include paths, ptxas verbose."""
     from cuda.core import ProgramOptions
 
     return ProgramOptions(
@@ -211,6 +214,7 @@ def compile_family(family: str, arch: str, *, use_cache: bool = True) -> Compile
 
 
 def device_arch(device: torch.device) -> str:
+    """``sm_XY`` of a CUDA device."""
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
 
@@ -297,6 +301,9 @@ class CudaExecutor:
         return self._resident[expr]
 
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
+        """Launch one instantiation of ``kernel`` on torch's current stream of this device (``args`` by
+        ``kernel.params``).
+        """
         from cuda.core import LaunchConfig, Stream, launch
 
         registry.check_grid(kernel, grid)
@@ -316,6 +323,7 @@ _EXECUTORS: dict[int, CudaExecutor] = {}
 
 
 def executor_for(device: torch.device) -> CudaExecutor:
+    """The process's ``CudaExecutor`` for a CUDA device (one per device index)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _EXECUTORS:
         _EXECUTORS[index] = CudaExecutor(torch.device("cuda", index))

@@ -46,6 +46,7 @@ class Kernel:
     instances: tuple[tuple[str, ...], ...]  # template argument lists
 
     def name_expression(self, targs: tuple[str, ...]) -> str:
+        """The C++ name of one instantiation, e.g. ``oasr::k<float, 64>`` (NVRTC's name expression)."""
         return f"{self.name}<{', '.join(targs)}>"
 
     def emu_symbol(self, targs: tuple[str, ...]) -> str:
@@ -222,14 +223,17 @@ def check_grid(kernel: Kernel, grid) -> None:
 
 
 def families() -> list[str]:
+    """Every kernel family (source file stem), sorted."""
     return sorted({k.family for k in KERNELS})
 
 
 def kernels_of(family: str) -> list[Kernel]:
+    """The registered kernels of one family."""
     return [k for k in KERNELS if k.family == family]
 
 
 def source_path(family: str) -> Path:
+    """The family's ``.cu`` file in ``KERNELS_DIR``."""
     return KERNELS_DIR / f"{family}.cu"
 
 
@@ -256,5 +260,6 @@ def attention_kernels() -> list[Kernel]:
 
 
 def kernel_version(kernel: Kernel) -> int:
+    """An attention kernel's version: its family's ``_vN`` suffix, 1 without one."""
     m = _VERSION.search(kernel.family)
     return int(m.group(1)) if m else 1
