@@ -1,4 +1,4 @@
-"""``python -m oasr <command>``: demo (the main job), bench, kernels."""
+"""``python -m oasr <command>`` (or ``oasr <command>``): demo (the main job), bench, kernels; ``--version``."""
 
 from __future__ import annotations
 
@@ -16,13 +16,19 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command with its options (``argv`` defaults to the process's); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from oasr import __version__
+
+        print(f"oasr {__version__}")
+        return 0
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         print(f"python -m oasr: error: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)} "
               "(see --help)", file=sys.stderr)
         return 2
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m oasr {" + ",".join(COMMANDS) + "} [options]\n")
+        print("usage: python -m oasr {" + ",".join(COMMANDS) + "} [options]   (or: oasr ...; --version)\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:8s} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -40,25 +40,33 @@ class CnnCacheManagerBase:
 
     @property
     def buffer(self) -> torch.Tensor:
+        """The conv-cache buffer, ``(num_layers, slots, kernel_size - 1, hidden_dim)``; rows are slots."""
         return self.state.buffer(self.SPEC_NAME)
 
     def allocate_stream(self, stream_id) -> int:
+        """Give ``stream_id`` a zeroed slot and return it (``SlotsExhaustedError`` when none is free)."""
         return self.state.allocate_stream(stream_id)
 
     def free_stream(self, stream_id) -> None:
+        """Release ``stream_id``'s slot (``KeyError`` for an unknown id)."""
         self.state.free_stream(stream_id)
 
     def reset_stream(self, stream_id) -> None:
+        """Zero ``stream_id``'s conv state, keeping its slot (a new utterance on the same stream)."""
         self.state.reset_stream(stream_id)
 
     def has_stream(self, stream_id) -> bool:
+        """Whether ``stream_id`` holds a slot."""
         return self.state.has_stream(stream_id)
 
     def slot_of(self, stream_id) -> int:
+        """The slot row of ``stream_id`` (``KeyError`` for an unknown id)."""
         return self.state.slot_of(stream_id)
 
     def get_cache(self, stream_ids, pad_to: int | None = None) -> torch.Tensor:
+        """The streams' conv caches gathered into one batch, padded with the padding lane to ``pad_to`` rows."""
         return self.state.view(self.SPEC_NAME, as_id_list(stream_ids), pad_to).gather()
 
     def update(self, stream_ids, new_cache: torch.Tensor, pad_to: int | None = None) -> None:
+        """Write a batch of new conv caches (``get_cache``'s shape) back to the streams' slots."""
         self.state.view(self.SPEC_NAME, as_id_list(stream_ids), pad_to).scatter(new_cache)

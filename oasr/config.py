@@ -120,12 +120,23 @@ def _check_fp8_supported(device: torch.device) -> None:
         raise ValueError(f"CacheConfig.kv_cache_dtype='fp8_e4m3': float8 round trip is wrong on {device}")
 
 
-def _as_dtype(value) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
+def _as_dtype(value, owner: str = "CacheConfig") -> torch.dtype:
+    """The model dtype a config names: a floating-point torch dtype of 2 bytes or more, or one of ``_DTYPES``.
+
+    Integer, bool and complex dtypes are refused (``ValueError``), and so are the 1-byte floats: fp8 is a
+    storage format for K/V pages (``kv_cache_dtype="fp8_e4m3"``), not a dtype the model computes in.
+    """
     if isinstance(value, str) and value in _DTYPES:
         return _DTYPES[value]
-    raise ValueError(f"CacheConfig.dtype: expected a torch dtype or one of {sorted(_DTYPES)}, got {value!r}")
+    if isinstance(value, torch.dtype):
+        if value.is_floating_point and torch.empty((), dtype=value).element_size() >= 2:
+            return value
+        raise ValueError(
+            f"{owner}.dtype: the model dtype must be a floating-point dtype such as torch.float32, torch.float16 "
+            f"or torch.bfloat16, got {value}" + (" (fp8 pages: kv_cache_dtype='fp8_e4m3')" if value.is_floating_point
+                                                 else "")
+        )
+    raise ValueError(f"{owner}.dtype: expected a torch dtype or one of {sorted(_DTYPES)}, got {value!r}")
 
 
 @dataclass

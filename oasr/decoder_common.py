@@ -77,6 +77,7 @@ class DecoderRowInfo:
 
 
 def check_requests(requests) -> list[DecoderRequest]:
+    """One request or a list of them, as a list of ``DecoderRequest`` (``ValueError`` naming any other)."""
     reqs = list(requests) if isinstance(requests, (list, tuple)) else [requests]
     for i, r in enumerate(reqs):
         if not isinstance(r, DecoderRequest):

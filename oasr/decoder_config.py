@@ -1,4 +1,4 @@
-"""``DecoderCacheConfig``: geometry and capacity of an autoregressive decoder's K/V (seed 000 §10, §10.6).
+"""``DecoderCacheConfig``: geometry and capacity of an autoregressive decoder's K/V (an attention rescorer's).
 
 The decoder's K/V is the second growing, block-addressed cache, on its own
 pool and with its own policy: a row grows one token per step and is never
@@ -89,7 +89,7 @@ class DecoderCacheConfig:
                 or self.max_cross_tokens < 0:
             raise ValueError(f"DecoderCacheConfig.max_cross_tokens must be an int >= 0, got {self.max_cross_tokens!r}")
         self.device = torch.device(self.device)
-        self.dtype = _as_dtype(self.dtype)
+        self.dtype = _as_dtype(self.dtype, "DecoderCacheConfig")
         if self.kv_cache_dtype in ("auto", "model"):
             self.kv_cache_dtype = None
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -125,6 +125,7 @@ class DecoderCacheConfig:
     # ---- derived --------------------------------------------------------------
     @property
     def kv_quantized(self) -> bool:
+        """Whether the K/V is stored as fp8 with per-vector scales."""
         return self.kv_cache_dtype is not None
 
     @property
@@ -159,9 +160,11 @@ class DecoderCacheConfig:
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one page: ``bytes_per_token * page_size``."""
         return self.bytes_per_token * self.page_size
 
     def pages_for(self, tokens: int) -> int:
+        """Pages that hold ``tokens`` tokens (rounded up)."""
         return math.ceil(tokens / self.page_size)
 
     def pool_config(self) -> CacheConfig:

@@ -50,10 +50,12 @@ class SlotsExhaustedError(RuntimeError):
 
 
 def unknown_stream(stream_id) -> KeyError:
+    """The ``KeyError`` for a stream id that was never allocated or is already freed."""
     return KeyError(f"unknown stream id {stream_id!r} (never allocated, or already freed)")
 
 
 def duplicate_stream(stream_id) -> ValueError:
+    """The ``ValueError`` for allocating a stream id that is already allocated."""
     return ValueError(f"stream id {stream_id!r} is already allocated")
 
 

@@ -25,6 +25,7 @@ from oasr.config import CacheConfig
 
 
 def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -37,6 +38,7 @@ def bytes_per_kv_block(config: CacheConfig) -> int:
 
 
 def kv_pool_bytes(config: CacheConfig, scratch_blocks: int = 1) -> int:
+    """Bytes of the K/V pool: every block, scratch blocks included."""
     return bytes_per_kv_block(config) * (config.max_num_blocks + scratch_blocks)
 
 
@@ -52,10 +54,12 @@ class Footprint:
 
     @property
     def total(self) -> int:
+        """Bytes of every component together."""
         return (self.kv_pool + self.scratch + self.block_tables + self.seq_meta + self.conv_cache
                 + self.decoder_pool + self.decoder_tables)
 
     def as_dict(self) -> dict:
+        """Bytes by component name."""
         return {
             "kv_pool": self.kv_pool,
             "scratch": self.scratch,
@@ -68,6 +72,7 @@ class Footprint:
         }
 
     def format(self) -> str:
+        """One indented line per component: name and size."""
         rows = [f"  {name:13s} {format_bytes(value):>12s}" for name, value in self.as_dict().items()]
         return "\n".join(rows)
 
@@ -113,6 +118,7 @@ def max_num_blocks_for_budget(config: CacheConfig, budget_bytes: int, scratch_bl
 
 
 def format_bytes(n: int) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB, e.g. ``1.50 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

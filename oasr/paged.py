@@ -80,14 +80,17 @@ class PagedKVCache:
 
     @property
     def batch_size(self) -> int:
+        """Rows of the view (block-table rows)."""
         return self.block_table.shape[0]
 
     @property
     def n_kv_head(self) -> int:
+        """KV heads of the pool."""
         return self.k_cache.shape[2]
 
     @property
     def head_dim(self) -> int:
+        """Head size of the pool."""
         return self.k_cache.shape[3]
 
     @property

@@ -34,6 +34,7 @@ def block_hash(parent: int, tokens: tuple) -> int:
 
 
 def check_tokens(tokens, op: str) -> tuple:
+    """Token ids as a tuple of ints (``ValueError`` naming ``op`` for anything else, bools included)."""
     ids = tuple(tokens.tolist() if hasattr(tokens, "tolist") else tokens)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int):
@@ -54,6 +55,7 @@ class PrefixIndex:
         return len(self._entries)
 
     def clear(self) -> None:
+        """Forget every published prefix."""
         self._entries.clear()
 
     def _chain(self, tokens: tuple, blocks: int, scope=0):

@@ -118,6 +118,7 @@ class SessionGeometry:
 
     @classmethod
     def of(cls, config: CacheConfig) -> SessionGeometry:
+        """The geometry fields of ``config`` a session must match to be resumed."""
         if config.window_frames is not None:  # the header has no field for it: refuse rather than lose it
             raise SessionError(f"sessions record a chunk-aligned window (num_left_chunks); a cache with "
                                f"window_frames={config.window_frames} cannot be suspended or resumed")
@@ -126,6 +127,7 @@ class SessionGeometry:
                    config.kv_cache_dtype, config.prefill_kv_window)
 
     def differences(self, other: SessionGeometry) -> list[str]:
+        """One line per field that differs from ``other``: the session's value and this one's."""
         return [
             f"{name}: session {getattr(self, name)!r}, here {getattr(other, name)!r}"
             for name in self.__dataclass_fields__
@@ -193,6 +195,7 @@ class StreamSession:
 
     @property
     def flags(self) -> int:
+        """The header's section flags: which optional sections (CTC beam, engine, encoder output) follow."""
         return ((FLAG_CTC_BEAM if self.beam is not None else 0) | (FLAG_ENGINE if self.engine is not None else 0)
                 | (FLAG_ENCODER_OUT if self.encoder_out is not None else 0))
 

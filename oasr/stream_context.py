@@ -55,30 +55,40 @@ class StreamContext:
 
     # ---- per chunk, paged --------------------------------------------------------
     def prepare_chunk(self, num_frames: int | None = None) -> None:
+        """Blocks for this stream's next ``num_frames`` frames (default chunk_size)."""
         self.att.prepare_chunk(self.stream_id, num_frames)
 
     def at_capacity(self, num_frames: int | None = None) -> bool:
+        """True when preparing the next ``num_frames`` would pass the stream's block ceiling."""
         return self.att.at_capacity(self.stream_id, num_frames)
 
     def get_att_caches(self):
+        """This stream's paged K/V views, one per layer."""
         return self.att.get_paged_caches([self.stream_id])
 
     def get_paged_state_views(self):
+        """``(block_table (1, W), cache_seqlens (1,), cache_seqstarts (1,))`` of this stream."""
         return self.att.get_paged_state_views(self.stream_id)
 
     def cached_frames(self) -> int:
+        """K/V frames the stream holds (its visible history)."""
         return self.att.cached_frames(self.stream_id)
 
     def commit_chunk_paged(self, num_frames: int, new_cnn_cache=None) -> None:
+        """Commit ``num_frames`` written through the paged views, and the new conv cache when given."""
         self.att.commit_chunk_paged(self.stream_id, num_frames)
         if new_cnn_cache is not None:
             self.cnn.update([self.stream_id], new_cnn_cache)
 
     # ---- per chunk, dense --------------------------------------------------------
     def get_att_cache(self):
+        """The visible history packed as ``(num_layers, n_kv_head, seqlen - seqstart, 2 * head_dim)``."""
         return self.att.get_stacked_cache(self.stream_id)
 
     def commit_chunk(self, kv_chunk, new_cnn_cache=None) -> None:
+        """Commit a dense chunk ``kv_chunk`` and the new conv cache (``ValueError`` for a wrong conv shape; nothing
+        written).
+        """
         if new_cnn_cache is not None:
             expected = tuple(self.cnn.get_cache([self.stream_id]).shape)
             if tuple(new_cnn_cache.shape) != expected:
@@ -89,9 +99,11 @@ class StreamContext:
 
     # ---- shared -------------------------------------------------------------------
     def get_cnn_cache(self):
+        """The stream's conv cache, one batch row."""
         return self.cnn.get_cache([self.stream_id])
 
     def get_decoder(self):
+        """The stream's CTC decoder handle (``RuntimeError`` when the context has no CTC manager)."""
         if self.ctc is None:
             raise RuntimeError(f"stream {self.stream_id!r}: this StreamContext has no CTC manager")
         return self.ctc.get_decoder(self.stream_id)

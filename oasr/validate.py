@@ -86,13 +86,19 @@ def check_lens_values(op: str, cache, lens: torch.Tensor, num_frames: int, what:
     prepared = cache.prepared_frames
     if prepared is not None and len(prepared) != len(values):
         raise ValueError(f"{op}: the view's prepared_frames has {len(prepared)} rows, the cohort {len(values)}")
+    # paged_attention's q puts heads before frames, K/V the other way round: a q in K/V's layout
+    # reaches this check with its heads taken for frames, so the message names the layout first.
+    layout = (" q must be (B, n_head, T, head_dim), heads before frames; if it is (B, T, n_head, head_dim), "
+              "pass q.transpose(1, 2).") if op == "paged_attention" else ""
     for b, n in enumerate(values):
+        if n > num_frames and layout:
+            raise ValueError(f"{op}: chunk_lens[{b}]={n} is more than q's T={num_frames} (its dim 2).{layout}")
         if not 0 <= n <= num_frames:
             raise ValueError(f"{op}: chunk_lens[{b}]={n} outside [0, T={num_frames}]")
         if prepared is not None and n > prepared[b]:
             raise ValueError(
                 f"{op}: row {b} has a chunk of {n} {what}, more than the {prepared[b]} frames prepared for it "
-                f"(prepare_chunk with num_frames >= {n} first, or pass chunk_lens)"
+                f"(prepare_chunk with num_frames >= {n} first, or pass chunk_lens).{layout}"
             )
 
 

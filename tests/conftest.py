@@ -17,6 +17,13 @@ import oasr
 
 TWINS = ("reference", "fast")
 
+# One CPU thread for the suite, and for the processes it starts (the demo's subprocess, notebook
+# kernels): the tests' tensors are small, and on a loaded machine torch's default of one thread per
+# core made the engine and streaming tests some 60x slower. A test that wants more sets it itself.
+torch.set_num_threads(1)
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
 
 def load_twin(name: str):
     module = importlib.import_module(f"oasr.{name}")

@@ -1,4 +1,4 @@
-"""Cohort admission (seed 000 9.4): shortest buffered input first, bounded by ``max_wait_time`` ticks.
+"""Cohort admission: shortest buffered input first, bounded by ``max_wait_time`` ticks.
 
 The clock is the engine's tick counter: a stream's wait at tick ``t`` is
 ``t - arrival_tick`` (``arrival_tick`` = the ticks completed when ``add_stream``

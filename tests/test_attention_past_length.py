@@ -3,10 +3,10 @@
 The reference skips rows ``t >= chunk_lens[b]`` outright, so they stay 0 whatever
 the pool holds. A fast path that computes those rows with probability 0 and then
 accumulates ``0 * v`` gets NaN as soon as one visible V value is NaN or Inf
-(``0 * NaN = NaN``, ``0 * Inf = NaN``). Issue 9 found this on every fast path; this
+(``0 * NaN = NaN``, ``0 * Inf = NaN``). Every fast path once had this bug; this
 file is its regression test, on the torch CPU path, on the fast twin's emulated
-kernels, and on every attention kernel in the registry (v1, and v2 once it is
-registered) through its launcher, with one split and with the key range split
+kernels, and on every attention kernel in the registry (v1 and v2) through its
+launcher, with one split and with the key range split
 across CTAs (the combine kernel must also keep such rows at 0).
 
 The visible rows themselves are not checked here (with NaN in V they are NaN,

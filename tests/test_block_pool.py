@@ -118,7 +118,7 @@ def test_thread_safety(twin):
 
 
 def test_free_of_a_block_a_stream_holds_is_refused_and_names_the_owner(twin):
-    # Issue 14 (5): pool.free of a managed block used to succeed; the stream could then never be
+    # A regression: pool.free of a managed block used to succeed; the stream could then never be
     # freed or reset (its own free became a double free).
     cfg = small_config()
     pool = twin.BlockPool(cfg)

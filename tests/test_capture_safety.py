@@ -46,7 +46,7 @@ BAD = {
     "pageable_operand": lambda d, h: d.add_(h),
     "pageable_to": lambda d, h: h.to(d.device),
     "readback_pageable": lambda d, h: h.copy_(d),
-    "scalar_through_index": lambda d, h: d.__setitem__(2, 5.0),  # seed 000 9.7: a pageable 4-byte copy
+    "scalar_through_index": lambda d, h: d.__setitem__(2, 5.0),  # a pageable 4-byte host-to-device copy
 }
 
 

@@ -22,6 +22,7 @@ def test_demo_runs_and_reports(tmp_path, capsys, extra):
     assert "6 finished" in out and "memory by component" in out and "memory utilisation" in out
     assert "best token sequences" in out and "decoder states created" in out
     assert "-> OK" in out
+    assert "demo: 1 torch thread(s)" in out
     assert plot.exists() and plot.stat().st_size > 10_000
     if extra:
         assert "fp8 saves" in out
@@ -104,6 +105,11 @@ def no_demo_work(monkeypatch):
     (["--plot", "/no/such/directory/demo.png"], "directory /no/such/directory does not exist"),
     (["--max-batch-size", "1000000"], "more than half of this cpu's"),
     (["--streams", "many"], "invalid int value: 'many'"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--plot", "foo.txt"], "--plot foo.txt: the plot is written as .png, .pdf, .svg"),
+    (["--plot", "demo"], "give a path ending in one of them"),
+    (["--decoder", "greedy", "--beam", "8"], "--beam 8 sizes the CTC prefix beam search; --decoder greedy has no beam"),
+    (["--decoder", "greedy", "--beam", "0"], "--decoder greedy has no beam"),
 ])
 def test_demo_bad_option_is_a_usage_error_before_any_work(capsys, no_demo_work, argv, expect):
     assert expect in _refuses(capsys, ["demo", *argv])
@@ -182,3 +188,72 @@ def test_demo_head_dim_follows_the_device():
     assert demo.demo_head_dim(args) == 64 and 64 in demo.CUDA_HEAD_DIMS
     args.head_dim = 128
     assert demo.demo_head_dim(args) == 128
+
+
+def test_version_from_the_one_source(capsys):
+    from pathlib import Path
+
+    import oasr
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    assert oasr_main(["--version"]) == 0
+    assert capsys.readouterr().out == f"oasr {oasr.__version__}\n"
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert project["scripts"]["oasr"] == "oasr.__main__:main"
+
+
+def test_demo_threads_default_like_bench(capsys):
+    defaults = {}
+    for command in ("demo", "bench"):
+        with pytest.raises(SystemExit):
+            oasr_main([command, "--help"])
+        help_text = " ".join(capsys.readouterr().out.split())
+        defaults[command] = re.search(r"--threads THREADS .*?\(default: (\d+)\)", help_text).group(1)
+    assert defaults == {"demo": "1", "bench": "1"}
+
+
+def test_the_suite_runs_on_one_thread():
+    """conftest pins torch to one thread (torch's default, one per core, made the suite ~60x slower here)."""
+    assert torch.get_num_threads() == 1
+
+
+def test_bench_json_without_path_is_json_alone_on_stdout(capsys):
+    assert oasr_main(["bench", "--quick", "--sections", "bookkeeping", "--json"]) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)  # nothing but the JSON
+    assert rows and all(r["section"] == "bookkeeping" for r in rows)
+    assert "== bookkeeping ==" in captured.err and "bench: 1 torch thread(s)" in captured.err
+
+
+def test_kernels_sass_without_nvdisasm_is_refused_before_any_compile(capsys, monkeypatch):
+    pytest.importorskip("cuda.bindings")
+    from oasr.fast.kernels import nvrtc, sass
+
+    def missing(name):
+        raise RuntimeError(f"{name} not found")
+
+    monkeypatch.setattr(sass, "find_tool", missing)
+    forbid(monkeypatch, nvrtc, "compile_family")
+    line = _refuses(capsys, ["kernels", "--arch", "sm_80", "--sass"])
+    assert "--sass needs nvdisasm, which is not installed; pip install nvidia-cuda-nvdisasm" in line
+
+
+def test_transcripts_label_the_shown_sequence_score():
+    """With --rescore the shown tokens are the second pass's choice: their CTC score is theirs, not the
+    first pass's best, and the heading says the sequences were rescored."""
+    from oasr.commands import demo
+    from oasr.ctc_config import CtcDecoderConfig, CtcHypothesis
+
+    nbest = [CtcHypothesis([1, 2], -1.0, [0, 1]), CtcHypothesis([3], -2.5, [0])]
+    result = types.SimpleNamespace(tokens=[3], nbest=nbest, first_pass=[1, 2])
+    engine = types.SimpleNamespace(ctc=types.SimpleNamespace(num_created=1), ctc_config=CtcDecoderConfig(beam_size=4),
+                                   rescore=True, result=lambda sid: result)
+    lines = demo.transcripts(engine, [types.SimpleNamespace(stream_id="s000")])
+    assert "attention-rescored n-best of the CTC prefix beam search" in lines[0]
+    assert "CTC log p     -2.50" in lines[1] and "[3]" in lines[1]
+    engine.rescore = False
+    result.tokens = [1, 2]
+    lines = demo.transcripts(engine, [types.SimpleNamespace(stream_id="s000")])
+    assert "rescored" not in lines[0] and "CTC log p     -1.00" in lines[1]

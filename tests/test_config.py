@@ -96,3 +96,9 @@ def test_prefill_geometry():
 def test_strings_normalise():
     cfg = oasr.CacheConfig(device="cpu", dtype="bf16")
     assert cfg.dtype is torch.bfloat16 and cfg.device.type == "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn])
+def test_non_float_model_dtype_is_refused(dtype):
+    with pytest.raises(ValueError, match=f"CacheConfig.dtype: the model dtype must be a floating-point .* got {dtype}"):
+        small_config(dtype=dtype)

@@ -34,7 +34,7 @@ def max_diff(a, b):
 
 
 class PagedRunner:
-    """The managers of one twin around the model: the tick of seed 000 §5, written out by hand.
+    """The managers of one twin around the model: the engine's tick, written out by hand.
 
     Streams join at any tick; each tick the streams with input left form one cohort,
     padded to ``width`` rows through the padding lane.

@@ -165,7 +165,7 @@ def test_refusals_at_construction():
      (torch.bfloat16, 3.3e38), (torch.bfloat16, 3.3895314e38)],
 )  # fmt: skip
 def test_values_near_the_model_dtype_max_dequantize_finite(twin, dtype, value):
-    """Issue 14: fp16 65000 got scale 256 and e4m3 256, 256 * 256 = 65536 > 65504: inf in attention and
+    """fp16 65000 once got scale 256 and e4m3 256, 256 * 256 = 65536 > 65504: inf in attention and
     in get_stacked_cache (fp32/bf16 likewise from ~3.3e38). Under the amended rule the value saturates
     at L = 1.875 * 2**emax (61440 for fp16), in the paged path and the dense path of both twins."""
     twin = fp8_twin(twin)

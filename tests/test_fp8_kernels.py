@@ -278,7 +278,7 @@ def near_max_scenario(dtype: torch.dtype):
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_append_saturates_near_the_model_dtype_max(backend, dtype):
-    # Issue 14: fp16 65000 was stored as 256 * scale 256 = 65536, inf in fp16 (fp32/bf16 from ~3.3e38).
+    # A regression: fp16 65000 was stored as 256 * scale 256 = 65536, inf in fp16 (fp32/bf16 from ~3.3e38).
     # Amended rule: clamp to L first. Bytes still equal torch's conversion of the clamped values, and
     # every written vector, the gather and attention over those pages are finite in the model dtype.
     s, k, v = near_max_scenario(dtype)

@@ -1,4 +1,4 @@
-"""Kernel launch hygiene (issue 14): grid limits, the caller's current device, argument kinds.
+"""Kernel launch hygiene: grid limits, the caller's current device, argument kinds.
 
 None of these needs a GPU: the grid check runs before any launch (a stand-in executor records
 launches), the device switch is tested with stand-ins for cuda.core and torch.cuda, and the kind

@@ -38,7 +38,7 @@ def test_declared_gap_is_served_by_torch_and_counted():
         assert kernel_policy.gaps["paged-attention-head-dim"] == calls
     report = format_gap_report()
     assert "paged-attention-head-dim  [paged_attention]  calls: 2" in report
-    assert "closed by: kernels_cu/paged_chunk_attention" in report
+    assert "closed by: oasr/kernels_cu/paged_chunk_attention" in report
 
 
 def test_undeclared_gap_raises(monkeypatch):

@@ -2,7 +2,7 @@
 
 The baseline kernels must not spill, keep no stack frame, and stay under the
 48 KB of static shared memory a CTA can declare; the attention kernel's budget
-is worked out in the header of kernels_cu/paged_chunk_attention.cu. The fp8
+is worked out in the header of oasr/kernels_cu/paged_chunk_attention.cu. The fp8
 page variants are registry entries like the others, so the same checks cover
 them (sm_80 converts e4m3 in software, sm_90 with the hardware cvt).
 """

@@ -229,7 +229,7 @@ def test_fast_twin_runs_its_tensor_core_kernel_and_zeroes_rows_past_their_length
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_append_saturates_near_the_model_dtype_max(device, dtype):
-    # Issue 14: the amended rule (clamp at 1.875 * 2**emax) on the GPU: bytes equal the reference's,
+    # The saturating rule (clamp at 1.875 * 2**emax) on the GPU: bytes equal the reference's,
     # and attention over those pages is finite (the plain rule gave inf).
     s, k, v = near_max_scenario(dtype)
     want = s.clone()

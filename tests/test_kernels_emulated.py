@@ -1,6 +1,6 @@
 """The CUDA kernels, run on the CPU by the SIMT emulator, against the reference.
 
-Same `.cu` sources as the GPU build (see kernels_cu/emu/simt_emu.h for what the
+Same `.cu` sources as the GPU build (see oasr/kernels_cu/emu/simt_emu.h for what the
 emulator can and cannot show). Every case uses a shuffled block table and a
 pool poisoned with NaN wherever the op must not read; append is compared
 bitwise over the whole pool, gather bitwise over its whole output, attention
@@ -143,7 +143,7 @@ def test_append_matches_reference_bitwise(emu, dtype, head_dim, seed):
 
 def test_append_two_byte_units_and_refused_cast(emu):
     # A misaligned chunk forces the 2-byte copy path. An fp32 chunk into a bf16 pool is refused by
-    # both twins alike (issue 14: it used to be cast silently), before anything is written.
+    # both twins alike (never cast silently), before anything is written.
     s = make_scenario(7, **_geometry(7, 64, torch.bfloat16))
     k32 = torch.randn(s.k.shape)
     storage = torch.empty(k32.numel() + 1, dtype=torch.bfloat16)

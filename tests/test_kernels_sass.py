@@ -87,7 +87,7 @@ def test_trip_count_compare_before_step():
 @pytest.mark.parametrize(
     "regs,smem,threads,arch,expect",
     [
-        (71, 25600, 128, "sm_90", (7, "registers")),  # v1 bf16 D=64 (issue 9: 1.11 waves at 128 streams)
+        (71, 25600, 128, "sm_90", (7, "registers")),  # v1 bf16 D=64 (1.11 waves at 128 streams)
         (78, 25600, 128, "sm_80", (6, "registers")),
         (122, 46080, 128, "sm_90", (4, "registers")),
         (24, 0, 128, "sm_90", (16, "threads")),
@@ -165,7 +165,7 @@ V2 = [k for k in registry.attention_kernels() if registry.kernel_version(k) == 2
 
 
 @needs_toolchain
-@pytest.mark.skipif(not V2, reason="no v2 attention kernel registered (kernels_cu/paged_chunk_attention_v2.cu)")
+@pytest.mark.skipif(not V2, reason="no v2 attention kernel registered (oasr/kernels_cu/paged_chunk_attention_v2.cu)")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_v2_main_loop_runs_on_tensor_cores(attention_report, arch):
     rows = [r for r in attention_report["kernels"] if r["version"] == 2 and r["arch"] == arch]

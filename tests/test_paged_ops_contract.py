@@ -1,4 +1,4 @@
-"""``append_kv`` / ``paged_attention`` refuse bad input before writing anything (issue 14, caches 1, 3, 4, 6).
+"""``append_kv`` / ``paged_attention`` refuse bad input before writing anything.
 
 Each case runs on both twins through a manager's views, checks the words of the
 error (what was expected, what came) and that the pool, scratch block included,
@@ -14,8 +14,8 @@ import oasr
 from tests.conftest import small_config
 
 
-def issue_setup(twin, **overrides):
-    """The reproduction of issue 14: two streams prepared for a 5-frame chunk, 3-frame blocks."""
+def two_stream_setup(twin, **overrides):
+    """Two streams prepared for a 5-frame chunk, 3-frame blocks."""
     fields = dict(num_layers=1, n_kv_head=1, head_dim=4, hidden_dim=4, kernel_size=3, chunk_size=5,
                   block_size_frames=3, max_num_blocks=8, max_batch_size=2, max_blocks_per_seq=4)  # fmt: skip
     fields.update(overrides)
@@ -40,8 +40,8 @@ def assert_pool_unchanged(pool, before) -> None:
 
 @pytest.mark.parametrize("chunk_lens", [[5, 6], [5, -1], torch.tensor([5, 6]), torch.tensor([4, 9], dtype=torch.int64)])
 def test_append_kv_is_atomic_on_bad_chunk_lens(twin, chunk_lens):
-    # Issue 14 (1): the reference wrote row 0 before finding row 1's length bad.
-    _, pool, _, cache = issue_setup(twin)
+    # A regression: the reference wrote row 0 before finding row 1's length bad.
+    _, pool, _, cache = two_stream_setup(twin)
     k = torch.ones(2, 5, 1, 4)
     before = pool_bytes(pool)
     with pytest.raises(ValueError, match=r"chunk_lens\[1\]=(6|-1|9) outside \[0, T=5\]"):
@@ -58,8 +58,8 @@ def test_append_kv_is_atomic_on_bad_chunk_lens(twin, chunk_lens):
      (torch.float64, "k must be torch.float32, the pool's dtype, got torch.float64")],
 )  # fmt: skip
 def test_append_kv_refuses_a_dtype_other_than_the_pools(twin, k_dtype, message):
-    # Issue 14 (3): fp16 or int64 K into an fp32 pool were cast silently.
-    _, pool, _, cache = issue_setup(twin)
+    # A regression: fp16 or int64 K into an fp32 pool were cast silently.
+    _, pool, _, cache = two_stream_setup(twin)
     before = pool_bytes(pool)
     k = torch.ones(2, 5, 1, 4, dtype=k_dtype)
     with pytest.raises(ValueError, match=message):
@@ -71,7 +71,7 @@ def test_append_kv_refuses_a_dtype_other_than_the_pools(twin, k_dtype, message):
 
 @pytest.mark.parametrize("q_dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_paged_attention_refuses_a_q_dtype_other_than_the_pools(twin, q_dtype):
-    _, _, _, cache = issue_setup(twin)
+    _, _, _, cache = two_stream_setup(twin)
     twin.append_kv(cache, torch.ones(2, 5, 1, 4), torch.ones(2, 5, 1, 4))
     with pytest.raises(ValueError, match=f"q must be torch.float32, the pool's dtype, got {q_dtype}"):
         twin.paged_attention(torch.ones(2, 1, 5, 4, dtype=q_dtype), cache)
@@ -81,7 +81,7 @@ def test_fp8_pages_take_the_model_dtype_only(twin):
     # fp8 pages: K, V and q in CacheConfig.dtype (here fp16); fp32 K used to be accepted and quantized.
     if not getattr(twin, "SUPPORTS_FP8", twin.__name__ == "oasr.reference"):
         pytest.skip(f"{twin.__name__} has no fp8 K/V")
-    _, pool, _, cache = issue_setup(twin, dtype=torch.float16, kv_cache_dtype="fp8_e4m3")
+    _, pool, _, cache = two_stream_setup(twin, dtype=torch.float16, kv_cache_dtype="fp8_e4m3")
     assert cache.model_dtype == torch.float16 and cache.served_dtype == torch.float16
     before = pool_bytes(pool)
     expected = "must be torch.float16, the model dtype \\(CacheConfig.dtype\\), got"
@@ -110,7 +110,7 @@ def prepared_setup(twin, pad_to=None):
 
 
 def test_append_kv_refuses_more_frames_than_prepared(twin):
-    # Issue 14 (4): T = 16 after preparing 8 wrote frames 8..15 into the scratch block.
+    # A regression: T = 16 after preparing 8 wrote frames 8..15 into the scratch block.
     cfg, pool, att, cache = prepared_setup(twin)
     assert cache.prepared_frames == (8,)
     k = torch.randn(1, 16, cfg.n_kv_head, cfg.head_dim)
@@ -145,7 +145,7 @@ def test_prepared_frames_follow_commits_and_blocks(twin):
 
 
 def test_q_in_the_kv_layout_is_refused(twin):
-    # Issue 14 (6): q is (B, n_head, T, D), K/V (B, T, n_kv_head, D). A q passed as (B, T, n_head, D)
+    # q is (B, n_head, T, D), K/V (B, T, n_kv_head, D). A q passed as (B, T, n_head, D)
     # whose sizes fit was misread; now its T is checked against the prepared frames, its heads
     # against n_kv_head, and the message states both layouts.
     cfg = small_config(num_layers=1, n_kv_head=2, chunk_size=4, block_size_frames=4)
@@ -166,3 +166,25 @@ def test_q_in_the_kv_layout_is_refused(twin):
         twin.paged_attention(q3.transpose(1, 2).contiguous(), cache)
     with pytest.raises(ValueError, match=r"append_kv: k must be \(B=1, T, n_kv_head=2, head_dim=8\)"):
         twin.append_kv(cache, k[:, :3].transpose(1, 2).contiguous(), k[:, :3].transpose(1, 2).contiguous())
+
+
+def test_q_in_the_kv_layout_is_named_when_chunk_lens_exceed_its_frames(twin):
+    """A (B, T, n_head, D) q whose head count passes for frames: the error names q's layout, not only
+    chunk_lens (it used to say "chunk_lens[0]=4 outside [0, T=2]" and nothing about the layout)."""
+    cfg = small_config(num_layers=1, n_kv_head=2, chunk_size=4, block_size_frames=4)
+    pool = twin.BlockPool(cfg)
+    att = twin.AttentionCacheManager(pool, cfg)
+    att.allocate_stream("s")
+    att.prepare_chunk("s")
+    cache = att.get_paged_caches(["s"])[0]
+    k = torch.randn(1, 4, 2, cfg.head_dim)
+    twin.append_kv(cache, k, k)
+    q = torch.randn(1, 2, 4, cfg.head_dim)  # n_head 2, T 4
+    assert twin.paged_attention(q, cache, [4]).shape == q.shape
+    layout = (r"q must be \(B, n_head, T, head_dim\), heads before frames; if it is \(B, T, n_head, head_dim\), "
+              r"pass q.transpose\(1, 2\)")
+    wrong = q.transpose(1, 2).contiguous()  # (1, 4, 2, D): 4 "heads", T 2
+    with pytest.raises(ValueError, match=r"chunk_lens\[0\]=4 is more than q's T=2 \(its dim 2\)\. " + layout):
+        twin.paged_attention(wrong, cache, [4])
+    with pytest.raises(ValueError, match=r"chunk_lens\[0\]=4 is more than q's T=2 .*" + layout):
+        twin.paged_attention(wrong, cache, torch.tensor([4]))

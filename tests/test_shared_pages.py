@@ -1,4 +1,4 @@
-"""Shared pages (issue 12): reference-counted blocks, copy-on-write beams, rewind and trim (both twins)."""
+"""Shared pages: reference-counted blocks, copy-on-write beams, rewind and trim (both twins)."""
 
 from __future__ import annotations
 

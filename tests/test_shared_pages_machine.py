@@ -1,4 +1,4 @@
-"""Issue 12's acceptance machine: shared pages through random op sequences, over both twins at once.
+"""A state machine for shared pages through random op sequences, over both twins at once.
 
 Ops: admit (with and without a prefix hit), append, select with repeated indices, rewind, trim,
 retire, evict, abandon, reset, finish. After every step: held + parked + free == total; reference

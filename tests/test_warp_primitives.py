@@ -1,4 +1,4 @@
-"""kernels_cu/warp_mma.cuh under the host emulation (kernels_cu/emu/warp_emu.h), against torch.
+"""oasr/kernels_cu/warp_mma.cuh under the host emulation (oasr/kernels_cu/emu/warp_emu.h), against torch.
 
 The primitives are driven one at a time by the small kernels in
 tests/kernels_cu_test/warp_primitives.cu, on random data, and read back

@@ -35,6 +35,7 @@ def _digest(tensors: dict) -> str:
 
 
 def checkpoint_tensors(encoder, decoder, cmvn: GlobalCmvn) -> dict:
+    """Every tensor a checkpoint holds, on the CPU: ``encoder.*``, ``decoder.*`` and the CMVN statistics."""
     tensors = {f"encoder.{k}": v.detach().cpu().contiguous() for k, v in encoder.state_dict().items()}
     tensors.update({f"decoder.{k}": v.detach().cpu().contiguous() for k, v in decoder.state_dict().items()})
     tensors["cmvn.mean"] = cmvn.mean.detach().cpu().float().contiguous()
@@ -43,6 +44,7 @@ def checkpoint_tensors(encoder, decoder, cmvn: GlobalCmvn) -> dict:
 
 
 def save_checkpoint(path, encoder, decoder, spec: AsrSpec, cmvn: GlobalCmvn, info: dict | None = None) -> None:
+    """Write the model, its spec, the CMVN statistics and ``info`` as one checksummed safetensors file."""
     from safetensors.torch import save_file
 
     tensors = checkpoint_tensors(encoder, decoder, cmvn)

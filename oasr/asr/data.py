@@ -19,6 +19,7 @@ from oasr.asr.text import SentenceGenerator
 
 
 def shard_path(directory, index: int) -> Path:
+    """The path of training shard ``index`` in ``directory``."""
     return Path(directory) / f"shard_{index:04d}.npz"
 
 
@@ -78,4 +79,5 @@ class ShardSet:
         return len(self.lens)
 
     def utterance(self, i: int) -> np.ndarray:
+        """Utterance ``i``'s feature frames."""
         return self.feats[self.starts[i] : self.starts[i] + self.lens[i]]

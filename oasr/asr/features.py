@@ -64,6 +64,7 @@ class OnlineFbank:
         self.finished = False
 
     def accept(self, pcm) -> np.ndarray:
+        """Take more PCM samples; returns the fbank frames now complete (``ValueError`` after ``finish``)."""
         if self.finished:
             raise ValueError("OnlineFbank.accept: the input was already finished")
         x = _as_pcm(pcm)
@@ -73,6 +74,7 @@ class OnlineFbank:
         return self._take()
 
     def finish(self) -> np.ndarray:
+        """End the input; returns the last frames (calling it again returns none)."""
         if not self.finished:
             self._fbank.input_finished()
             self.finished = True
@@ -103,10 +105,12 @@ class GlobalCmvn:
 
     @classmethod
     def from_stats(cls, total: np.ndarray, total_sq: np.ndarray, count: int) -> GlobalCmvn:
+        """Mean and inverse standard deviation from per-dimension sums, sums of squares and a frame count."""
         mean = total / count
         var = np.maximum(total_sq / count - mean**2, 1e-8)
         return cls(torch.tensor(mean, dtype=torch.float32), torch.tensor(1.0 / np.sqrt(var), dtype=torch.float32))
 
     def normalize(self, feats) -> torch.Tensor:
+        """``(feats - mean) * istd`` as float32."""
         x = torch.as_tensor(feats, dtype=torch.float32)
         return (x - self.mean) * self.istd

@@ -42,24 +42,29 @@ class AsrSpec:
         self.decoder = dict(self.decoder)
 
     def tokenizer(self) -> CharTokenizer:
+        """The character tokenizer of the spec's alphabet."""
         return CharTokenizer(self.alphabet)
 
     def encoder_config(self, **overrides) -> ConformerConfig:
+        """The encoder's ``ConformerConfig`` (vocabulary from the tokenizer; ``overrides`` replace fields)."""
         values = {**self.encoder, "vocab_size": self.tokenizer().vocab_size, **overrides}
         values["subsample_kernels"] = tuple(values.get("subsample_kernels", (5, 3)))
         return ConformerConfig(**values)
 
     def decoder_config(self) -> DecoderConfig:
+        """The attention decoder's ``DecoderConfig``, sized to the tokenizer and the encoder."""
         return DecoderConfig(**{**self.decoder, "vocab_size": self.tokenizer().vocab_size,
                                 "encoder_dim": self.encoder["hidden_dim"]})
 
     def to_dict(self) -> dict:
+        """The spec as plain JSON-able values (``from_dict`` reads it back)."""
         d = asdict(self)
         d["encoder"]["subsample_kernels"] = list(d["encoder"]["subsample_kernels"])
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> AsrSpec:
+        """A spec from ``to_dict``'s form (``ValueError`` naming unknown fields)."""
         unknown = set(d) - {"encoder", "decoder", "alphabet", "ctc_weight"}
         if unknown:
             raise ValueError(f"AsrSpec: unknown fields {sorted(unknown)}")

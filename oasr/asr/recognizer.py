@@ -73,6 +73,7 @@ class AudioStream:
         self.samples += x.size
 
     def end(self) -> None:
+        """End the stream's audio: the last fbank frames go in and the engine finishes the stream."""
         self._push(self.fbank.finish())
         self.recognizer.engine.end_stream(self.id)
 
@@ -132,6 +133,7 @@ class Recognizer:
 
     # ---- streaming -------------------------------------------------------------------------
     def open_stream(self, stream_id=None) -> AudioStream:
+        """Start a stream on the engine (``stream_id`` or a fresh one) and return its ``AudioStream``."""
         sid = self.engine.add_stream(stream_id)
         stream = self.streams[sid] = AudioStream(self, sid)
         return stream

@@ -29,6 +29,7 @@ TEST_VARIANTS = ["m5", "f3", "klatt2", "paul", "anika"]
 
 
 def espeak_available() -> bool:
+    """Whether the ``espeak-ng`` program is on PATH (the synthesizer needs it)."""
     return shutil.which("espeak-ng") is not None
 
 

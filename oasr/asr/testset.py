@@ -27,10 +27,12 @@ class Clip:
 
 
 def shipped_testset_dir() -> Path:
+    """The held-out test set shipped inside the package."""
     return Path(str(resources.files("oasr") / "assets" / "testset"))
 
 
 def make_testset(directory, count: int = 120, seed: int = 20261201) -> Path:
+    """Synthesize ``count`` held-out clips (FLAC) and their ``transcripts.tsv`` into ``directory``, from ``seed``."""
     import soundfile as sf
 
     from oasr.asr.features import SAMPLE_RATE

@@ -95,6 +95,7 @@ PLURALS = {"child": "children", "woman": "women", "man": "men", "box": "boxes", 
 
 
 def plural(noun: str) -> str:
+    """The plural of ``noun``."""
     return PLURALS.get(noun, noun + "s")
 
 

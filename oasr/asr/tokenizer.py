@@ -31,17 +31,21 @@ class CharTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Symbols in the vocabulary, blank and sos/eos included."""
         return len(self.symbols)
 
     @property
     def blank_id(self) -> int:
+        """The CTC blank's id (0)."""
         return 0
 
     @property
     def sos_eos_id(self) -> int:
+        """The decoder's start/end-of-sequence id (the last symbol)."""
         return len(self.symbols) - 1
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of the normalized ``text`` (``ValueError`` naming characters outside the alphabet)."""
         text = normalize(text)
         bad = sorted(set(text) - set(self._ids))
         if bad:

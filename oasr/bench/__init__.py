@@ -58,6 +58,7 @@ def clock(device="cpu"):
 
 
 def sync(device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on the CPU. Call before reading a timer."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -96,6 +97,7 @@ def paired_ms(reference_fn, fast_fn, repeats: int = 5, warmup: int = 1, device="
 
 
 def with_ratio(rows: list[dict]) -> list[dict]:
+    """Add ``ratio = reference_ms / fast_ms`` to every row that has both times; returns the rows."""
     for row in rows:
         ref, fast = row.get("reference_ms"), row.get("fast_ms")
         if ref is not None and fast:
@@ -104,6 +106,7 @@ def with_ratio(rows: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
+    """The rows as a fixed-width text table: case, the two times and the ratio first, other keys after."""
     if not rows:
         return "(no rows)"
     keys = ["case", "reference_ms", "fast_ms", "ratio"]

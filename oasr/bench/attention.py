@@ -49,6 +49,7 @@ def _tick(ops, caches, q, k):
 
 
 def bytes_moved(streams: int, history: int, elem: int) -> int:
+    """Bytes one tick's attention must move at least: the history K/V read, the chunk's K/V written, q and out."""
     per_layer = streams * (
         2 * (history + CHUNK) * N_KV * HEAD_DIM  # K and V read
         + 2 * CHUNK * N_KV * HEAD_DIM  # chunk K and V written
@@ -58,6 +59,7 @@ def bytes_moved(streams: int, history: int, elem: int) -> int:
 
 
 def section(quick: bool, device="cpu") -> list[dict]:
+    """This section's rows (``quick``: the reduced grid) on ``device``; see the module docstring."""
     from oasr import fast, reference
 
     device = torch.device(device)

@@ -53,6 +53,7 @@ HOST_CALLS = 50  # back-to-back eager calls timed on the host clock
 
 
 def require_cuda(device) -> torch.device:
+    """``device`` as a CUDA ``torch.device``; ``ValueError`` if it is not one torch can use."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError(f"oasr.bench.attention_gpu needs a CUDA device, got {device} "
@@ -61,6 +62,7 @@ def require_cuda(device) -> torch.device:
 
 
 def shape_for(history: int, base: AttentionShape = ASR_SHAPE, streams: int | None = None) -> AttentionShape:
+    """``base`` with ``history`` frames of keys before the chunk (and ``streams`` rows, if given)."""
     return replace(base, keys=history + base.chunk, streams=streams or base.streams)
 
 

@@ -49,6 +49,7 @@ def _tick(att, ids) -> None:
 
 
 def section_bookkeeping(quick: bool) -> list[dict]:
+    """The bookkeeping section's rows (``quick``: fewer repeats); see the module docstring."""
     from oasr import fast, reference
 
     repeats = 5 if quick else 15

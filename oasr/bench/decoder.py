@@ -41,6 +41,7 @@ def _step(ops, manager, ids, k, q) -> None:
 
 
 def section(quick: bool, device="cpu") -> list[dict]:
+    """This section's rows (``quick``: the reduced grid) on ``device``; see the module docstring."""
     from oasr import fast, reference
 
     device = torch.device(device)

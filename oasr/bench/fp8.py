@@ -31,11 +31,13 @@ def _to_fp8(caches):
 
 
 def kv_bytes(streams: int, history: int, storage: torch.dtype, quantized: bool) -> int:
+    """Bytes of K/V (with one fp32 scale per vector when ``quantized``) for ``streams`` at ``history``."""
     per_vector = HEAD_DIM * torch.empty((), dtype=storage).element_size() + (4 if quantized else 0)
     return LAYERS * streams * 2 * (history + 2 * CHUNK) * N_KV * per_vector
 
 
 def section(quick: bool, device="cpu") -> list[dict]:
+    """This section's rows (``quick``: the reduced grid) on ``device``; see the module docstring."""
     from oasr import fast, reference
 
     device = torch.device(device)

@@ -5,8 +5,8 @@ holds input for every measured tick, so each tick runs the full cohort. Rows
 give the median ms of a whole ``engine.step()`` (model step, commit, readback
 and decoding) and of the model step alone (``engine.tick_monitor`` times the
 region the graph replaces, synchronising the device at its end), plus what
-capture cost: graphs, seconds, MiB. Seed 000 reports 6 captures instead of 32
-and 0.43 GiB of graphs at a 32-stream pool, for a far larger encoder.
+capture cost: graphs, seconds, MiB. Widths are padded up to powers of two, so a
+32-stream pool needs 6 captures (32, 16, 8, 4, 2, 1) rather than one per width.
 
 CUDA only: on the CPU there is nothing to capture and the section says so in
 one row.
@@ -73,6 +73,7 @@ def _measure(engine, streams: int, ticks: int, warmup: int):
 
 
 def section(quick: bool, device="cpu") -> list[dict]:
+    """This section's rows (``quick``: the reduced grid) on ``device``; see the module docstring."""
     device = torch.device(device)
     if device.type != "cuda":
         return [{"section": "graphs", "case": "skipped", "note": "CUDA graphs need a CUDA device (run --device cuda)"}]

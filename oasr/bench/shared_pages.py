@@ -1,4 +1,4 @@
-"""Bench section: shared decoder pages (issue 12).
+"""Bench section: shared decoder pages (copy-on-write beams, prefix caching).
 
 Two measurements, reference against fast:
 
@@ -127,5 +127,6 @@ def _prefix_rows(quick: bool, device) -> list[dict]:
 
 
 def section(quick: bool, device="cpu") -> list[dict]:
+    """This section's rows (``quick``: the reduced grid) on ``device``; see the module docstring."""
     device = torch.device(device)
     return _beam_rows(quick, device) + _prefix_rows(quick, device)

@@ -70,6 +70,7 @@ class PagedStream:
             self.offset += chunk
 
     def chunk(self) -> None:
+        """Run one chunk of the stream through the paged model: prepare, forward, commit."""
         self.att.prepare_chunk(0)
         caches = self.att.get_paged_caches([0])
         _, lens, new_cnn = self.model.forward_chunk_paged(self.xs, [self.offset], caches, self.cnn.get_cache([0]),
@@ -80,6 +81,7 @@ class PagedStream:
 
 
 def section(quick: bool) -> list[dict]:
+    """This section's rows (``quick``: the reduced grid), timed on one torch thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

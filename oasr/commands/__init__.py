@@ -29,6 +29,7 @@ class CommandParser(argparse.ArgumentParser):
         super().__init__(**kwargs)
 
     def error(self, message: str):
+        """Exit with status 2 and one line on stderr: ``<prog>: error: <message> (see --help)``."""
         one_line = " ".join(message.split())
         self.exit(2, f"{self.prog}: error: {one_line} (see --help)\n")
 

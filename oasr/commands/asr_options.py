@@ -10,6 +10,7 @@ from oasr.commands import check_at_least, check_device
 
 
 def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16) -> None:
+    """Add the options every speech command shares (model, twin, device, streaming geometry, decoding, threads)."""
     parser.add_argument("--model", default=None,
                         help="a model checkpoint (.safetensors); default: the model shipped with the package")
     parser.add_argument("--twin", choices=("fast", "reference"), default="fast", help="engine twin")
@@ -30,6 +31,7 @@ def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16
 
 
 def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check the shared options before any work (one line on stderr and exit 2 for a bad one)."""
     check_at_least(parser, args, {"beam": 1, "max_streams": 1, "threads": 1})
     if args.chunk_size is not None and args.chunk_size < 1:
         parser.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
@@ -45,6 +47,7 @@ def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 
 def check_model_file(parser: argparse.ArgumentParser, path: str) -> None:
+    """``--model``'s file exists and is a checkpoint this version reads (a usage error otherwise)."""
     from oasr.asr.checkpoint import FORMAT, read_header
 
     if not os.path.isfile(path):
@@ -58,6 +61,7 @@ def check_model_file(parser: argparse.ArgumentParser, path: str) -> None:
 
 
 def recognizer(args: argparse.Namespace, **extra):
+    """A ``Recognizer`` configured by the options, with torch set to ``--threads`` threads."""
     import torch
 
     from oasr.asr.recognizer import Recognizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -42,6 +43,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m oasr bench`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = CommandParser(prog="python -m oasr bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a reduced grid that finishes in seconds")
     parser.add_argument("--sections", default=",".join(SECTIONS),
@@ -50,11 +52,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: small ops on a shared 2-core machine are noisy with more)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                        help="also write all rows as JSON to PATH, or to stdout if PATH is left out "
-                             "(default: not written)")
+                        help="also write all rows as JSON to PATH; without PATH the JSON alone goes to stdout "
+                             "and the tables to stderr (default: not written)")
     args = parser.parse_args(argv)
     names = _check_args(parser, args)
 
+    # --json without a path: stdout carries the JSON alone (pipe it to a file or jq); everything else,
+    # the tables included, goes to stderr.
+    report = contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext()
+    with report:
+        all_rows = _run(args, names)
+    if args.json:
+        text = json.dumps(all_rows, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as handle:
+                handle.write(text + "\n")
+    return 0
+
+
+def _run(args: argparse.Namespace, names: list[str]) -> list[dict]:
+    """Run the sections in order, printing each one's table as it finishes; returns all rows."""
     torch.set_num_threads(args.threads)
     print(f"bench: {args.threads} torch thread(s); CPU rows timed in process CPU time; {fix_malloc_thresholds()}")
     all_rows = []
@@ -67,11 +86,4 @@ def main(argv: list[str] | None = None) -> int:
         notes = getattr(importlib.import_module(module_name), "NOTES", "")
         tqdm.write(f"\n== {name} ==  (ratio = reference_ms / fast_ms)\n{format_table(rows)}"
                    + (f"\nnotes: {notes}" if notes else ""), file=sys.stdout)
-    if args.json:
-        text = json.dumps(all_rows, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as handle:
-                handle.write(text + "\n")
-    return 0
+    return all_rows

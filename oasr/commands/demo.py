@@ -35,6 +35,7 @@ from oasr.reference.fp8 import dequantize, quantize
 FRAME_SECONDS = 0.01  # one feature frame
 CHECK_ATOL = 1e-5
 CHECK_ATOL_FP8 = 5e-2  # a few e4m3 steps; see check_sample
+DEFAULT_BEAM = 4
 
 
 @dataclass
@@ -150,11 +151,13 @@ def decoder_config(args) -> CtcDecoderConfig | None:
 
 
 def build(args) -> tuple[StreamingConformer, CacheConfig]:
+    """The seeded model (on ``args.device``) and the cache config for the options."""
     mcfg, cache = configs(args)
     return StreamingConformer(mcfg).to(args.device), cache
 
 
 def fp8_round_trip(t: torch.Tensor) -> torch.Tensor:
+    """``t`` quantized to e4m3 pages and back: what fp8 K/V storage does to it."""
     return dequantize(*quantize(t), t.dtype)
 
 
@@ -195,6 +198,7 @@ def check_sample(model, cache_config, engine, workload, count: int) -> tuple[boo
 
 
 def plot(engine, path: str, title: str) -> None:
+    """Write the pool-occupancy and streams-per-tick figure of ``engine``'s run to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,6 +245,7 @@ def kv_storage_lines(cfg) -> list[str]:
 
 
 def summary(engine, workload, wall: float, args) -> list[str]:
+    """The run's summary lines: geometry, throughput, peak pool, memory by component and utilisation."""
     cfg, mcfg = engine.config, engine.model.config
     results = [engine.result(s.stream_id) for s in workload]
     reasons = {r: sum(1 for x in results if x.finish_reason == r) for r in ("eos", "length")}
@@ -286,23 +291,42 @@ def summary(engine, workload, wall: float, args) -> list[str]:
 
 
 def transcripts(engine, workload, limit: int = 12) -> list[str]:
-    """Each stream's best token sequence (the model is random: the ids mean nothing, the decoding is real)."""
-    how = f"CTC prefix beam search, beam {engine.ctc_config.beam_size}, pooled states" if engine.ctc else "greedy"
+    """Each stream's best token sequence (the model is random: the ids mean nothing, the decoding is real).
+
+    Beside it, ``CTC log p``: the CTC prefix beam search's score of the sequence shown. With attention
+    rescoring the shown sequence is the second pass's choice among the n-best, so its score is looked up
+    in the n-best (it need not be the best first-pass score).
+    """
+    if engine.ctc is None:
+        how = "greedy CTC"
+    else:
+        how = f"CTC prefix beam search, beam {engine.ctc_config.beam_size}, pooled states"
+        if getattr(engine, "rescore", False):
+            how = f"attention-rescored n-best of the {how}"
     lines = [f"best token sequences ({how}; first {limit} tokens):"]
     for s in workload:
         r = engine.result(s.stream_id)
         shown = " ".join(map(str, r.tokens[:limit])) + (" ..." if len(r.tokens) > limit else "")
-        score = f"  log p {r.nbest[0].log_score:9.2f}" if r.nbest else ""
+        ctc = next((h.log_score for h in r.nbest if list(h.tokens) == list(r.tokens)), None)
+        score = f"  CTC log p {ctc:9.2f}" if ctc is not None else ""
         lines.append(f"  {s.stream_id}  {len(r.tokens):3d} tokens{score}  [{shown}]")
     if engine.ctc is not None:
         lines.append(f"  decoder states created: {engine.ctc.num_created} for {len(workload)} streams (pooled, reused)")
     return lines
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # what plot() writes (matplotlib's Agg, PDF and SVG backends)
+
+
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every option, before any work: a bad one is a usage error (one line on stderr, exit status 2)."""
+    if args.beam is not None and args.decoder != "beam":
+        parser.error(f"--beam {args.beam} sizes the CTC prefix beam search; --decoder {args.decoder} has no beam "
+                     "(drop --beam or use --decoder beam)")
+    if args.beam is None:
+        args.beam = DEFAULT_BEAM
     check_at_least(parser, args, {"streams": 1, "layers": 1, "max_batch_size": 1, "beam": 1, "check_sample": 0,
-                                  "suspend_every": 0})
+                                  "suspend_every": 0, "threads": 1})
     if args.num_left_chunks is not None and args.num_left_chunks < -1:
         parser.error(f"--num-left-chunks must be -1 (unlimited history) or >= 0, got {args.num_left_chunks}")
     if args.num_left_chunks == -1 and (args.eviction or args.prefill):
@@ -322,6 +346,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--rescore rescores the CTC beam search's n-best; it needs --decoder beam")
     if args.plot:
         check_output_path(parser, args.plot, "--plot")
+        if not args.plot.lower().endswith(PLOT_SUFFIXES):
+            parser.error(f"--plot {args.plot}: the plot is written as {', '.join(PLOT_SUFFIXES)}, by the path's "
+                         "suffix; give a path ending in one of them ('' for no plot)")
     try:
         _, cache_config = configs(args)  # every rule the configs enforce, without building the model
         decoder_config(args)
@@ -350,6 +377,7 @@ def rescoring_lines(engine, workload, sample: int = 4, limit: int = 12) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m oasr demo`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = CommandParser(prog="python -m oasr demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=48, help="number of synthetic streams")
     parser.add_argument("--layers", type=int, default=2, help="Conformer blocks")
@@ -369,10 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=16, help="concurrent streams")
     parser.add_argument("--decoder", choices=("beam", "greedy"), default="beam",
                         help="CTC prefix beam search with pooled states, or greedy")
-    parser.add_argument("--beam", type=int, default=4, help="beam size (with --decoder beam)")
+    parser.add_argument("--beam", type=int, default=None,
+                        help=f"beam size, with --decoder beam only (default: {DEFAULT_BEAM})")
     parser.add_argument("--check-sample", type=int, default=4, help="streams rerun on the reference twin (0: none)")
     parser.add_argument("--plot", default="oasr_demo.png",
-                        help="PNG of pool occupancy and streams over ticks ('': no plot)")
+                        help="plot of pool occupancy and streams over ticks, .png, .pdf or .svg ('': no plot)")
     parser.add_argument("--suspend-every", type=int, default=0, metavar="N",
                         help="every N ticks suspend one active stream to session bytes and resume it (default 0: off)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -380,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                              "twin on CUDA; the CPU always runs eager)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the model's weights")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: the demo's small ops run fastest on one; more threads only "
+                             "contend on a loaded machine)")
     parser.add_argument("--rescore", action="store_true",
                         help="attention rescoring of each stream's CTC n-best when it ends (U2/WeNet two-pass)")
     args = parser.parse_args(argv)
@@ -389,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: oasr.{args.twin} does not provide the cache managers yet; run with --twin reference",
               file=sys.stderr)
         return 2
+    torch.set_num_threads(args.threads)
+    print(f"demo: {args.threads} torch thread(s) (--threads)")
     model, cache_config = build(args)
     workload = make_workload(args.streams, model.config.input_dim, args.seed)
     ctc_config = decoder_config(args)

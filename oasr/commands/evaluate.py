@@ -10,6 +10,7 @@ from oasr.commands.asr_options import add_model_options, check_model_options, co
 
 
 def build_parser() -> CommandParser:
+    """The parser of ``python -m oasr eval``, every option with its default."""
     parser = CommandParser(prog="python -m oasr eval",
                            description="WER and CER of a configuration on the held-out test set (sentences and "
                                        "voices never trained on).")
@@ -38,6 +39,7 @@ def evaluate(rec, clips) -> dict:
 
 
 def main(argv=None) -> int:
+    """Run ``python -m oasr eval`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     check_model_options(parser, args)

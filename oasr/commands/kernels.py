@@ -58,10 +58,20 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
             parser.error(f"--arch {arch}: not an arch this NVRTC compiles for ({names})")
     if args.json:
         check_output_path(parser, args.json, "--json")
+    if args.sass:  # the disassembler and the ELF reader, before 60-odd compiles make them matter
+        from oasr.fast.kernels import sass
+
+        for tool in ("nvdisasm", "cuobjdump"):
+            try:
+                sass.find_tool(tool)
+            except RuntimeError:
+                parser.error(f"--sass needs {tool}, which is not installed; pip install nvidia-cuda-{tool} "
+                             "(in the `cuda` extra), or drop --sass")
     return archs
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m oasr kernels`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = CommandParser(prog="python -m oasr kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="sm_80,sm_90", help="comma-separated archs")
     parser.add_argument("--no-cache", action="store_true", help="recompile instead of using the kernel cache")

@@ -21,6 +21,7 @@ from oasr.commands.asr_options import add_model_options, check_model_options, co
 
 
 def build_parser() -> CommandParser:
+    """The parser of ``python -m oasr demo``, every option with its default."""
     parser = CommandParser(prog="python -m oasr demo", description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("--clips", type=int, default=None, help="how many shipped clips to play (default: all)")
     parser.add_argument("--concurrency", type=int, default=24,
@@ -79,6 +80,7 @@ def play(rec, audio: list, concurrency: int, piece: int, realtime: bool) -> tupl
 
 
 def memory_lines(rec) -> list[str]:
+    """The run's memory lines: the caches by component and the pool's peak occupancy."""
     from oasr.memory import bytes_per_kv_block, footprint, format_bytes
 
     engine, cfg = rec.engine, rec.cache_config
@@ -97,6 +99,7 @@ def memory_lines(rec) -> list[str]:
 
 
 def main(argv=None) -> int:
+    """Run ``python -m oasr demo`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     check_model_options(parser, args)

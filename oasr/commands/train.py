@@ -17,6 +17,7 @@ from oasr.commands import CommandParser, check_at_least
 
 
 def build_parser() -> CommandParser:
+    """The parser of ``python -m oasr train``, every option with its default."""
     parser = CommandParser(prog="python -m oasr train", description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("--work", required=True, help="working directory (shards, state, exported model)")
     parser.add_argument("--shards", type=int, default=12, help="training shards to synthesize")
@@ -39,6 +40,7 @@ def _shard(job):
 
 
 def main(argv=None) -> int:
+    """Run ``python -m oasr train`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     check_at_least(parser, args, {"shards": 1, "shard_size": 1, "steps": 1, "workers": 1, "threads": 1,

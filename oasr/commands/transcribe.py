@@ -9,6 +9,7 @@ from oasr.commands.asr_options import add_model_options, check_model_options, re
 
 
 def build_parser() -> CommandParser:
+    """The parser of ``python -m oasr transcribe``, every option with its default."""
     parser = CommandParser(prog="python -m oasr transcribe",
                            description="Transcribe audio files (WAV, FLAC, OGG; resampled to 16 kHz) by streaming "
                                        "them through the engine, one line of text per file.")
@@ -20,6 +21,7 @@ def build_parser() -> CommandParser:
 
 
 def main(argv=None) -> int:
+    """Run ``python -m oasr transcribe`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     check_model_options(parser, args)

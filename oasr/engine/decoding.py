@@ -37,11 +37,13 @@ class GreedyCtcDecoder:
         self._last = blank
 
     def decode_chunk(self, log_probs: torch.Tensor) -> list[int]:
+        """Greedy-decode one chunk's log-probs ``(T, V)``: returns the tokens it adds."""
         new, self._last = greedy_ctc_collapse(log_probs, self.blank, self._last)
         self.tokens.extend(new)
         return new
 
     def finalize(self) -> list[int]:
+        """Every token decoded so far."""
         return list(self.tokens)
 
 

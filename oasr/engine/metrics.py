@@ -21,6 +21,9 @@ from oasr.memory import bytes_per_kv_block
 
 
 def memory_utilisation(engine) -> dict:
+    """Live K/V against paged and per-stream contiguous storage at the run's peak pool occupancy (a dict;
+    ``ValueError`` before any block was held).
+    """
     cfg = engine.config
     busy = [s for s in engine.stats if s.used_blocks]
     if not busy:

@@ -348,14 +348,17 @@ class StreamingEngine:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_active(self) -> int:
+        """Streams that hold a slot now."""
         return len(self._active)
 
     @property
     def num_waiting(self) -> int:
+        """Streams with input ready that wait for admission."""
         return len(self._waiting)
 
     @property
     def active_ids(self) -> list:
+        """The ids of the streams that hold a slot, in admission order."""
         return list(self._active)
 
     def status(self, stream_id) -> str:
@@ -380,6 +383,7 @@ class StreamingEngine:
         return self._stream(stream_id).ended
 
     def result(self, stream_id) -> StreamResult:
+        """A finished stream's ``StreamResult`` (``ValueError`` while it runs, ``KeyError`` for an unknown id)."""
         s = self._stream(stream_id)
         if s.state != FINISHED:
             raise ValueError(f"stream {stream_id!r} is {s.state}, not finished")

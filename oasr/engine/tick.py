@@ -7,7 +7,7 @@ pageable memory (``oasr.fast.capture_check`` checks it on the CPU)::
     host (engine)                                           device
     pending features --row copies--> pinned inputs --non_blocking--> static batch[w]  (xs, offsets, lens)
                                                                           |
-    slot states (tails, conv caches) --index_select(out=)-------------> static batch[w]  (gather, seed 000 10.4)
+    slot states (tails, conv caches) --index_select(out=)-------------> static batch[w]  (gather)
                                                                           |
                                   model.paged_chunk_core (eager)  or  GraphRunner.replay(w)
                                                                           |
@@ -127,10 +127,12 @@ class FastModelTick:
 
     @property
     def graphed(self) -> bool:
+        """Whether the model step replays CUDA graphs."""
         return self.runner is not None
 
     @property
     def graph_stats(self):
+        """The graphs' ``GraphStats`` (count, capture time, memory), or None when eager."""
         return None if self.runner is None else self.runner.stats
 
     def pinned_host_tensors(self) -> list[torch.Tensor]:

@@ -302,6 +302,9 @@ class AttentionCacheManager:
 
     # ---- lifecycle --------------------------------------------------------------
     def allocate_stream(self, stream_id) -> None:
+        """Admit ``stream_id``: a slot, and the prefill window's blocks when the config prefills (``ValueError`` if
+        already allocated; ``PoolExhaustedError`` / ``SlotsExhaustedError``; nothing changes on a refusal).
+        """
         if stream_id in self.slots:
             raise duplicate_stream(stream_id)
         need = self.config.prefill_blocks
@@ -329,6 +332,7 @@ class AttentionCacheManager:
         return blocks.tolist()
 
     def free_stream(self, stream_id) -> None:
+        """Release ``stream_id``'s blocks and slot (``KeyError`` for an unknown id)."""
         slot = self.slots.slot_of(stream_id)
         self.pool.free_array(self._table[slot, : self._num_blocks[slot]], owner=self._owner)
         self.slots.release(stream_id)
@@ -345,16 +349,20 @@ class AttentionCacheManager:
         self._write_row(np.array([slot]), self._admit_blocks(), self.config.prefill_frames)
 
     def has_stream(self, stream_id) -> bool:
+        """Whether ``stream_id`` is allocated."""
         return stream_id in self.slots
 
     @property
     def stream_ids(self) -> list:
+        """The allocated stream ids, in allocation order."""
         return self.slots.stream_ids
 
     def slot_of(self, stream_id) -> int:
+        """The slot (block-table row) of ``stream_id`` (``KeyError`` for an unknown id)."""
         return self.slots.slot_of(stream_id)
 
     def describe(self, stream_id) -> StreamKVInfo:
+        """``StreamKVInfo``: the stream's slot, block ids, seqlen, seqstart and total frames."""
         slot = self.slots.slot_of(stream_id)
         blocks = tuple(self._table[slot, : self._num_blocks[slot]].tolist())
         return StreamKVInfo(
@@ -371,6 +379,7 @@ class AttentionCacheManager:
         return held + need > self.config.blocks_per_stream
 
     def prepare_chunk(self, stream_id, num_frames: int | None = None) -> None:
+        """``prepare_chunks_batched`` for one stream: blocks for its next ``num_frames`` (default chunk_size) frames."""
         self.prepare_chunks_batched([stream_id], num_frames)
 
     def prepare_chunks_batched(self, stream_ids, num_frames=None) -> None:
@@ -451,6 +460,7 @@ class AttentionCacheManager:
         self._prepared_cohort = (self.slots.epoch, ids, slot_d)
 
     def commit_chunk_paged(self, stream_id, num_frames: int) -> None:
+        """``commit_chunks_batched`` for one stream: its length grows by ``num_frames``; evicts out-of-window blocks."""
         self.commit_chunks_batched([stream_id], [num_frames])
 
     def commit_chunks_batched(self, stream_ids, num_frames) -> None:

@@ -2,7 +2,7 @@
 
     device type   backend      what runs
     -----------   ----------   ------------------------------------------------
-    cuda          "cuda"       the kernels in kernels_cu/, NVRTC-compiled (the only choice)
+    cuda          "cuda"       the kernels in oasr/kernels_cu/, NVRTC-compiled (the only choice)
     cpu           "torch"      vectorised torch (default)
     cpu           "emulated"   the same kernels, g++-built against the SIMT emulator
 
@@ -32,9 +32,9 @@ DEFAULT_CPU_BACKEND = "torch"
 logger = logging.getLogger("oasr.fast")
 
 _DESCRIPTION = {
-    "cuda": "CUDA kernels from kernels_cu/ compiled with NVRTC",
+    "cuda": "CUDA kernels from oasr/kernels_cu/ compiled with NVRTC",
     "torch": "vectorised torch",
-    "emulated": "kernels_cu/ kernels built with g++ against the SIMT emulator (slow; for tests)",
+    "emulated": "oasr/kernels_cu/ kernels built with g++ against the SIMT emulator (slow; for tests)",
 }
 _used: dict[str, str] = {}  # device type -> backend that last served it
 _reported: set[tuple[str, str]] = set()

@@ -111,9 +111,11 @@ class TickRecord:
 
     @property
     def num_ops(self) -> int:
+        """Torch ops seen in the recorded tick."""
         return len(self.op_names)
 
     def summary(self) -> str:
+        """A few lines: counts of ops, launches, pinned copies and every violation."""
         lines = [f"{self.label}: {self.num_ops} ops, {len(self.launch_keys)} launches, "
                  f"{self.pinned_uploads} pinned uploads, {self.pinned_readbacks} pinned readbacks, "
                  f"{len(self.violations)} violations"]
@@ -175,6 +177,7 @@ class CaptureSafetyChecker:
         self._reclassify()
 
     def declare_pinned(self, *tensors) -> None:
+        """Mark ``tensors`` as the pinned staging buffers, the only host memory a capture may copy from."""
         self._pinned += tensors
         for t in tensors:
             self._kind[_ptr(t)] = PINNED
@@ -221,6 +224,7 @@ class CaptureSafetyChecker:
                 self._walk(v, seen)
 
     def kind(self, t: torch.Tensor) -> str:
+        """Where ``t``'s memory lives for the checker: ``"device"``, ``"pinned"`` or ``"pageable"``."""
         return self._kind.get(_ptr(t), PAGEABLE)
 
     # ---- the region ---------------------------------------------------------------------------

@@ -146,10 +146,12 @@ class CtcBeamState:
 
     @property
     def capacity(self) -> int:
+        """Beam entries the state's buffers hold."""
         return self.buffers.tokens.shape[0]
 
     @property
     def device(self) -> torch.device:
+        """The device of the state's buffers."""
         return self.buffers.tokens.device
 
     def rows(self) -> _Beams:

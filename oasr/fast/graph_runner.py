@@ -1,7 +1,7 @@
 """``GraphRunner``: one CUDA graph per cohort width, replayed instead of launching a forward op by op.
 
-In the manner of vLLM's CUDA-graph runner (and seed 000's graphed encoder
-forward): a *step* is a function of the width only. It reads static input
+In the manner of vLLM's CUDA-graph runner (and of a graphed streaming
+encoder forward): a *step* is a function of the width only. It reads static input
 buffers that the caller fills before each replay, and returns output tensors.
 The runner captures ``step(width)`` once per width, all graphs in one shared
 memory pool, largest width first (a smaller graph's allocations then fit in
@@ -49,9 +49,11 @@ class GraphStats:
 
     @property
     def num_graphs(self) -> int:
+        """Graphs captured (one per width)."""
         return len(self.widths)
 
     def format(self) -> str:
+        """One line: graph count and widths, capture seconds and graph memory."""
         return (f"{self.num_graphs} CUDA graphs (widths {list(self.widths)}), captured in "
                 f"{self.capture_seconds:.2f} s, {self.memory_bytes / 2**20:.1f} MiB of graph memory")
 
@@ -68,10 +70,12 @@ class CudaGraphCapture:
         self._reserved_before = None
 
     def begin(self) -> None:
+        """Before the first capture: synchronise and note the reserved memory."""
         torch.cuda.synchronize(self.device)
         self._reserved_before = torch.cuda.memory_reserved(self.device)
 
     def capture(self, fn: Callable, warmup: int):
+        """Warm ``fn`` up ``warmup`` times on a side stream, capture it in the shared pool: ``(graph, outputs)``."""
         side = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
         side.wait_stream(current)
@@ -85,9 +89,11 @@ class CudaGraphCapture:
         return graph, outputs
 
     def replay(self, handle) -> None:
+        """Replay a captured graph on the current stream."""
         handle.replay()
 
     def end(self) -> int:
+        """After the last capture: the bytes the graphs reserved."""
         torch.cuda.synchronize(self.device)
         return torch.cuda.memory_reserved(self.device) - self._reserved_before
 
@@ -114,6 +120,7 @@ class GraphRunner:
 
     @property
     def captured(self) -> bool:
+        """Whether the graphs have been captured."""
         return self.stats is not None
 
     def capture_all(self) -> GraphStats:

@@ -60,7 +60,7 @@ KERNEL_GAPS: dict[str, KernelGap] = {
             "paged_attention",
             "attention tiles for head_dim outside (64, 128) or a page dtype outside fp32 / fp16 / bf16 "
             "(model-dtype pages)",
-            "kernels_cu/paged_chunk_attention*.cu tile shapes and oasr.fast.kernels.registry HEAD_DIMS",
+            "oasr/kernels_cu/paged_chunk_attention*.cu tile shapes and oasr.fast.kernels.registry HEAD_DIMS",
         ),
     )
 }

@@ -6,7 +6,7 @@ in ``oasr.paged``), same errors. Each function takes one extra keyword-only
 argument, ``backend``, which picks the CPU implementation (see
 ``oasr.fast.backend``)::
 
-    CUDA tensors  ->  kernels_cu/ kernels, NVRTC-compiled, on torch's current stream
+    CUDA tensors  ->  oasr/kernels_cu/ kernels, NVRTC-compiled, on torch's current stream
                       (attention: v3, the tensor-core kernel, where it has an instance
                       (OASR_CUDA_ATTENTION=v2 pins v2); v1 otherwise:
                       ``ops.choose_attention_version``)
@@ -134,7 +134,7 @@ def fp8_scales(amax: torch.Tensor, model_dtype: torch.dtype = torch.float32) -> 
     the least power of two ``s`` with ``amax / s <= 448``, at least 2**-149, and 1 for ``amax == 0``
     (the rule of ``oasr.fp8``).
 
-    The kernels' exponent arithmetic (``fp8_scale`` in kernels_cu/common.cuh), vectorised:
+    The kernels' exponent arithmetic (``fp8_scale`` in oasr/kernels_cu/common.cuh), vectorised:
     ``amax = 1.f * 2**e`` gives ``s = 2**(e - 8)`` when ``1.f <= 1.75`` (fraction bits <= 0x600000),
     else ``2**(e - 7)``; fp32 denormals are scaled by 2**64 first. NaN maxima get 1 (not specified).
     """

@@ -64,10 +64,12 @@ class DecoderConfig:
 
     @property
     def sos(self) -> int:
+        """The start-of-sequence token id (the last of the vocabulary, shared with eos)."""
         return self.vocab_size - 1
 
     @property
     def eos(self) -> int:
+        """The end-of-sequence token id (the last of the vocabulary, shared with sos)."""
         return self.vocab_size - 1
 
     def cache_config(self, **overrides) -> DecoderCacheConfig:

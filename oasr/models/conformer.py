@@ -90,6 +90,7 @@ class ConformerConfig:
 
     @property
     def subsampling_rate(self) -> int:
+        """Input frames per encoder frame (4)."""
         return CausalSubsampling4.rate
 
     @property
@@ -159,9 +160,11 @@ class DenseState:
         self.tensor = tensor
 
     def gather(self) -> torch.Tensor:
+        """The held state batch."""
         return self.tensor
 
     def scatter(self, new: torch.Tensor) -> None:
+        """Replace the held state with a copy of ``new`` (``ValueError`` for another shape)."""
         if new.shape != self.tensor.shape:
             raise ValueError(f"DenseState: expected shape {tuple(self.tensor.shape)}, got {tuple(new.shape)}")
         self.tensor = new.clone()

@@ -79,6 +79,7 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(ffn_dim, hidden_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """LayerNorm, up-projection, SiLU, down-projection of ``x`` (the caller scales it and adds the residual)."""
         return self.down(F.silu(self.up(self.norm(x))))
 
 

@@ -87,6 +87,7 @@ class CausalSubsampling4(nn.Module):
         )
 
     def zero_tails(self, batch: int, like: torch.Tensor) -> list:
+        """Zeroed convolution tails for ``batch`` streams, on ``like``'s device and dtype."""
         return [like.new_zeros(spec.batch_shape(batch)) for spec in self.state_specs]
 
     def forward(self, x: torch.Tensor, tails, lens: torch.Tensor):

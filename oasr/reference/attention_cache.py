@@ -126,6 +126,9 @@ class AttentionCacheManager:
 
     # ---- lifecycle --------------------------------------------------------------
     def allocate_stream(self, stream_id) -> None:
+        """Admit ``stream_id``: a slot, and the prefill window's blocks when the config prefills (``ValueError`` if
+        already allocated; ``PoolExhaustedError`` / ``SlotsExhaustedError``; nothing changes on a refusal).
+        """
         if stream_id in self._streams:
             raise duplicate_stream(stream_id)
         need = self.config.prefill_blocks
@@ -155,6 +158,7 @@ class AttentionCacheManager:
         return list(blocks)
 
     def free_stream(self, stream_id) -> None:
+        """Release ``stream_id``'s blocks and slot (``KeyError`` for an unknown id)."""
         st = self._state(stream_id)
         self.pool.free(st.blocks, self._owner)
         self.slots.release(stream_id)
@@ -172,16 +176,20 @@ class AttentionCacheManager:
         )
 
     def has_stream(self, stream_id) -> bool:
+        """Whether ``stream_id`` is allocated."""
         return stream_id in self._streams
 
     @property
     def stream_ids(self) -> list:
+        """The allocated stream ids, in allocation order."""
         return list(self._streams)
 
     def slot_of(self, stream_id) -> int:
+        """The slot (block-table row) of ``stream_id`` (``KeyError`` for an unknown id)."""
         return self._state(stream_id).slot
 
     def describe(self, stream_id) -> StreamKVInfo:
+        """``StreamKVInfo``: the stream's slot, block ids, seqlen, seqstart and total frames."""
         st = self._state(stream_id)
         return StreamKVInfo(st.slot, tuple(st.blocks), st.seqlen, st.seqstart, st.total_frames)
 
@@ -192,6 +200,7 @@ class AttentionCacheManager:
         return len(st.blocks) + self._blocks_needed(st, self._frames(num_frames)) > self.config.blocks_per_stream
 
     def prepare_chunk(self, stream_id, num_frames: int | None = None) -> None:
+        """``prepare_chunks_batched`` for one stream: blocks for its next ``num_frames`` (default chunk_size) frames."""
         self.prepare_chunks_batched([stream_id], num_frames)
 
     def prepare_chunks_batched(self, stream_ids, num_frames=None) -> None:
@@ -224,6 +233,7 @@ class AttentionCacheManager:
             self._write_table(st)
 
     def commit_chunk_paged(self, stream_id, num_frames: int) -> None:
+        """``commit_chunks_batched`` for one stream: its length grows by ``num_frames``; evicts out-of-window blocks."""
         self.commit_chunks_batched([stream_id], [num_frames])
 
     def commit_chunks_batched(self, stream_ids, num_frames) -> None:

@@ -102,10 +102,12 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks held by an owner (``num_blocks - num_free_blocks``; parked blocks count as free)."""
         return self.num_blocks - self.num_free_blocks
 
     @property
     def num_parked_blocks(self) -> int:
+        """Published blocks with no holder: free, but still found by their hash until reclaimed."""
         return len(self._parked)
 
     def parked_block_ids(self) -> list[int]:
@@ -119,6 +121,7 @@ class BlockPool:
 
     @property
     def scratch_block_ids(self) -> list[int]:
+        """The scratch blocks past ``num_blocks``: never on the free list, written only by padding rows."""
         return list(range(self.num_blocks, self.num_blocks + self.scratch_blocks))
 
     @property

@@ -69,6 +69,7 @@ class Prefix:
 
     @property
     def score(self) -> float:
+        """The prefix's total log-probability: ending in blank or not, log-added."""
         return logaddexp(self.pb, self.pnb)
 
 

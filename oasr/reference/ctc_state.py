@@ -57,6 +57,7 @@ class StreamHandle:
 
     @property
     def config(self) -> CtcDecoderConfig:
+        """The decoder's ``CtcDecoderConfig``."""
         return self.decoder.config
 
     @property
@@ -67,15 +68,19 @@ class StreamHandle:
         return self._state
 
     def decode_chunk(self, log_probs):
+        """Decode one chunk of log-probs ``(T, V)`` into this stream's beam state."""
         return self.decoder.decode_chunk(self.state, log_probs)
 
     def step(self, log_probs_frame):
+        """Decode one frame of log-probs ``(V,)`` into this stream's beam state."""
         return self.decoder.step(self.state, log_probs_frame)
 
     def peek(self):
+        """The current best hypothesis, without finishing the stream."""
         return self.decoder.peek(self.state)
 
     def finalize_stream(self):
+        """Finish the stream and return its n-best."""
         return self.decoder.finalize_stream(self.state)
 
     def __repr__(self) -> str:
@@ -97,6 +102,7 @@ class CtcStateCacheManager:
 
     # ---- checks (never mutate) ----------------------------------------------
     def has_stream(self, stream_id: Hashable) -> bool:
+        """Whether ``stream_id`` holds a beam state."""
         return stream_id in self._active
 
     @property
@@ -106,10 +112,12 @@ class CtcStateCacheManager:
 
     @property
     def num_active(self) -> int:
+        """Streams holding a beam state."""
         return len(self._active)
 
     @property
     def active_stream_ids(self) -> list:
+        """The ids of the streams holding a beam state."""
         return list(self._active)
 
     # ---- actions ----------------------------------------------------------------

@@ -4,7 +4,7 @@ The rule (one power-of-two scale per vector, inputs saturated at the model
 dtype's ``L``) is stated once, in ``oasr.fp8``; its readable implementation
 there is the reference twin's. The fast twin's vectorised restatement is
 ``oasr.fast.paged_ops.quantize_fp8``, the kernels' ``fp8_scale`` in
-kernels_cu/common.cuh.
+oasr/kernels_cu/common.cuh.
 """
 
 from oasr.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize, fp8_scales, quantize, saturation_bound

@@ -3,7 +3,7 @@
 This is the oracle. It loops over rows in Python, gathers each row's pages
 into a contiguous tensor and runs textbook fp32 attention. Its fast twin is
 ``oasr.fast.paged_ops`` (vectorised torch on CPU, the CUDA kernels in
-``kernels_cu/`` on a GPU), which must agree with it.
+``oasr/kernels_cu/`` on a GPU), which must agree with it.
 
 Semantics (see ``oasr.paged`` for the view)::
 

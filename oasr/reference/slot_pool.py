@@ -23,6 +23,9 @@ class StreamSlotPool:
         self._slot_of: dict = {}
 
     def acquire(self, stream_id) -> int:
+        """Give ``stream_id`` the lowest free slot and return it (``ValueError`` if it has one,
+        ``SlotsExhaustedError``).
+        """
         if stream_id in self._slot_of:
             raise duplicate_stream(stream_id)
         if not self._free:
@@ -32,6 +35,7 @@ class StreamSlotPool:
         return slot
 
     def release(self, stream_id) -> int:
+        """Free ``stream_id``'s slot and return it (``KeyError`` for an unknown id)."""
         if stream_id not in self._slot_of:
             raise unknown_stream(stream_id)
         slot = self._slot_of.pop(stream_id)
@@ -39,6 +43,7 @@ class StreamSlotPool:
         return slot
 
     def slot_of(self, stream_id) -> int:
+        """The slot of ``stream_id`` (``KeyError`` for an unknown id)."""
         if stream_id not in self._slot_of:
             raise unknown_stream(stream_id)
         return self._slot_of[stream_id]
@@ -48,6 +53,7 @@ class StreamSlotPool:
 
     @property
     def num_free(self) -> int:
+        """Slots not held by a stream."""
         return len(self._free)
 
     @property

@@ -34,15 +34,18 @@ class StateView:
 
     @property
     def shape(self) -> tuple:
+        """The shape of the gathered batch: the spec's shape with ``len(slots)`` rows on its slot axis."""
         return self.spec.batch_shape(len(self.slots))
 
     def gather(self) -> torch.Tensor:
+        """The rows' states as one batch (``RuntimeError`` for an empty cohort)."""
         if not self.slots:
             raise RuntimeError(f"state {self.spec.name!r}: gather of an empty cohort (no rows)")
         pieces = [self.buffer.select(self.spec.slot_axis, s) for s in self.slots]
         return torch.stack(pieces, dim=self.spec.slot_axis)
 
     def scatter(self, new: torch.Tensor) -> None:
+        """Write a batch of ``shape`` back to the rows' slots (``ValueError`` for another shape)."""
         if tuple(new.shape) != self.shape:
             raise ValueError(
                 f"state {self.spec.name!r}: expected shape {self.shape}, got {tuple(new.shape)}"
@@ -77,6 +80,7 @@ class SlotStateCache:
 
     # ---- lifecycle ----------------------------------------------------------
     def allocate_stream(self, stream_id) -> int:
+        """Give ``stream_id`` a slot with every declared state zeroed; returns the slot."""
         if stream_id in self.slots:
             raise duplicate_stream(stream_id)
         slot = self.slots.acquire(stream_id)
@@ -84,6 +88,7 @@ class SlotStateCache:
         return slot
 
     def free_stream(self, stream_id) -> None:
+        """Release ``stream_id``'s slot (``KeyError`` for an unknown id)."""
         self.slots.release(stream_id)
 
     def reset_stream(self, stream_id) -> None:
@@ -99,12 +104,15 @@ class SlotStateCache:
 
     # ---- access -------------------------------------------------------------
     def slot_of(self, stream_id) -> int:
+        """The slot of ``stream_id`` (``KeyError`` for an unknown id)."""
         return self.slots.slot_of(stream_id)
 
     def has_stream(self, stream_id) -> bool:
+        """Whether ``stream_id`` holds a slot."""
         return stream_id in self.slots
 
     def buffer(self, name: str) -> torch.Tensor:
+        """The persistent buffer of the state ``name`` (``KeyError`` naming the declared ones)."""
         if name not in self.buffers:
             raise KeyError(f"no state named {name!r}; declared: {sorted(self.buffers)}")
         return self.buffers[name]
@@ -123,6 +131,7 @@ class SlotStateCache:
         return slots
 
     def view(self, name: str, stream_ids, pad_to: int | None = None) -> StateView:
+        """A ``StateView`` of state ``name`` over ``stream_ids`` (padded to ``pad_to`` rows with the padding lane)."""
         buffer = self.buffer(name)
         return StateView(buffer, self.specs[name], self.rows(list(stream_ids), pad_to))
 

@@ -1,4 +1,4 @@
-// warp_primitives.cu -- small kernels that drive kernels_cu/warp_mma.cuh one
+// warp_primitives.cu -- small kernels that drive oasr/kernels_cu/warp_mma.cuh one
 // primitive at a time, built only for tests/test_warp_primitives.py (host
 // emulation; they would compile with NVRTC too). Each kernel is one warp (or
 // one block) and writes what its lanes hold, so the test can compare it with

@@ -1,8 +1,8 @@
-"""The CUDA kernels of ``kernels_cu/`` and the two ways to run them.
+"""The CUDA kernels of ``oasr/kernels_cu/`` and the two ways to run them.
 
     registry.py    every kernel: family (source file), parameters, instantiations
     nvrtc.py       NVRTC compile (cached cubins + ptxas report), load, launch on torch's current stream
-    emulation.py   g++ build against kernels_cu/emu/simt_emu.h, ctypes launch on CPU tensors
+    emulation.py   g++ build against oasr/kernels_cu/emu/simt_emu.h, ctypes launch on CPU tensors
     ops.py         launchers: PagedKVCache calls -> grids and arguments, for either executor
                    (attention: v1 or v2, and the split count)
     testing.py     random scenarios (shuffled tables, NaN-poisoned pools) shared by the tests

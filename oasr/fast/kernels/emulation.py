@@ -1,6 +1,6 @@
 """Run the CUDA kernels on the CPU: build them with g++ against ``emu/simt_emu.h``.
 
-Each kernel family (one ``kernels_cu/*.cu``) becomes one shared library: a
+Each kernel family (one ``oasr/kernels_cu/*.cu``) becomes one shared library: a
 generated shim includes the ``.cu`` file and exports, per instantiation in the
 registry, ``extern "C" void oasr_emu_<kernel>__<targs>(gx, gy, gz, bx, by, bz,
 args...)``, which runs the grid through ``oasr_emu::launch``. The libraries are
@@ -8,10 +8,11 @@ cached under ``<kernel cache>/emu`` keyed by a hash of the sources, the shim,
 the flags and the compiler's version, so a test session compiles once (all
 families in parallel) and later sessions not at all.
 
-The build needs g++ with C++20 and the CUDA toolkit's headers *including*
-``crt/host_defines.h`` (cuda_fp16.h includes it; the pip runtime headers lack
-``crt/``). ``emulation_toolchain()`` finds both or raises ``EmulationUnavailable``
-saying what is missing.
+The build needs g++ with C++20 and CUDA headers that include ``crt/host_defines.h``
+and ``nv/target`` (cuda_fp16.h includes both): a CUDA toolkit's, or pip's
+``nvidia/cu13/include`` once ``nvidia-cuda-crt`` and ``nvidia-cuda-cccl`` are installed
+(the ``cuda`` extra). ``emulation_toolchain()`` finds both or raises
+``EmulationUnavailable`` saying what is missing.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ class EmulationUnavailable(RuntimeError):
 
 
 def _cuda_include_candidates() -> list[str]:
-    out = []
+    """Where to look for the CUDA headers, in order; ``OASR_CUDA_INCLUDE``, when set, is the only place."""
     if os.environ.get("OASR_CUDA_INCLUDE"):
-        out.append(os.environ["OASR_CUDA_INCLUDE"])
+        return [os.environ["OASR_CUDA_INCLUDE"]]
+    out = []
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             out.append(os.path.join(os.environ[var], "include"))
@@ -81,20 +83,31 @@ def _cuda_include_candidates() -> list[str]:
     return out
 
 
+# What cuda_fp16.h / cuda_bf16.h pull in on a host compiler: crt/ (a toolkit, or pip's nvidia-cuda-crt)
+# and nv/target (a toolkit, or pip's nvidia-cuda-cccl).
+REQUIRED_CUDA_HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "crt/host_defines.h", "nv/target")
+
+
 def emulation_toolchain() -> tuple[str, str]:
-    """(g++ path, CUDA include dir with crt/), or raise EmulationUnavailable."""
-    cxx = os.environ.get("CXX") or shutil.which("g++")
-    if not cxx:
-        raise EmulationUnavailable("kernel emulation needs g++ (C++20); none found (set CXX)")
+    """(C++ compiler path, CUDA include dir), or raise EmulationUnavailable saying what is missing.
+
+    The compiler is ``$CXX`` or ``g++`` on PATH (it must exist). The include dir is the first of
+    ``_cuda_include_candidates()`` holding every file of ``REQUIRED_CUDA_HEADERS``; with
+    ``OASR_CUDA_INCLUDE`` set, that directory or nothing (no fallback to a toolkit).
+    """
+    cxx = os.environ.get("CXX") or "g++"
+    if not shutil.which(cxx):
+        raise EmulationUnavailable(f"kernel emulation needs a C++20 compiler: {cxx!r} not found (set CXX)")
+    cxx = shutil.which(cxx)
     candidates = _cuda_include_candidates()
     for inc in candidates:
-        if all(os.path.isfile(os.path.join(inc, f)) for f in ("cuda_fp16.h", "cuda_bf16.h", "crt/host_defines.h")):
+        if all(os.path.isfile(os.path.join(inc, f)) for f in REQUIRED_CUDA_HEADERS):
             return cxx, inc
     raise EmulationUnavailable(
-        "kernel emulation needs the CUDA toolkit headers with crt/host_defines.h (the pip "
-        "nvidia-cuda-runtime headers lack crt/); looked in: "
+        f"kernel emulation needs CUDA headers with {', '.join(REQUIRED_CUDA_HEADERS)} (a CUDA toolkit, or pip's "
+        "nvidia-cuda-runtime + nvidia-cuda-crt + nvidia-cuda-cccl, the `cuda` extra); looked in: "
         + ", ".join(candidates)
-        + ". Install the CUDA toolkit or set OASR_CUDA_INCLUDE / CUDA_HOME."
+        + ("" if os.environ.get("OASR_CUDA_INCLUDE") else ". Set OASR_CUDA_INCLUDE or CUDA_HOME to choose one.")
     )
 
 
@@ -174,8 +187,8 @@ def _compile(targets: dict[str, tuple[Path, str]], cxx: str, include: str, extra
 
 
 def build_source(source: Path, kernels) -> ctypes.CDLL:
-    """Build (or find cached) one .cu outside kernels_cu/ (test kernels) with launchers for ``kernels``
-    (``registry.Kernel`` entries); it may include kernels_cu/ headers. Launch with ``launch_in``."""
+    """Build (or find cached) one .cu outside oasr/kernels_cu/ (test kernels) with launchers for ``kernels``
+    (``registry.Kernel`` entries); it may include oasr/kernels_cu/ headers. Launch with ``launch_in``."""
     cxx, include = emulation_toolchain()
     sources = {source.name: source.read_text()}
     for name in (*registry.SHARED_HEADERS, *registry.EMULATION_HEADERS):
@@ -212,6 +225,7 @@ class EmulatedExecutor:
         self._functions: dict[str, object] = {}
 
     def load_all(self) -> None:
+        """Build (or load from the cache) every family's emulation library now, not at a first launch."""
         build()  # one parallel build of every family
         for family in registry.families():
             _library(family)
@@ -221,6 +235,9 @@ class EmulatedExecutor:
         return EMULATED_RESIDENT_CTAS
 
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
+        """Run one instantiation of ``kernel`` over ``grid`` x ``block`` on CPU tensors' addresses (``args`` by
+        ``kernel.params``).
+        """
         registry.check_grid(kernel, grid)
         symbol = kernel.emu_symbol(targs)
         fn = self._functions.get(symbol)
@@ -237,6 +254,7 @@ _EXECUTOR: EmulatedExecutor | None = None
 
 
 def executor() -> EmulatedExecutor:
+    """The process's one ``EmulatedExecutor``."""
     global _EXECUTOR
     if _EXECUTOR is None:
         _EXECUTOR = EmulatedExecutor()

@@ -35,6 +35,7 @@ NVRTC_STD = "c++17"
 
 
 def cache_dir() -> Path:
+    """Where compiled kernels are cached: ``$OASR_KERNEL_CACHE``, else ``~/.cache/oasr/kernels``."""
     root = os.environ.get("OASR_KERNEL_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "oasr" / "kernels"
 
@@ -42,10 +43,26 @@ def cache_dir() -> Path:
 def cuda_include_dir() -> str:
     """Directory holding cuda_fp16.h / cuda_bf16.h for NVRTC.
 
-    Prefers the headers that ship with the pip CUDA runtime (found by
+    ``OASR_CUDA_INCLUDE``, when set, is the only place looked in (as for the emulation build).
+    Otherwise prefers the headers that ship with the pip CUDA runtime (found by
     cuda.pathfinder; they match the pip NVRTC), then CUDA_HOME / CUDA_PATH and
     /usr/local/cuda. NVRTC does not need the toolkit's crt/ directory.
     """
+    if os.environ.get("OASR_CUDA_INCLUDE"):
+        candidates = [os.environ["OASR_CUDA_INCLUDE"]]
+    else:
+        candidates = _default_include_candidates()
+    for path in candidates:
+        if os.path.isfile(os.path.join(path, "cuda_fp16.h")) and os.path.isfile(os.path.join(path, "cuda_bf16.h")):
+            return path
+    raise RuntimeError(
+        "oasr kernels: no CUDA headers (cuda_fp16.h, cuda_bf16.h) found; looked in "
+        + ", ".join(candidates)
+        + ". Install nvidia-cuda-runtime (pip) or set CUDA_HOME or OASR_CUDA_INCLUDE."
+    )
+
+
+def _default_include_candidates() -> list[str]:
     candidates: list[str] = []
     try:
         from cuda.pathfinder import find_nvidia_header_directory
@@ -59,17 +76,11 @@ def cuda_include_dir() -> str:
         if os.environ.get(var):
             candidates.append(os.path.join(os.environ[var], "include"))
     candidates.append("/usr/local/cuda/include")
-    for path in candidates:
-        if os.path.isfile(os.path.join(path, "cuda_fp16.h")) and os.path.isfile(os.path.join(path, "cuda_bf16.h")):
-            return path
-    raise RuntimeError(
-        "oasr kernels: no CUDA headers (cuda_fp16.h, cuda_bf16.h) found; looked in "
-        + ", ".join(candidates)
-        + ". Install nvidia-cuda-runtime (pip) or set CUDA_HOME."
-    )
+    return candidates
 
 
 def nvrtc_version() -> str:
+    """NVRTC's version, ``major.minor`` (part of the cache key)."""
     from cuda.bindings import nvrtc
 
     _, major, minor = nvrtc.nvrtcVersion()
@@ -77,6 +88,7 @@ def nvrtc_version() -> str:
 
 
 def program_options(family: str, arch: str):
+    """NVRTC options for ``family`` on ``arch``: the kernels' and CUDA headers' include paths, ptxas verbose."""
     from cuda.core import ProgramOptions
 
     return ProgramOptions(
@@ -202,6 +214,7 @@ def compile_family(family: str, arch: str, *, use_cache: bool = True) -> Compile
 
 
 def device_arch(device: torch.device) -> str:
+    """``sm_XY`` of a CUDA device."""
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
 
@@ -288,6 +301,9 @@ class CudaExecutor:
         return self._resident[expr]
 
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
+        """Launch one instantiation of ``kernel`` on torch's current stream of this device (``args`` by
+        ``kernel.params``).
+        """
         from cuda.core import LaunchConfig, Stream, launch
 
         registry.check_grid(kernel, grid)
@@ -307,6 +323,7 @@ _EXECUTORS: dict[int, CudaExecutor] = {}
 
 
 def executor_for(device: torch.device) -> CudaExecutor:
+    """The process's ``CudaExecutor`` for a CUDA device (one per device index)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _EXECUTORS:
         _EXECUTORS[index] = CudaExecutor(torch.device("cuda", index))

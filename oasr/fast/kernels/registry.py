@@ -1,4 +1,4 @@
-"""The kernels in ``kernels_cu/``: their families, parameters and instantiations.
+"""The kernels in ``oasr/kernels_cu/``: their families, parameters and instantiations.
 
 One entry per ``__global__`` template. Both executors read this list: NVRTC
 compiles each family's source with the instantiations as name expressions, and
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-# The .cu sources live at the repository root (editable install); OASR_KERNELS_DIR overrides.
-KERNELS_DIR = Path(os.environ.get("OASR_KERNELS_DIR") or Path(__file__).resolve().parents[3] / "kernels_cu")
+# The .cu sources ship inside the package (oasr/kernels_cu/, package data), so an installed wheel and an
+# editable checkout read them the same way; OASR_KERNELS_DIR overrides.
+KERNELS_DIR = Path(os.environ.get("OASR_KERNELS_DIR") or Path(__file__).resolve().parents[2] / "kernels_cu")
 SHARED_HEADERS = ("common.cuh", "warp_mma.cuh", "attention_window.cuh")
 EMULATION_HEADERS = ("emu/simt_emu.h", "emu/warp_emu.h")
 
@@ -40,11 +41,12 @@ FP8_HEAD_DIMS = HEAD_DIMS  # the fp8 kernels tile the same head dims
 @dataclass(frozen=True)
 class Kernel:
     name: str  # the C++ template, namespace included
-    family: str  # source file stem in kernels_cu/
+    family: str  # source file stem in oasr/kernels_cu/
     params: tuple[tuple[str, str], ...]  # (name, kind)
     instances: tuple[tuple[str, ...], ...]  # template argument lists
 
     def name_expression(self, targs: tuple[str, ...]) -> str:
+        """The C++ name of one instantiation, e.g. ``oasr::k<float, 64>`` (NVRTC's name expression)."""
         return f"{self.name}<{', '.join(targs)}>"
 
     def emu_symbol(self, targs: tuple[str, ...]) -> str:
@@ -227,19 +229,22 @@ def check_grid(kernel: Kernel, grid) -> None:
 
 
 def families() -> list[str]:
+    """Every kernel family (source file stem), sorted."""
     return sorted({k.family for k in KERNELS})
 
 
 def kernels_of(family: str) -> list[Kernel]:
+    """The registered kernels of one family."""
     return [k for k in KERNELS if k.family == family]
 
 
 def source_path(family: str) -> Path:
+    """The family's ``.cu`` file in ``KERNELS_DIR``."""
     return KERNELS_DIR / f"{family}.cu"
 
 
 def read_sources(family: str, *, emulation: bool = False) -> dict[str, str]:
-    """The texts a build of ``family`` depends on, by path relative to kernels_cu/ (for cache keys)."""
+    """The texts a build of ``family`` depends on, by path relative to oasr/kernels_cu/ (for cache keys)."""
     names = [f"{family}.cu", *SHARED_HEADERS, *(EMULATION_HEADERS if emulation else ())]
     return {name: (KERNELS_DIR / name).read_text() for name in names}
 
@@ -261,5 +266,6 @@ def attention_kernels() -> list[Kernel]:
 
 
 def kernel_version(kernel: Kernel) -> int:
+    """An attention kernel's version: its family's ``_vN`` suffix, 1 without one."""
     m = _VERSION.search(kernel.family)
     return int(m.group(1)) if m else 1

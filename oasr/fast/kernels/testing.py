@@ -39,6 +39,7 @@ class Scenario:
     chunk_lens: torch.Tensor  # (B,) int32
 
     def clone(self) -> Scenario:
+        """A copy whose pool (and scales) can be written without touching this scenario's."""
         c = self.cache
         scales = {}
         if c.quantized:
@@ -79,6 +80,7 @@ def make_scenario(
     dtype: torch.dtype = torch.float32,
     with_seqstarts: bool = True,
 ) -> Scenario:
+    """A random cohort over one layer of a poisoned pool, reproducible from ``seed`` (see the module docstring)."""
     g = torch.Generator().manual_seed(seed)
 
     def randint(lo, hi):  # inclusive
