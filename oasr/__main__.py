@@ -1,4 +1,5 @@
-"""``python -m oasr <command>`` (or ``oasr <command>``): demo (the main job), bench, kernels; ``--version``."""
+"""``python -m oasr <command>`` (or ``oasr <command>``): demo (the main job), transcribe, eval, train, bench,
+kernels, engine-demo; ``--version``."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("oasr.commands.demo", "run the streaming demo (the main job)"),
-    "bench": ("oasr.commands.bench", "reference against fast, as ratios measured in one run"),
-    "kernels": ("oasr.commands.kernels", "compile every CUDA kernel with NVRTC and report resources"),
+    "demo": ("oasr.commands.speech_demo", "live streams of the shipped clips, transcribed (the main job)"),
     "transcribe": ("oasr.commands.transcribe", "stream audio files through the engine and print their text"),
     "eval": ("oasr.commands.evaluate", "word and character error rates on the shipped test set"),
     "train": ("oasr.commands.train", "the training recipe: synthesize speech, train, export the model"),
+    "bench": ("oasr.commands.bench", "reference against fast, as ratios measured in one run"),
+    "kernels": ("oasr.commands.kernels", "compile every CUDA kernel with NVRTC and report resources"),
+    "engine-demo": ("oasr.commands.demo", "the engine on a seeded random model and synthetic features: every "
+                    "cache option (eviction, prefill, fp8, sessions)"),
 }
 
 

@@ -114,7 +114,7 @@ def test_eval_cli_json(tmp_path, capsys):
     assert oasr_main(["eval", "--limit", "6", "--json", str(out), "--kv-cache-dtype", "fp8_e4m3"]) == 0
     result = json.loads(out.read_text())
     assert result["utterances"] == 6 and 0 <= result["wer"] <= 1 and 0 <= result["cer"] <= 1
-    assert result["configuration"]["kv_cache_dtype"] == "fp8_e4m3" and result["configuration"]["chunk_size"] == 8
+    assert result["configuration"]["kv_cache_dtype"] == "fp8_e4m3" and result["configuration"]["chunk_size"] == 16
     assert "WER" in capsys.readouterr().out
 
 

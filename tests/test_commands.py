@@ -16,7 +16,7 @@ from oasr.__main__ import main as oasr_main
 @pytest.mark.parametrize("extra", [[], ["--kv-cache-dtype", "fp8_e4m3", "--eviction"]])
 def test_demo_runs_and_reports(tmp_path, capsys, extra):
     plot = tmp_path / "demo.png"
-    code = oasr_main(["demo", "--streams", "6", "--check-sample", "2", "--quiet", "--plot", str(plot), *extra])
+    code = oasr_main(["engine-demo", "--streams", "6", "--check-sample", "2", "--quiet", "--plot", str(plot), *extra])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "6 finished" in out and "memory by component" in out and "memory utilisation" in out
@@ -29,11 +29,12 @@ def test_demo_runs_and_reports(tmp_path, capsys, extra):
 
 
 def test_demo_rescore_prints_both_passes(capsys):
-    code = oasr_main(["demo", "--streams", "4", "--check-sample", "1", "--quiet", "--plot", "", "--rescore"])
+    code = oasr_main(["engine-demo", "--streams", "4", "--check-sample", "1", "--quiet", "--plot", "", "--rescore"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "attention rescoring" in out and "first pass [" in out and "rescored   [" in out and "-> OK" in out
-    line = _refuses(capsys, ["demo", "--streams", "2", "--quiet", "--plot", "", "--rescore", "--decoder", "greedy"])
+    line = _refuses(capsys, ["engine-demo", "--streams", "2", "--quiet", "--plot", "", "--rescore", "--decoder",
+                             "greedy"])
     assert "--rescore rescores the CTC beam search's n-best; it needs --decoder beam" in line
 
 
@@ -51,7 +52,8 @@ def test_usage(capsys):
     assert oasr_main(["nonsense"]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        "python -m oasr: error: unknown command 'nonsense'; choose from demo, bench, kernels (see --help)"
+        "python -m oasr: error: unknown command 'nonsense'; choose from demo, transcribe, eval, train, bench, kernels, "
+        "engine-demo (see --help)"
     ]
 
 
@@ -112,24 +114,24 @@ def no_demo_work(monkeypatch):
     (["--decoder", "greedy", "--beam", "0"], "--decoder greedy has no beam"),
 ])
 def test_demo_bad_option_is_a_usage_error_before_any_work(capsys, no_demo_work, argv, expect):
-    assert expect in _refuses(capsys, ["demo", *argv])
+    assert expect in _refuses(capsys, ["engine-demo", *argv])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a CUDA device here")
 def test_demo_cuda_without_cuda_is_a_usage_error(capsys, no_demo_work):
-    line = _refuses(capsys, ["demo", "--device", "cuda"])
+    line = _refuses(capsys, ["engine-demo", "--device", "cuda"])
     assert "CPU build" in line or "no CUDA device" in line
 
 
 def test_demo_plot_into_a_directory_is_refused(capsys, no_demo_work, tmp_path):
-    assert "is a directory" in _refuses(capsys, ["demo", "--plot", str(tmp_path)])
+    assert "is a directory" in _refuses(capsys, ["engine-demo", "--plot", str(tmp_path)])
 
 
 def test_demo_usage_error_exit_status_without_traceback():
-    done = subprocess.run([sys.executable, "-m", "oasr", "demo", "--streams", "0"], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-m", "oasr", "engine-demo", "--streams", "0"], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 2
-    expect = "python -m oasr demo: error: --streams must be >= 1, got 0 (see --help)"
+    expect = "python -m oasr engine-demo: error: --streams must be >= 1, got 0 (see --help)"
     assert done.stderr.strip().splitlines() == [expect]
 
 
@@ -163,7 +165,7 @@ def test_kernels_bad_arch_is_one_usage_error_before_any_compile(capsys, monkeypa
     assert "--arch" in line
 
 
-@pytest.mark.parametrize("command", ["demo", "bench", "kernels"])
+@pytest.mark.parametrize("command", ["demo", "engine-demo", "transcribe", "eval", "bench", "kernels"])
 def test_help_shows_every_option_with_help_and_default(capsys, command):
     with pytest.raises(SystemExit) as exit_info:
         oasr_main([command, "--help"])
@@ -206,12 +208,12 @@ def test_version_from_the_one_source(capsys):
 
 def test_demo_threads_default_like_bench(capsys):
     defaults = {}
-    for command in ("demo", "bench"):
+    for command in ("demo", "engine-demo", "bench"):
         with pytest.raises(SystemExit):
             oasr_main([command, "--help"])
         help_text = " ".join(capsys.readouterr().out.split())
         defaults[command] = re.search(r"--threads THREADS .*?\(default: (\d+)\)", help_text).group(1)
-    assert defaults == {"demo": "1", "bench": "1"}
+    assert defaults == {"demo": "1", "engine-demo": "1", "bench": "1"}
 
 
 def test_the_suite_runs_on_one_thread():

@@ -18,7 +18,7 @@ def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16
     parser.add_argument("--kv-cache-dtype", choices=("fp8_e4m3",), default=None,
                         help="store K/V pages as fp8 (default: the model dtype)")
     parser.add_argument("--chunk-size", type=int, default=None,
-                        help="encoder frames per chunk, 40 ms each (default: the model's, 8 = 320 ms)")
+                        help="encoder frames per chunk, 40 ms each (default: the model's, 16 = 640 ms)")
     parser.add_argument("--num-left-chunks", type=int, default=None,
                         help="left-context window in chunks, -1 unlimited (default: the model's, 4)")
     parser.add_argument("--rescore", action="store_true",

@@ -378,7 +378,7 @@ def rescoring_lines(engine, workload, sample: int = 4, limit: int = 12) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m oasr demo`` with ``argv`` (the process's arguments by default); returns the exit status."""
-    parser = CommandParser(prog="python -m oasr demo", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m oasr engine-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=48, help="number of synthetic streams")
     parser.add_argument("--layers", type=int, default=2, help="Conformer blocks")
     parser.add_argument("--twin", choices=("fast", "reference"), default="fast", help="engine twin")

@@ -121,9 +121,10 @@ def main(argv=None) -> int:
     audio = [load_audio(c.path) for c in clips]
     rec = recognizer(args)
     cfg = rec.encoder.config
+    print(f"demo: {args.threads} torch thread(s)")
     print(f"oasr demo: {len(clips)} held-out clips ({sum(map(len, audio)) / 16000:.0f} s of speech, voices and "
           f"sentences never trained on) as live streams, ~{args.concurrency} at once, {args.piece_ms} ms pieces"
-          f"{' in real time' if args.realtime else ', as fast as possible'}; {args.threads} torch thread(s)")
+          f"{' in real time' if args.realtime else ', as fast as possible'}")
     print(f"  model: {sum(p.numel() for p in rec.encoder.parameters()):,}-parameter streaming Conformer "
           f"({cfg.num_layers} layers) + {sum(p.numel() for p in rec.decoder.parameters()):,}-parameter attention "
           f"decoder; chunk {cfg.chunk_size} frames ({cfg.chunk_size * 40} ms), left context "
