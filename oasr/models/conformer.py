@@ -353,15 +353,18 @@ class StreamingConformer(nn.Module):
         cfg = self.config
         self._check_features(xs, "encode")
         B, T_in, _ = xs.shape
-        if num_left_chunks is None and chunk_size is None and cfg.attention_specs is not None:
-            return self._offline_per_layer(xs, xs_lens, prefill_window, kv_transform)
         C = cfg.chunk_size if chunk_size is None else chunk_size
-        L = cfg.num_left_chunks if num_left_chunks is None else num_left_chunks
-        prefill = 0
-        if prefill_window:
-            if L < 1:
+        per_layer = num_left_chunks is None and chunk_size is None and cfg.attention_specs is not None
+        if per_layer:  # each layer its own window (config.attention_specs) and, prefilled, its own zero keys
+            windows = cfg.layer_windows
+            if prefill_window and any(w is None or w < 1 for w in windows):
+                raise ValueError(f"forward_offline: prefill_window needs every layer's window >= 1, got {windows}")
+            prefills = [w if prefill_window else 0 for w in windows]
+        else:
+            L = cfg.num_left_chunks if num_left_chunks is None else num_left_chunks
+            if prefill_window and L < 1:
                 raise ValueError("forward_offline: prefill_window needs num_left_chunks >= 1")
-            prefill = L * C
+            prefills = [L * C if prefill_window else 0] * cfg.num_layers
         lens_in = self._lens(xs_lens, B, T_in, xs.device)
         x, lens, _ = self.subsample(xs, self.subsample.zero_tails(B, xs), lens_in)
         T = x.shape[1]
@@ -370,40 +373,12 @@ class StreamingConformer(nn.Module):
         valid = (torch.arange(T, device=xs.device)[None, :] < lens[:, None])[..., None].to(x.dtype)
         x = x * valid  # padded frames stay finite and never reach a valid frame
         cos, sin = self._cos_sin(torch.arange(T, device=xs.device).expand(B, T))
-        allowed = chunk_attention_mask(T, C, L, lens, prefill)
-        zeros_kv = x.new_zeros((B, prefill, cfg.n_kv_head, cfg.head_dim))
+        if per_layer:
+            masks = [window_attention_mask(T, C, w, lens, p) for w, p in zip(windows, prefills, strict=True)]
+        else:
+            masks = [chunk_attention_mask(T, C, L, lens, prefills[0])] * cfg.num_layers
         zero_context = x.new_zeros((B, cfg.kernel_size - 1, cfg.hidden_dim))
-
-        def attend(q, k, v):
-            if kv_transform is not None:
-                k, v = kv_transform(k), kv_transform(v)
-            return masked_attention(q, torch.cat([zeros_kv, k], 1), torch.cat([zeros_kv, v], 1), allowed)
-
-        for layer in self.layers:
-            x, _ = layer(x, cos, sin, attend, zero_context)
-            x = x * valid
-        return x, lens
-
-    def _offline_per_layer(self, xs, xs_lens, prefill_window: bool, kv_transform):
-        """``encode`` with each layer's own window (``config.attention_specs``): layer ``l`` gets
-        ``window_attention_mask`` of its window, and with ``prefill_window`` its own zero keys."""
-        cfg = self.config
-        B, T_in, _ = xs.shape
-        windows = cfg.layer_windows
-        if prefill_window and any(w is None or w < 1 for w in windows):
-            raise ValueError(f"forward_offline: prefill_window needs every layer's window >= 1, got {windows}")
-        lens_in = self._lens(xs_lens, B, T_in, xs.device)
-        x, lens, _ = self.subsample(xs, self.subsample.zero_tails(B, xs), lens_in)
-        T = x.shape[1]
-        if T == 0:
-            return x, lens
-        valid = (torch.arange(T, device=xs.device)[None, :] < lens[:, None])[..., None].to(x.dtype)
-        x = x * valid
-        cos, sin = self._cos_sin(torch.arange(T, device=xs.device).expand(B, T))
-        zero_context = x.new_zeros((B, cfg.kernel_size - 1, cfg.hidden_dim))
-        for layer, window in zip(self.layers, windows, strict=True):
-            prefill = window if prefill_window else 0
-            allowed = window_attention_mask(T, cfg.chunk_size, window, lens, prefill)
+        for layer, prefill, allowed in zip(self.layers, prefills, masks, strict=True):
             zeros_kv = x.new_zeros((B, prefill, cfg.n_kv_head, cfg.head_dim))
 
             def attend(q, k, v, allowed=allowed, zeros_kv=zeros_kv):
