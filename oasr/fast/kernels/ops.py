@@ -338,6 +338,8 @@ def gather_kv_blocks(
     out,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    kv_format: str | None = None,
 ) -> torch.Tensor:
     """Launch gather_kv_blocks: all layers of one stream's frames into (L, Hkv, T, 2D).
 
