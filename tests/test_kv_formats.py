@@ -293,3 +293,72 @@ def test_dense_gather_dequantizes_like_the_reference(name):
     a, b = (p.gather_kv_blocks([3, 1], start=1, num_frames=4) for p in pools)
     assert a.dtype == torch.bfloat16 and a.shape == (cfg.num_layers, cfg.n_kv_head, 4, 128)
     np.testing.assert_array_equal(raw(a), raw(b))
+
+
+# ---- sessions record the format and refuse a foreign one --------------------------------------
+
+from oasr import session as S  # noqa: E402
+from tests.session_helpers import make_model, start  # noqa: E402
+from tests.session_helpers import make_engine as _make_engine  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["int8", "q8_0", "affine4"])
+def test_sessions_carry_the_format_across_twins_and_refuse_another(name):
+    model = make_model("fp32", head_dim=32)
+    a = _make_engine(model, "reference", "fp32", kv_cache_dtype=name)
+    start(a)
+    caches = lambda e: (e.att, [e.cnn, e.states], e.ctc)  # noqa: E731
+    data = S.save_stream("a", *caches(a))
+    assert S.read_session(data).geometry.kv_cache_dtype == name
+    b = _make_engine(model, "fast", "fp32", kv_cache_dtype=name)
+    S.load_stream(data, "moved", *caches(b))
+    assert S.save_stream("moved", *caches(b)) == data  # the same pages, byte for byte
+    other = "q8_0" if name != "q8_0" else "int8"
+    c = _make_engine(model, "fast", "fp32", kv_cache_dtype=other)
+    with pytest.raises(S.SessionError, match="kv_cache_dtype"):
+        S.load_stream(data, "x", *caches(c))
+    assert c.att.pool.num_free_blocks == c.att.pool.num_blocks  # the refusal took nothing
+
+
+# ---- the decoder cache takes the same formats ---------------------------------------------------
+
+from oasr.decoder_config import DecoderRequest  # noqa: E402
+from tests.test_decoder_cache import dcfg, shuffle_free_list  # noqa: E402
+from tests.test_decoder_cache import kv as decoder_kv  # noqa: E402
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_decoder_paged_equals_dense_on_every_format(twin, name):
+    c = dcfg(kv_cache_dtype=name, head_dim=64)
+    m = twin.DecoderKVCacheManager(c)
+    shuffle_free_list(m.pool, seed=4)
+    m.pool.k_scale.copy_(torch.full_like(m.pool.k_scale, float("nan")))  # NaN wherever nothing should be read
+    m.pool.v_scale.copy_(torch.full_like(m.pool.v_scale, float("nan")))
+    rows = m.admit([DecoderRequest(3, 5, 0)] * 2)
+    dense = twin.DenseDecoderKV(c, 2, capacity=8)
+    for b, r in enumerate(rows):
+        k, v = decoder_kv(2, 3, 2, 64, seed=b)
+        m.prefill(r, k, v)
+        dense.prefill(b, k, v)
+    for s in range(3):
+        k, v = decoder_kv(2, 2, 2, 64, seed=10 + s)
+        m.append(rows, k, v)
+        dense.append(k, v)
+    exact = [reference_values(c, b) for b in range(2)]
+    for b, r in enumerate(rows):
+        got = m.gather_self(r)
+        assert torch.equal(got, dense.gather_self(b))
+        assert bool(torch.isfinite(got).all())
+        err = (got - exact[b]).abs().max()
+        assert 0 < err < {"fp8_e4m3": 0.3, "int8": 0.05, "q8_0": 0.05}.get(name, 0.6), err
+
+
+def reference_values(c, b):
+    """Row b's self K/V as the test wrote it (prefill then three appends), packed (L, H, n, 2D) fp32."""
+    k, v = decoder_kv(2, 3, 2, 64, seed=b)
+    ks, vs = [k], [v]
+    steps = [decoder_kv(2, 2, 2, 64, seed=10 + s) for s in range(3)]
+    ks += [sk[:, b : b + 1] for sk, _ in steps]
+    vs += [sv[:, b : b + 1] for _, sv in steps]
+    kk, vv = torch.cat(ks, dim=1), torch.cat(vs, dim=1)  # (L, n, H, D)
+    return torch.cat([kk, vv], dim=-1).transpose(1, 2)
