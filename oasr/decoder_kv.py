@@ -35,10 +35,9 @@ import math
 
 import torch
 
-from oasr.kv_formats import get_format
-
 from oasr.decoder_common import check_cross_fill, check_kv, select_sources
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.kv_formats import get_format
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

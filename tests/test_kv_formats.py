@@ -298,8 +298,8 @@ def test_dense_gather_dequantizes_like_the_reference(name):
 # ---- sessions record the format and refuse a foreign one --------------------------------------
 
 from oasr import session as S  # noqa: E402
-from tests.session_helpers import make_model, start  # noqa: E402
 from tests.session_helpers import make_engine as _make_engine  # noqa: E402
+from tests.session_helpers import make_model, start  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["int8", "q8_0", "affine4"])

@@ -59,10 +59,10 @@ from oasr.decoder_common import (
 )
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
+from oasr.kv_formats import get_format
 from oasr.paged import PagedKVCache
 from oasr.prefix_cache import PrefixIndex, check_tokens
 from oasr.reference.block_pool import BlockPool
-from oasr.kv_formats import get_format
 from oasr.reference.paged_ops import append_kv
 
 
