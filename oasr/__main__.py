@@ -1,4 +1,4 @@
-"""``python -m oasr <command>``: demo (the main job), bench, kernels."""
+"""``python -m oasr <command>``: demo (the main job), bench, kernels, formats."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ COMMANDS = {
     "demo": ("oasr.commands.demo", "run the streaming demo (the main job)"),
     "bench": ("oasr.commands.bench", "reference against fast, as ratios measured in one run"),
     "kernels": ("oasr.commands.kernels", "compile every CUDA kernel with NVRTC and report resources"),
+    "formats": ("oasr.commands.formats", "the K/V page formats: bytes, and what serves them on this machine"),
 }
 
 

@@ -222,7 +222,7 @@ def test_fast_gate_names_what_serves(name):
     if name in fast_formats.KERNEL_FORMATS:
         fast_formats.check_format_supported(name, 64, "cpu", dtype=torch.float16, backend="emulated")
         with pytest.raises(ValueError, match=r"tile head_dim in \(64, 128\).*'model' pages or the torch backend"):
-            fast_formats.check_format_supported(name, 96, "cpu", dtype=torch.float16, backend="emulated")
+            fast_formats.check_format_supported(name, 192, "cpu", dtype=torch.float16, backend="emulated")
     else:
         with pytest.raises(ValueError, match="no pages of this format; they serve"):
             fast_formats.check_format_supported(name, 64, "cpu", dtype=torch.float16, backend="emulated")
@@ -362,3 +362,26 @@ def reference_values(c, b):
     vs += [sv[:, b : b + 1] for _, sv in steps]
     kk, vv = torch.cat(ks, dim=1), torch.cat(vs, dim=1)  # (L, n, H, D)
     return torch.cat([kk, vv], dim=-1).transpose(1, 2)
+
+
+# ---- python -m oasr formats ------------------------------------------------------------------------
+
+from oasr.commands import formats as formats_cli  # noqa: E402
+
+
+def test_cli_prints_the_matrix_and_gates_one_configuration(capsys, tmp_path):
+    assert formats_cli.main(["--head-dims", "64,48", "--json", str(tmp_path / "f.json")]) == 0
+    out = capsys.readouterr().out
+    assert "q8_0" in out and "68 (1.88x)" in out and "auto picks: D=64: model" in out
+    import json
+
+    table = json.loads((tmp_path / "f.json").read_text())
+    assert table["bytes_per_vector"]["affine4"] == {"64": 40}  # head_dim 48 is not cut by groups of 32
+    assert table["served"]["q8_0/64/emulated"] and not table["served"]["q8_0/48/torch"]
+    assert formats_cli.main(["--check", "q8_0", "--head-dim", "48"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "multiple of 32" in err[0] and "['model', 'fp8_e4m3', 'int8']" in err[0]
+    assert formats_cli.main(["--check", "affine4", "--head-dim", "96", "--backend", "emulated"]) == 2
+    assert "tile head_dim in (64, 128)" in capsys.readouterr().err
+    assert formats_cli.main(["--check", "affine4", "--head-dim", "96", "--backend", "torch"]) == 0
+    assert formats_cli.main(["--check", "q4_k"]) == 2

@@ -137,7 +137,7 @@ def check_format_supported(
     if dtype is not None:
         f.check_geometry(int(head_dim), dtype)
     name = choose_backend(torch.device(device), backend)
-    if name == "torch" or not f.quantized:
+    if name == "torch":
         return
     if f.name not in KERNEL_FORMATS:
         raise ValueError(f"K/V format {f.name!r}: the {name!r} kernels have no pages of this format; they "

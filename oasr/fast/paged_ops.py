@@ -448,7 +448,8 @@ def _check_gather_scales(k_pool: torch.Tensor, k_scale, v_scale, fmt) -> bool:
         raise ValueError("gather_kv_blocks: scales were given for a pool in the model dtype")
     data_dtype = fmt.data_dtype(torch.float32)
     if k_pool.dtype != data_dtype:
-        raise ValueError(f"gather_kv_blocks: a {fmt.name} pool stores {data_dtype}, got {k_pool.dtype}")
+        raise ValueError(f"gather_kv_blocks: scales were given but the pool is {k_pool.dtype}, not {data_dtype} "
+                         f"(a {fmt.name} pool)")
     D = k_pool.shape[-1] * fmt.values_per_byte
     shape = tuple(k_pool.shape[:-1]) + fmt.scale_shape(D)
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -456,8 +457,8 @@ def _check_gather_scales(k_pool: torch.Tensor, k_scale, v_scale, fmt) -> bool:
             else t.dtype == fmt.scale_dtype(torch.float32)
         if tuple(t.shape) != shape or not dtype_ok or t.device != k_pool.device:
             raise ValueError(
-                f"gather_kv_blocks: {name} of a {fmt.name} pool must be {shape} "
+                f"gather_kv_blocks: {name} must be {shape} "
                 f"{fmt.scale_dtype(torch.float32) if not fmt.name.startswith('affine') else 'model dtype'} on "
-                f"{k_pool.device}, got {tuple(t.shape)} {t.dtype} on {t.device}"
+                f"{k_pool.device} (a {fmt.name} pool), got {tuple(t.shape)} {t.dtype} on {t.device}"
             )
     return True

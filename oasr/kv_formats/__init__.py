@@ -47,7 +47,7 @@ from oasr.kv_formats import affine4, fp8_e4m3, int8, model, q8_0
 from oasr.kv_formats.fp8_e4m3 import MODEL_DTYPES
 
 # Formats the CUDA kernels (and their CPU emulation) quantize, read and gather.
-KERNEL_FORMATS = ("model", "fp8_e4m3")
+KERNEL_FORMATS = ("model", "fp8_e4m3", "int8", "q8_0", "affine4", "affine4_g64")
 KERNEL_HEAD_DIMS = (64, 128)
 
 
