@@ -28,6 +28,7 @@ from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine import StreamingEngine, decode_utterance, memory_utilisation
 from oasr.fast.kernels.registry import HEAD_DIMS as CUDA_HEAD_DIMS  # what the CUDA kernels tile
+from oasr.kv_formats import FORMAT_NAMES as KV_FORMAT_NAMES
 from oasr.memory import bytes_per_kv_block, footprint, format_bytes
 from oasr.models import ConformerConfig, StreamingConformer, twin_ready
 from oasr.reference.fp8 import dequantize, quantize
@@ -227,15 +228,17 @@ def plot(engine, path: str, title: str) -> None:
 
 
 def kv_storage_lines(cfg) -> list[str]:
-    """What the K/V storage format costs per block, and what fp8 saves against the model dtype."""
+    """What the K/V storage format costs per block, and what it saves against the model dtype."""
     per_block = bytes_per_kv_block(cfg)
     if not cfg.kv_quantized:
         return [f"  K/V storage   {cfg.dtype} pages: {format_bytes(per_block)} per block"]
     plain = bytes_per_kv_block(dataclasses.replace(cfg, kv_cache_dtype=None))
+    name = cfg.kv_cache_dtype
+    rule = cfg.kv_format.summary if name != "fp8_e4m3" else "fp8 e4m3 pages + one fp32 scale per vector"
     return [
-        f"  K/V storage   fp8 e4m3 pages + one fp32 scale per vector: {format_bytes(per_block)} per block, "
+        f"  K/V storage   {rule}: {format_bytes(per_block)} per block, "
         f"against {format_bytes(plain)} in {cfg.dtype}",
-        f"  fp8 saves     {format_bytes((plain - per_block) * cfg.max_num_blocks)} of K/V pool "
+        f"  {'fp8' if name == 'fp8_e4m3' else name} saves {format_bytes((plain - per_block) * cfg.max_num_blocks)} of K/V pool "
         f"({100 * (1 - per_block / plain):.1f}%); the same bytes hold {plain / per_block:.2f}x the blocks",
     ]
 
@@ -365,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="bounded window with eviction (num_left_chunks 4 unless given)")
     parser.add_argument("--prefill", action="store_true",
                         help="prefill a zeroed K/V window (implies --eviction; needs num_left_chunks >= 1)")
-    parser.add_argument("--kv-cache-dtype", choices=("fp8_e4m3",), default=None,
-                        help="store K/V pages as fp8 e4m3 with one fp32 scale per vector (default: model dtype)")
+    parser.add_argument("--kv-cache-dtype", choices=("model", "auto", *KV_FORMAT_NAMES[1:]), default=None,
+                        help="K/V page format (oasr.kv_formats; python -m oasr formats shows their bytes and "
+                             "what serves them): fp8_e4m3 / int8 with one fp32 scale per vector, q8_0 and "
+                             "affine4 need head_dim a multiple of 32 (default: model dtype)")
     parser.add_argument("--head-dim", type=int, default=None,
                         help="attention head size (default: 16 on the CPU; 64 on CUDA, whose kernels tile 64 or 128)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="concurrent streams")
