@@ -50,7 +50,7 @@ def test_usage(capsys):
     assert oasr_main(["nonsense"]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        "python -m oasr: error: unknown command 'nonsense'; choose from demo, bench, kernels (see --help)"
+        "python -m oasr: error: unknown command 'nonsense'; choose from demo, bench, kernels, formats (see --help)"
     ]
 
 
