@@ -199,8 +199,9 @@ def check_sample(model, cache_config, engine, workload, count: int) -> tuple[boo
         same_tokens += first == ref.tokens == decode_utterance(off, engine.decoder, engine.ctc_config)
     ok = worst_ref <= bound and worst_off <= bound and (fp8 or same_tokens == len(sample))
     verdict = "OK" if ok else "MISMATCH"
+    both = f" ({cache_config.kv_cache_dtype} K/V on both)" if fp8 else ""
     return ok, (f"sample check: {len(sample)} streams rerun alone on the reference twin and offline"
-                f"{f' ({cache_config.kv_cache_dtype} K/V on both)' if fp8 else ''}: tokens equal for {same_tokens}/{len(sample)}, "
+                f"{both}: tokens equal for {same_tokens}/{len(sample)}, "
                 f"max |d log-prob| {worst_ref:.1e} (reference), {worst_off:.1e} (offline), "
                 f"bound {bound:.0e} -> {verdict}")
 
