@@ -385,3 +385,24 @@ def test_cli_prints_the_matrix_and_gates_one_configuration(capsys, tmp_path):
     assert "tile head_dim in (64, 128)" in capsys.readouterr().err
     assert formats_cli.main(["--check", "affine4", "--head-dim", "96", "--backend", "torch"]) == 0
     assert formats_cli.main(["--check", "q4_k"]) == 2
+
+
+# ---- the bench section's arithmetic (its timings are the bench's, never asserted) ------------------
+
+from oasr.bench import kv_formats as bench_formats  # noqa: E402
+
+
+def test_bench_columns_and_the_wer_hook():
+    assert bench_formats.bytes_per_frame("model") == 2 * 12 * 4 * 128
+    assert bench_formats.bytes_per_frame("affine4") == 2 * 12 * 4 * 40
+    assert bench_formats.blocks_per_gib("q8_0") == (1 << 30) // (2 * 12 * 4 * 68 * 16)
+    kv = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).half()
+    rows = {r["case"].split()[0]: r for r in bench_formats.error_rows(kv)}
+    assert rows["model"]["max_err"] == 0 and 0 < rows["q8_0"]["rms_err"] < rows["affine4"]["rms_err"]
+    wers = {None: 10.0, "fp8_e4m3": 10.4, "int8": 10.1, "q8_0": 10.0, "affine4": 11.2, "affine4_g64": 12.0}
+    seen = []
+    table = bench_formats.wer_rows(lambda fmt: seen.append(fmt) or wers[fmt])
+    assert seen[0] is None and len(seen) == len(FORMATS)  # the model dtype first, every format once
+    within = {r["case"].split()[0]: r["within_0.5"] for r in table}
+    assert within == {"model": True, "fp8_e4m3": True, "int8": True, "q8_0": True, "affine4": False,
+                      "affine4_g64": False}
