@@ -146,3 +146,24 @@ def test_v2_refuses_these_pages_by_name(emu):
     assert not ops.v2_supports(s.cache, torch.float16, 64)
     with pytest.raises(ValueError, match="v2 takes fp16/bf16 queries with pages in that dtype or fp8"):
         ops.paged_attention(emu, s.q, s.cache, s.chunk_lens, 0.125, False, version="v2")
+
+
+# ---- on a device (skipped without one; not yet run: no GPU was lent while this was written) ---------
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_append_and_attention_match_the_reference(fmt, dtype, head_dim):
+    seed = 500 + head_dim + FORMATS.index(fmt)
+    s = to_format(make_scenario(seed, **_geometry(seed, head_dim, dtype, max_history=200)), fmt)
+    want = _copy(s.cache)
+    ref.append_kv(want, s.k, s.v, s.chunk_lens)
+    d = s.to(device="cuda")
+    fast.append_kv(d.cache, d.k, d.v, d.chunk_lens)  # the NVRTC kernels
+    for a, b in zip(_pool_bits(want), _pool_bits(d.cache), strict=True):
+        assert torch.equal(a, b.cpu())
+    out = fast.paged_attention(d.q, d.cache, d.chunk_lens).cpu()
+    s_after = type(s)(want, s.q, s.k, s.v, s.chunk_lens)
+    _check_attention(out, s_after, False)
