@@ -1,5 +1,5 @@
 """``python -m oasr <command>`` (or ``oasr <command>``): demo (the main job), transcribe, eval, train, bench,
-kernels, engine-demo; ``--version``."""
+kernels, formats, engine-demo; ``--version``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "train": ("oasr.commands.train", "the training recipe: synthesize speech, train, export the model"),
     "bench": ("oasr.commands.bench", "reference against fast, as ratios measured in one run"),
     "kernels": ("oasr.commands.kernels", "compile every CUDA kernel with NVRTC and report resources"),
+    "formats": ("oasr.commands.formats", "the K/V page formats: bytes, and what serves them on this machine"),
     "engine-demo": ("oasr.commands.demo", "the engine on a seeded random model and synthetic features: every "
                     "cache option (eviction, prefill, fp8, sessions)"),
 }

@@ -74,6 +74,8 @@ from dataclasses import dataclass
 
 import torch
 
+from oasr.kv_formats import FORMAT_NAMES, KVFormat, auto_format, get_format
+
 logger = logging.getLogger("oasr.config")
 
 POOL_HEADROOM_FRACTION = 0.10  # of the device's total memory, kept free when sizing the pool from free memory
@@ -102,12 +104,14 @@ _POSITIVE_FIELDS = (
 )
 
 
-KV_CACHE_DTYPES = {None: None, "fp8_e4m3": getattr(torch, "float8_e4m3fn", None)}
+# Accepted values of ``kv_cache_dtype``: None / "model" (the model dtype), "auto", or a format of
+# ``oasr.kv_formats`` (the table of formats, their bytes and the "auto" rule live there).
+KV_CACHE_DTYPES = {None: None, **{name: name for name in FORMAT_NAMES if name != "model"}}
 
 
 def _check_fp8_supported(device: torch.device) -> None:
     """Refuse fp8 K/V at construction where this torch cannot store or convert it."""
-    if KV_CACHE_DTYPES["fp8_e4m3"] is None:
+    if getattr(torch, "float8_e4m3fn", None) is None:
         raise ValueError(f"CacheConfig.kv_cache_dtype='fp8_e4m3': torch {torch.__version__} has no float8_e4m3fn")
     try:
         probe = torch.tensor([1.5, -3.0], device=device).to(torch.float8_e4m3fn).float()
@@ -118,6 +122,30 @@ def _check_fp8_supported(device: torch.device) -> None:
         ) from exc
     if probe.tolist() != [1.5, -3.0]:
         raise ValueError(f"CacheConfig.kv_cache_dtype='fp8_e4m3': float8 round trip is wrong on {device}")
+
+
+def resolve_kv_format(owner: str, value, device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
+    """The format gate's configuration half: ``value`` (None, "model", "auto" or a format name) checked
+    against the format's own rule (head_dim it can cut, model dtype) and the device's torch, resolved to
+    None (the model dtype) or a format name. Refusals name what would serve instead."""
+    if value == "auto":
+        value = auto_format(device, head_dim, dtype)
+    if value == "model":
+        value = None
+    if not isinstance(value, (str, type(None))) or value not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"{owner}.kv_cache_dtype must be None or 'model' (the model dtype), 'auto', or one of "
+            f"{sorted(k for k in KV_CACHE_DTYPES if k)}, got {value!r}"
+        )
+    if value is None:
+        return None
+    try:
+        get_format(value).check_geometry(head_dim, dtype)
+    except ValueError as exc:
+        raise ValueError(f"{owner}.kv_cache_dtype={value!r}: {exc}") from None
+    if value == "fp8_e4m3":
+        _check_fp8_supported(device)
+    return value
 
 
 def _as_dtype(value, owner: str = "CacheConfig") -> torch.dtype:
@@ -198,15 +226,9 @@ class CacheConfig:
         self.device = torch.device(self.device)
         self.dtype = _as_dtype(self.dtype)
         self.prefill_kv_window = bool(self.prefill_kv_window)
-        if self.kv_cache_dtype in ("auto", "model"):
-            self.kv_cache_dtype = None
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"CacheConfig.kv_cache_dtype must be None (the model dtype) or one of "
-                f"{sorted(k for k in KV_CACHE_DTYPES if k)}, got {self.kv_cache_dtype!r}"
-            )
-        if self.kv_quantized:
-            _check_fp8_supported(self.device)
+        self.kv_cache_dtype = resolve_kv_format(
+            "CacheConfig", self.kv_cache_dtype, self.device, self.head_dim, self.dtype
+        )
         if size_pool:
             self._size_pool()
 
@@ -274,14 +296,33 @@ class CacheConfig:
 
     # ---- derived geometry -------------------------------------------------
     @property
+    def kv_format(self) -> KVFormat:
+        """The page format (``oasr.kv_formats``): the model dtype unless ``kv_cache_dtype`` names one."""
+        return get_format(self.kv_cache_dtype)
+
+    @property
     def kv_quantized(self) -> bool:
-        """True when K/V pages are stored as fp8 with one fp32 scale per vector."""
+        """True when K/V pages are quantized: data plus a scale plane (``kv_scale_shape``)."""
         return self.kv_cache_dtype is not None
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:
-        """dtype of the K/V pool tensors: fp8 when quantized, else the model dtype."""
-        return KV_CACHE_DTYPES[self.kv_cache_dtype] if self.kv_quantized else self.dtype
+        """dtype of the K/V pool tensors: the format's data dtype (the model dtype when not quantized)."""
+        return self.kv_format.data_dtype(self.dtype)
+
+    @property
+    def kv_data_dim(self) -> int:
+        """Last dimension of the pool tensors: ``head_dim`` (``head_dim / 2`` for 4-bit codes)."""
+        return self.kv_format.data_dim(self.head_dim)
+
+    @property
+    def kv_scale_shape(self) -> tuple[int, ...]:
+        """Per-vector shape of ``k_scale``/``v_scale``: () for one scale per vector, else per group."""
+        return self.kv_format.scale_shape(self.head_dim)
+
+    @property
+    def kv_scale_dtype(self) -> torch.dtype | None:
+        return self.kv_format.scale_dtype(self.dtype)
 
     @property
     def kv_last_dim(self) -> int:

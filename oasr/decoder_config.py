@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oasr.config import KV_CACHE_DTYPES, CacheConfig, _as_dtype, _check_fp8_supported
+from oasr.config import CacheConfig, _as_dtype, resolve_kv_format
+from oasr.kv_formats import get_format
 
 KV_STORAGES = ("paged", "dense", "auto")
 
@@ -90,15 +91,9 @@ class DecoderCacheConfig:
             raise ValueError(f"DecoderCacheConfig.max_cross_tokens must be an int >= 0, got {self.max_cross_tokens!r}")
         self.device = torch.device(self.device)
         self.dtype = _as_dtype(self.dtype, "DecoderCacheConfig")
-        if self.kv_cache_dtype in ("auto", "model"):
-            self.kv_cache_dtype = None
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"DecoderCacheConfig.kv_cache_dtype must be None (the model dtype) or one of "
-                f"{sorted(k for k in KV_CACHE_DTYPES if k)}, got {self.kv_cache_dtype!r}"
-            )
-        if self.kv_quantized:
-            _check_fp8_supported(self.device)
+        self.kv_cache_dtype = resolve_kv_format(
+            "DecoderCacheConfig", self.kv_cache_dtype, self.device, self.head_dim, self.dtype
+        )
         if self.kv_storage not in KV_STORAGES:
             raise ValueError(f"DecoderCacheConfig.kv_storage must be one of {KV_STORAGES}, got {self.kv_storage!r}")
         self.graph_captured = bool(self.graph_captured)
@@ -130,8 +125,8 @@ class DecoderCacheConfig:
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:
-        """dtype of the stored K/V: fp8 when quantized, else the model dtype."""
-        return KV_CACHE_DTYPES[self.kv_cache_dtype] if self.kv_quantized else self.dtype
+        """dtype of the stored K/V: the format's data dtype (``oasr.kv_formats``), else the model dtype."""
+        return get_format(self.kv_cache_dtype).data_dtype(self.dtype)
 
     @property
     def storage(self) -> str:
@@ -153,9 +148,9 @@ class DecoderCacheConfig:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token over every layer: ``2 L H D elem``, or ``2 L H (D + 4)`` with fp8 scales."""
-        elem = torch.empty((), dtype=self.kv_storage_dtype).element_size()
-        per_vector = self.head_dim * elem + (4 if self.kv_quantized else 0)
+        """K and V of one token over every layer: ``2 L H`` times the format's bytes per vector (``2 L H D
+        elem`` in the model dtype, ``2 L H (D + 4)`` with fp8; ``oasr.kv_formats``)."""
+        per_vector = get_format(self.kv_cache_dtype).bytes_per_vector(self.head_dim, self.dtype)
         return 2 * self.num_layers * self.n_kv_head * per_vector
 
     @property

@@ -24,8 +24,8 @@ read and written through ``PagedKVCache`` views by the twin's ``append_kv`` /
 a repeated index forks a row onto shared, copy-on-write pages.
 
 fp8 (``kv_cache_dtype="fp8_e4m3"``): each written (token, head) vector is
-quantized by the twin's own rule (``oasr.reference.fp8.quantize`` /
-``oasr.fast.paged_ops.quantize_fp8``), one call per layer, and read
+quantized by the twin's own rule of the format (``oasr.kv_formats`` /
+``oasr.fast.kv_formats``), one call per layer, and read
 dequantized; select and merge move the scales with their rows.
 """
 
@@ -37,6 +37,7 @@ import torch
 
 from oasr.decoder_common import as_index, check_cross_fill, check_kv, check_step_kv, select_sources
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.kv_formats import get_format
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -62,13 +63,18 @@ def group_row(b, batch: int, op: str) -> int:
 
 
 class DenseDecoderKV:
-    """Per-group dense buffers (module docstring). Subclassed by each twin with its fp8 ``quantize``."""
+    """Per-group dense buffers (module docstring). Subclassed by each twin with its format rules."""
 
-    quantize = None  # (x (..., D)) -> (fp8 data, fp32 scales (...)); set by the twin's subclass
+    # (format, x (..., D), model dtype) -> (data, scale plane); (format, data, scales, dtype) -> values.
+    # Set by the twin's subclass (oasr.kv_formats for the reference, oasr.fast.kv_formats for the fast twin).
+    quantize = None
+    dequantize = None
 
     def __init__(self, config: DecoderCacheConfig, batch: int, capacity: int, cross_capacity: int = 0):
         self.config = config
-        L, H, D = config.num_layers, config.n_kv_head, config.head_dim
+        L, H = config.num_layers, config.n_kv_head
+        fmt = get_format(config.kv_cache_dtype)
+        D, plane, sdt = fmt.data_dim(config.head_dim), fmt.scale_shape(config.head_dim), fmt.scale_dtype(config.dtype)
         dev, st = config.device, config.kv_storage_dtype
         self.capacity, self.cross_capacity = int(capacity), int(cross_capacity)
         shape, cross = (batch, H, self.capacity, D), (batch, H, self.cross_capacity, D)
@@ -77,10 +83,10 @@ class DenseDecoderKV:
         self.cross_k = [torch.zeros(cross, dtype=st, device=dev) for _ in range(L)]
         self.cross_v = [torch.zeros(cross, dtype=st, device=dev) for _ in range(L)]
         q = config.kv_quantized
-        self.k_scale = [torch.zeros(shape[:-1], device=dev) for _ in range(L)] if q else None
-        self.v_scale = [torch.zeros(shape[:-1], device=dev) for _ in range(L)] if q else None
-        self.cross_k_scale = [torch.zeros(cross[:-1], device=dev) for _ in range(L)] if q else None
-        self.cross_v_scale = [torch.zeros(cross[:-1], device=dev) for _ in range(L)] if q else None
+        self.k_scale = [torch.zeros(shape[:-1] + plane, dtype=sdt, device=dev) for _ in range(L)] if q else None
+        self.v_scale = [torch.zeros(shape[:-1] + plane, dtype=sdt, device=dev) for _ in range(L)] if q else None
+        self.cross_k_scale = [torch.zeros(cross[:-1] + plane, dtype=sdt, device=dev) for _ in range(L)] if q else None
+        self.cross_v_scale = [torch.zeros(cross[:-1] + plane, dtype=sdt, device=dev) for _ in range(L)] if q else None
         self.lengths = [0] * batch
         self.cross_lengths = [0] * batch
 
@@ -92,11 +98,11 @@ class DenseDecoderKV:
         return len(self.lengths)
 
     def _store(self, data: list, scales, layer: int, rows, positions, x: torch.Tensor) -> None:
-        """x (N, H, D) into data[layer][rows, :, positions] (quantized with the twin's rule for fp8)."""
+        """x (N, H, D) into data[layer][rows, :, positions] (quantized with the twin's rule of the format)."""
         if scales is None:
             data[layer][rows, :, positions] = x.to(data[layer].dtype)
         else:
-            stored, scale = type(self).quantize(x, self.config.dtype)  # the twin's rule, the served dtype's bound
+            stored, scale = type(self).quantize(self.config.kv_cache_dtype, x, self.config.dtype)  # the twin's rule
             data[layer][rows, :, positions] = stored
             scales[layer][rows, :, positions] = scale
 
@@ -104,7 +110,7 @@ class DenseDecoderKV:
         x = data[layer][:, :, :end]
         if scales is None:
             return x.float()
-        return x.float() * scales[layer][:, :, :end, None]
+        return type(self).dequantize(self.config.kv_cache_dtype, x, scales[layer][:, :, :end], torch.float32)
 
     # ---- writes ---------------------------------------------------------------------
     def _check_row(self, b, op: str) -> int:

@@ -4,9 +4,10 @@ The K/V pool dominates::
 
     bytes_per_kv_block = 2 (K and V) * num_layers * block_size_frames * n_kv_head * head_dim * elem
 
-With ``kv_cache_dtype="fp8_e4m3"`` elem is 1 and every (frame, head) vector adds
-a 4-byte fp32 scale: ``head_dim + 4`` bytes instead of ``2 * head_dim`` at fp16,
-1.88x more blocks in the same budget at head_dim 64 (1.94x at 128).
+A quantized ``kv_cache_dtype`` replaces ``head_dim * elem`` by the format's bytes per
+vector (``oasr.kv_formats``): ``head_dim + 4`` for fp8_e4m3 and int8 (1.88x more blocks
+than fp16 at head_dim 64, 1.94x at 128), ``head_dim * 34 / 32`` for q8_0 (1.88x),
+``head_dim / 2 + 4 * elem * head_dim / 64`` for affine4 (3.2x at fp16).
 
 ``footprint(config)`` adds the rest (scratch blocks, block tables, the two
 int32 length vectors, the conv cache; with ``decoder=DecoderCacheConfig(...)``
@@ -30,10 +31,9 @@ def element_size(dtype: torch.dtype) -> int:
 
 
 def bytes_per_kv_block(config: CacheConfig) -> int:
-    """K and V of one block id, across every layer (with fp8 K/V: data plus one fp32 scale per vector)."""
-    per_vector = config.head_dim * element_size(config.kv_storage_dtype)
-    if config.kv_quantized:
-        per_vector += 4
+    """K and V of one block id, across every layer: the format's bytes per vector (data plus its scale
+    plane, ``oasr.kv_formats``) per frame and KV head."""
+    per_vector = config.kv_format.bytes_per_vector(config.head_dim, config.dtype)
     return 2 * config.num_layers * config.block_size_frames * config.n_kv_head * per_vector
 
 
@@ -104,6 +104,11 @@ def footprint(config: CacheConfig, scratch_blocks: int = 1, pad_lanes: int = 0, 
         decoder_pool=0 if decoder is None else decoder_pool_bytes(decoder),
         decoder_tables=0 if decoder is None else decoder_table_bytes(decoder),
     )
+
+
+def blocks_per_gib(config: CacheConfig) -> int:
+    """Whole K/V blocks (every layer, K and V) in one GiB for ``config``'s geometry and format."""
+    return (1 << 30) // bytes_per_kv_block(config)
 
 
 def max_num_blocks_for_budget(config: CacheConfig, budget_bytes: int, scratch_blocks: int = 1) -> int:

@@ -14,9 +14,13 @@ its queries attend to ``[cache_seqstarts[b], cache_seqlens[b] + chunk_lens[b])``
 (see ``paged_attention``). Table position ``p`` lives in physical block
 ``block_table[b, p // block_size]`` at offset ``p % block_size``.
 
-With fp8 pages (``CacheConfig(kv_cache_dtype="fp8_e4m3")``) ``k_cache``/``v_cache``
-are ``float8_e4m3fn`` and ``k_scale``/``v_scale`` hold one fp32 scale per
-(block, position, kv head); ``oasr.fp8`` states the rule.
+With quantized pages (``CacheConfig(kv_cache_dtype=...)``, the formats of
+``oasr.kv_formats``) ``k_cache``/``v_cache`` hold the format's data (``(...,
+n_kv_head, data_dim)``: ``head_dim`` values, or ``head_dim / 2`` bytes of 4-bit
+codes) and ``k_scale``/``v_scale`` its scale plane per (block, position, kv head):
+one fp32 scale for fp8_e4m3 and int8, ``(head_dim / 32,)`` fp16 for q8_0,
+``(head_dim / G, 2)`` scale and bias for affine4. ``kv_format`` names the format
+(None with scales: fp8_e4m3, as views built before the other formats existed).
 
 ``max_seqlen`` and ``max_span`` are host-side maxima over the rows (of
 ``cache_seqlens`` and of ``cache_seqlens - cache_seqstarts``), filled from the
@@ -53,6 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
+from oasr.kv_formats import KVFormat, get_format
+
 # The argument checks live in oasr.validate (one place for both twins); re-exported for old callers.
 from oasr.validate import check_chunk_lens, check_kv_chunk, check_query  # noqa: F401
 
@@ -72,11 +78,19 @@ class PagedKVCache:
     v_scale: torch.Tensor | None = None
     prepared_frames: tuple[int, ...] | None = None
     model_dtype: torch.dtype | None = None
+    kv_format: str | None = None
 
     @property
     def quantized(self) -> bool:
-        """True for fp8 pages: ``k_scale``/``v_scale`` are ``(num_pool_blocks, block_size, n_kv_head)`` fp32."""
+        """True for quantized pages: ``k_scale``/``v_scale`` hold the format's scale plane."""
         return self.k_scale is not None
+
+    @property
+    def format(self) -> KVFormat:
+        """The page format: ``kv_format``, else fp8_e4m3 with scales, else the model dtype."""
+        if self.kv_format is not None:
+            return get_format(self.kv_format)
+        return get_format("fp8_e4m3" if self.quantized else None)
 
     @property
     def batch_size(self) -> int:
@@ -90,8 +104,8 @@ class PagedKVCache:
 
     @property
     def head_dim(self) -> int:
-        """Head size of the pool."""
-        return self.k_cache.shape[3]
+        """Head size of the pool (a packed format stores several values per byte)."""
+        return self.k_cache.shape[3] * self.format.values_per_byte
 
     @property
     def served_dtype(self) -> torch.dtype | None:

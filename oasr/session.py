@@ -21,7 +21,7 @@ Layout (little-endian; ``docs/sessions.md`` has every field with its offset)::
     | blake2b-256 of bytes [0, 64 + body)                          |  32 bytes
     +--------------------------------------------------------------+
 
-Sections: 1 attention (lengths, then K, V and, for fp8, their scales, of the visible
+Sections: 1 attention (lengths, then K, V and, for a quantized format, their scale planes, of the visible
 window only), 2 slot states (named tensors), 3 CTC beam (flag bit 0), 4 engine
 stream (flag bit 1), 5 decoder rows (flag bit 2: reserved for the autoregressive
 decoder's K/V rows; this build refuses a file that carries them), 6 encoder output
@@ -88,7 +88,9 @@ DTYPE_CODES = {
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MODEL_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 MODEL_DTYPES = {code: dtype for dtype, code in MODEL_DTYPE_CODES.items()}
-KV_FORMATS = {0: None, 1: "fp8_e4m3"}  # K/V format code -> CacheConfig.kv_cache_dtype
+# K/V format code -> CacheConfig.kv_cache_dtype (oasr.kv_formats). Codes are never reused: an older build
+# refuses a newer format's code instead of misreading its pages.
+KV_FORMATS = {0: None, 1: "fp8_e4m3", 2: "int8", 3: "q8_0", 4: "affine4", 5: "affine4_g64"}
 KV_FORMAT_CODES = {v: k for k, v in KV_FORMATS.items()}
 DECODERS = {1: "beam", 2: "greedy"}
 
@@ -431,16 +433,17 @@ def _decode_attention(raw: bytes, g: SessionGeometry) -> KVWindow:
         raise SessionError(f"attention section: {exc}") from None
     frames = seqlen - seqstart
     storage = config.kv_storage_dtype
-    shape = (g.num_layers, frames, g.n_kv_head, g.head_dim)
+    shape = (g.num_layers, frames, g.n_kv_head, config.kv_data_dim)
     size = math.prod(shape) * storage.itemsize
     k, v = _tensor_from(r.take(size), storage, shape), _tensor_from(r.take(size), storage, shape)
     k_scale = v_scale = None
     if config.kv_quantized:
-        sshape = shape[:-1]
-        ssize = math.prod(sshape) * 4
-        k_scale, v_scale = (_tensor_from(r.take(ssize), torch.float32, sshape) for _ in range(2))
+        sshape, sdtype = shape[:-1] + config.kv_scale_shape, config.kv_scale_dtype
+        ssize = math.prod(sshape) * sdtype.itemsize
+        k_scale, v_scale = (_tensor_from(r.take(ssize), sdtype, sshape) for _ in range(2))
         for name, s in (("K", k_scale), ("V", v_scale)):  # 0 where a prefilled window was zeroed
-            if s.numel() and not bool(((s >= 0) & torch.isfinite(s)).all()):
+            scale = s[..., 0] if config.kv_format.params_per_group == 2 else s  # affine: (scale, bias) pairs
+            if s.numel() and not bool(((scale >= 0) & torch.isfinite(scale)).all() and torch.isfinite(s).all()):
                 raise SessionError(f"attention section: a {name} scale is negative, NaN or infinite")
     r.done()
     return KVWindow(seqlen, seqstart, total, k, v, k_scale, v_scale)

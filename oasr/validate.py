@@ -109,10 +109,10 @@ def _check_dtype(op: str, name: str, t: torch.Tensor, cache) -> None:
         raise ValueError(
             f"{op}: the view's model_dtype {cache.model_dtype} differs from its pool's {cache.k_cache.dtype}"
         )
-    if expected is None:  # fp8 pages, model dtype not declared: the tensor's own, if a model dtype
+    if expected is None:  # quantized pages, model dtype not declared: the tensor's own, if a model dtype
         if t.dtype not in MODEL_DTYPES:
             raise ValueError(
-                f"{op}: {name} must be in a model dtype {tuple(str(d) for d in MODEL_DTYPES)} for fp8 pages, "
+                f"{op}: {name} must be in a model dtype {tuple(str(d) for d in MODEL_DTYPES)} for quantized pages, "
                 f"got {t.dtype}"
             )
     elif t.dtype != expected:
@@ -126,7 +126,7 @@ def check_kv_chunk(cache, k: torch.Tensor, v: torch.Tensor) -> None:
     dtype), on the pool's device. ``ValueError`` naming what was expected and what came."""
     B = cache.batch_size
     for name, t in (("k", k), ("v", v)):
-        if t.dim() != 4 or t.shape[0] != B or t.shape[2:] != cache.k_cache.shape[2:]:
+        if t.dim() != 4 or t.shape[0] != B or tuple(t.shape[2:]) != (cache.n_kv_head, cache.head_dim):
             raise ValueError(
                 f"append_kv: {name} must be (B={B}, T, n_kv_head={cache.n_kv_head}, "
                 f"head_dim={cache.head_dim}), got {tuple(t.shape)}"

@@ -53,7 +53,7 @@ def test_usage(capsys):
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
         "python -m oasr: error: unknown command 'nonsense'; choose from demo, transcribe, eval, train, bench, kernels, "
-        "engine-demo (see --help)"
+        "formats, engine-demo (see --help)"
     ]
 
 

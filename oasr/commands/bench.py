@@ -21,6 +21,7 @@ SECTIONS = {
     "stream_cost": ("oasr.bench.stream_cost", "section", False),
     "ctc": ("oasr.bench.ctc", "section", False),
     "fp8": ("oasr.bench.fp8", "section", True),
+    "kv_formats": ("oasr.bench.kv_formats", "section", True),
     "graphs": ("oasr.bench.graphs", "section", True),  # CUDA only: one "skipped" row on the CPU
     "decoder": ("oasr.bench.decoder", "section", True),
     "shared_pages": ("oasr.bench.shared_pages", "section", True),

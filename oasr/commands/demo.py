@@ -28,13 +28,15 @@ from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine import StreamingEngine, decode_utterance, memory_utilisation
 from oasr.fast.kernels.registry import HEAD_DIMS as CUDA_HEAD_DIMS  # what the CUDA kernels tile
+from oasr.kv_formats import FORMAT_NAMES as KV_FORMAT_NAMES
+from oasr.kv_formats import get_format
 from oasr.memory import bytes_per_kv_block, footprint, format_bytes
 from oasr.models import ConformerConfig, StreamingConformer, twin_ready
 from oasr.reference.fp8 import dequantize, quantize
 
 FRAME_SECONDS = 0.01  # one feature frame
 CHECK_ATOL = 1e-5
-CHECK_ATOL_FP8 = 5e-2  # a few e4m3 steps; see check_sample
+CHECK_ATOL_FP8 = 5e-2  # a few e4m3 steps; see check_sample (the bound for every quantized format)
 DEFAULT_BEAM = 4
 
 
@@ -161,6 +163,14 @@ def fp8_round_trip(t: torch.Tensor) -> torch.Tensor:
     return dequantize(*quantize(t), t.dtype)
 
 
+def format_round_trip(name: str):
+    """What pages of format ``name`` store, as a function of K/V (``oasr.kv_formats``' reference rule)."""
+    if name == "fp8_e4m3":
+        return fp8_round_trip
+    fmt = get_format(name)
+    return lambda t: fmt.dequantize(*fmt.quantize(t, t.dtype), t.dtype)
+
+
 def check_sample(model, cache_config, engine, workload, count: int) -> tuple[bool, str]:
     """Rerun ``count`` streams one at a time on the reference twin, and offline; compare with the engine.
 
@@ -170,7 +180,7 @@ def check_sample(model, cache_config, engine, workload, count: int) -> tuple[boo
     rounding midpoint lands on the neighbouring fp8 value: agreement is then to within a few fp8
     steps (``CHECK_ATOL_FP8``), and near-tied tokens may differ, which is reported, not failed.
     """
-    fp8 = cache_config.kv_quantized
+    fp8 = cache_config.kv_quantized  # any quantized format (fp8's reasoning holds for each: see above)
     bound = CHECK_ATOL_FP8 if fp8 else CHECK_ATOL
     sample = workload[:: max(1, len(workload) // max(count, 1))][:count]
     worst_ref, worst_off, same_tokens = 0.0, 0.0, 0
@@ -184,15 +194,17 @@ def check_sample(model, cache_config, engine, workload, count: int) -> tuple[boo
         ref = alone.run()[s.stream_id]
         feats = s.features[None].to(cache_config.device)
         off = model.forward_offline(feats, prefill_window=cache_config.prefill_kv_window,
-                                    kv_transform=fp8_round_trip if fp8 else None)[0][0].float().cpu()
+                                    kv_transform=format_round_trip(cache_config.kv_cache_dtype) if fp8 else None,
+                                    )[0][0].float().cpu()
         worst_ref = max(worst_ref, (got.log_probs - ref.log_probs).abs().max().item())
         worst_off = max(worst_off, (got.log_probs - off).abs().max().item())
         first = got.tokens if got.first_pass is None else got.first_pass  # --rescore: check the CTC pass
         same_tokens += first == ref.tokens == decode_utterance(off, engine.decoder, engine.ctc_config)
     ok = worst_ref <= bound and worst_off <= bound and (fp8 or same_tokens == len(sample))
     verdict = "OK" if ok else "MISMATCH"
+    both = f" ({cache_config.kv_cache_dtype} K/V on both)" if fp8 else ""
     return ok, (f"sample check: {len(sample)} streams rerun alone on the reference twin and offline"
-                f"{' (fp8 K/V on both)' if fp8 else ''}: tokens equal for {same_tokens}/{len(sample)}, "
+                f"{both}: tokens equal for {same_tokens}/{len(sample)}, "
                 f"max |d log-prob| {worst_ref:.1e} (reference), {worst_off:.1e} (offline), "
                 f"bound {bound:.0e} -> {verdict}")
 
@@ -231,15 +243,17 @@ def plot(engine, path: str, title: str) -> None:
 
 
 def kv_storage_lines(cfg) -> list[str]:
-    """What the K/V storage format costs per block, and what fp8 saves against the model dtype."""
+    """What the K/V storage format costs per block, and what it saves against the model dtype."""
     per_block = bytes_per_kv_block(cfg)
     if not cfg.kv_quantized:
         return [f"  K/V storage   {cfg.dtype} pages: {format_bytes(per_block)} per block"]
     plain = bytes_per_kv_block(dataclasses.replace(cfg, kv_cache_dtype=None))
+    name = "fp8" if cfg.kv_cache_dtype == "fp8_e4m3" else cfg.kv_cache_dtype
+    rule = cfg.kv_format.summary if name != "fp8" else "fp8 e4m3 pages + one fp32 scale per vector"
     return [
-        f"  K/V storage   fp8 e4m3 pages + one fp32 scale per vector: {format_bytes(per_block)} per block, "
+        f"  K/V storage   {rule}: {format_bytes(per_block)} per block, "
         f"against {format_bytes(plain)} in {cfg.dtype}",
-        f"  fp8 saves     {format_bytes((plain - per_block) * cfg.max_num_blocks)} of K/V pool "
+        f"  {name} saves {format_bytes((plain - per_block) * cfg.max_num_blocks)} of K/V pool "
         f"({100 * (1 - per_block / plain):.1f}%); the same bytes hold {plain / per_block:.2f}x the blocks",
     ]
 
@@ -390,8 +404,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="bounded window with eviction (num_left_chunks 4 unless given)")
     parser.add_argument("--prefill", action="store_true",
                         help="prefill a zeroed K/V window (implies --eviction; needs num_left_chunks >= 1)")
-    parser.add_argument("--kv-cache-dtype", choices=("fp8_e4m3",), default=None,
-                        help="store K/V pages as fp8 e4m3 with one fp32 scale per vector (default: model dtype)")
+    parser.add_argument("--kv-cache-dtype", choices=("model", "auto", *KV_FORMAT_NAMES[1:]), default=None,
+                        help="K/V page format (oasr.kv_formats; python -m oasr formats shows their bytes and "
+                             "what serves them): fp8_e4m3 / int8 with one fp32 scale per vector, q8_0 and "
+                             "affine4 need head_dim a multiple of 32 (default: model dtype)")
     parser.add_argument("--head-dim", type=int, default=None,
                         help="attention head size (default: 16 on the CPU; 64 on CUDA, whose kernels tile 64 or 128)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="concurrent streams")

@@ -100,7 +100,7 @@ import torch
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream
 from oasr.fast.block_pool import BlockPool
-from oasr.fast.paged_ops import quantize_fp8
+from oasr.fast.kv_formats import quantize
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache, StreamKVInfo
@@ -648,7 +648,8 @@ class AttentionCacheManager:
             table, meta = self._cohort_buffers(width)
             bs, dtype = self.config.block_size_frames, self.config.dtype
             views = [
-                PagedKVCache(k, v, table, meta[0], meta[1], bs, max_seqlen, max_span, layer, *scales, prepared, dtype)
+                PagedKVCache(k, v, table, meta[0], meta[1], bs, max_seqlen, max_span, layer, *scales, prepared, dtype,
+                             self.config.kv_cache_dtype)
                 for layer, ((k, v), scales) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
             ]
             cached = self._views[width] = (max_seqlen, max_span, prepared, views)
@@ -711,8 +712,9 @@ class AttentionCacheManager:
         v = kv_chunk[..., cfg.head_dim :].transpose(1, 2).to(device=device)
         pool = self.pool
         if cfg.kv_quantized:  # from the chunk's own values, as the reference's quantize(x) does
-            pool.k_pool[:, block_d, offset_d], pool.k_scale[:, block_d, offset_d] = quantize_fp8(k, cfg.dtype)
-            pool.v_pool[:, block_d, offset_d], pool.v_scale[:, block_d, offset_d] = quantize_fp8(v, cfg.dtype)
+            fmt = cfg.kv_cache_dtype
+            pool.k_pool[:, block_d, offset_d], pool.k_scale[:, block_d, offset_d] = quantize(fmt, k, cfg.dtype)
+            pool.v_pool[:, block_d, offset_d], pool.v_scale[:, block_d, offset_d] = quantize(fmt, v, cfg.dtype)
         else:
             pool.k_pool[:, block_d, offset_d] = k.to(cfg.dtype)
             pool.v_pool[:, block_d, offset_d] = v.to(cfg.dtype)

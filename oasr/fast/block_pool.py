@@ -40,7 +40,7 @@ import torch
 from oasr.block_owners import NO_OWNER, OwnerRegistry
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError
-from oasr.fast.paged_ops import check_fp8_supported
+from oasr.fast.kv_formats import check_format_supported
 from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
 from oasr.fast.staging import Stager
 from oasr.validate import check_count, gather_range
@@ -67,16 +67,17 @@ class BlockPool:
             config.max_num_blocks + scratch_blocks,
             config.block_size_frames,
             config.n_kv_head,
-            config.head_dim,
+            config.kv_data_dim,
         )
-        if config.kv_quantized:  # refuse now what the fp8 kernels cannot serve, not at the first chunk
-            check_fp8_supported(config.head_dim, config.device, dtype=config.dtype)
+        if config.kv_quantized:  # the format gate: refuse now what this backend cannot serve, not at the first chunk
+            check_format_supported(config.kv_cache_dtype, config.head_dim, config.device, dtype=config.dtype)
         self.k_pool = torch.zeros(shape, dtype=config.kv_storage_dtype, device=config.device)
         self.v_pool = torch.zeros(shape, dtype=config.kv_storage_dtype, device=config.device)
         self.k_scale = self.v_scale = None
         if config.kv_quantized:
-            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=config.device)
-            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=config.device)
+            scale_shape = shape[:-1] + config.kv_scale_shape
+            self.k_scale = torch.zeros(scale_shape, dtype=config.kv_scale_dtype, device=config.device)
+            self.v_scale = torch.zeros(scale_shape, dtype=config.kv_scale_dtype, device=config.device)
         n = config.max_num_blocks
         self._ring = np.arange(n, dtype=np.int32)
         self._head = 0
@@ -420,9 +421,10 @@ class BlockPool:
         _, ids = _id_array(block_ids)
         num_frames = gather_range(ids.size, self.config.block_size_frames, start, num_frames)
         if not ids.size:
-            L, _, _, H, D = self.k_pool.shape
+            L, _, _, H, D = *self.k_pool.shape[:4], self.config.head_dim
             return self.k_pool.new_zeros((L, H, 0, 2 * D), dtype=self.config.dtype)
         return _gather_kv_blocks(
             self.k_pool, self.v_pool, self._device_ids(ids), start, num_frames,
             k_scale=self.k_scale, v_scale=self.v_scale, out_dtype=self.config.dtype,
+            kv_format=self.config.kv_cache_dtype,
         )  # fmt: skip

@@ -59,7 +59,10 @@ from oasr.decoder_config import DecoderCacheConfig
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
 from oasr.fast.backend import resolve_backend
 from oasr.fast.block_pool import BlockPool
-from oasr.fast.paged_ops import append_kv, check_fp8_supported, quantize_fp8
+from oasr.fast.kv_formats import check_format_supported
+from oasr.fast.kv_formats import dequantize as _dequantize
+from oasr.fast.kv_formats import quantize as _quantize
+from oasr.fast.paged_ops import append_kv
 from oasr.fast.staging import Stager
 from oasr.paged import PagedKVCache
 from oasr.prefix_cache import PrefixIndex, check_tokens
@@ -73,8 +76,9 @@ class DecoderKVCacheManager:
             check_pool(config, None)  # raises: not a DecoderCacheConfig
         self.config = config
         self.backend = backend
-        if config.kv_quantized:  # refuse now, by name, what the chosen backend's fp8 path cannot serve
-            check_fp8_supported(config.head_dim, config.device, dtype=config.dtype, backend=backend)
+        if config.kv_quantized:  # the format gate: refuse now, by name, what the chosen backend cannot serve
+            check_format_supported(config.kv_cache_dtype, config.head_dim, config.device, dtype=config.dtype,
+                                   backend=backend)
         if pool is None:
             pool = BlockPool(config.pool_config(), scratch_blocks=1)
         check_pool(config, pool)
@@ -259,7 +263,7 @@ class DecoderKVCacheManager:
         prepared = tuple(int(n) for n in prepared)
         return [
             PagedKVCache(k, v, table, seqlens, starts, self.config.page_size, max_len, max_span, layer, ks, vs,
-                         prepared, self.config.dtype)
+                         prepared, self.config.dtype, self.config.kv_cache_dtype)
             for layer, ((k, v), (ks, vs)) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
         ]
 
@@ -557,14 +561,15 @@ class DecoderKVCacheManager:
 
 
 class DenseDecoderKV(DenseDecoderKVBase):
-    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the fast twin's fp8 rule.
+    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the fast twin's rule of its format.
 
     Its reads group the query heads of each KV head instead of repeating K and V per query head
     (``repeat_interleave`` copies the whole cache every layer and step): ``(B * Hkv, G * T, D)``
     queries against ``(B * Hkv, S, D)`` keys in one batched matmul each way, the same dot products
     as the reference's. Masks as the reference's: a query with no allowed key reads zeros."""
 
-    quantize = staticmethod(quantize_fp8)
+    quantize = staticmethod(_quantize)
+    dequantize = staticmethod(_dequantize)
 
     @staticmethod
     def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,13 @@ here, vectorised as the kernels compute it, by ``fp8_scales`` / ``quantize_fp8``
     paged_attention    reads dequantized pages (the kernels per tile); q, out in the model dtype
     gather_kv_blocks   k_scale=, v_scale= and out_dtype= (the model dtype): dequantizes
 
-The kernels tile fp8 pages for head_dim in ``FP8_HEAD_DIMS`` only; the torch
-backend serves any head_dim. ``check_fp8_supported(head_dim, device)`` raises
-the ``ValueError`` a call would raise, so a pool can refuse at construction.
+The other quantized formats (``oasr.kv_formats``: int8, q8_0, affine4) follow
+the same three lines with their own rule, vectorised in ``oasr.fast.kv_formats``.
+The kernels serve ``KERNEL_FORMATS`` at head_dim in ``KERNEL_HEAD_DIMS`` only; the
+torch backend serves any format at any head_dim its rule cuts.
+``check_format_supported(format, head_dim, device)`` (``check_fp8_supported`` for
+fp8) raises the ``ValueError`` a call would raise, so a pool can refuse at
+construction.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ import torch.nn.functional as F
 from oasr.fast import cpu_rows, kernel_policy
 from oasr.fast.backend import choose_backend, resolve_backend
 from oasr.fast.kernels import ops, registry
+from oasr.fast.kv_formats import check_format_supported, dequantize, quantize
 from oasr.fp8 import saturation_bound
+from oasr.kv_formats import get_format
 from oasr.paged import PagedKVCache
 from oasr.reference.paged_ops import paged_attention as reference_paged_attention  # serves a declared kernel gap
 from oasr.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
@@ -193,7 +199,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
             _append_kv_torch(cache, k, v, _host_lens(cache, chunk_lens, T, "append_kv"))
     else:
         if cache.quantized:
-            check_fp8_supported(cache.head_dim, k.device, backend=name)
+            check_format_supported(cache.format.name, cache.head_dim, k.device, backend=name)
         lens = _kernel_lens(cache, chunk_lens, T, k.device, "append_kv", "frames")
         ops.append_kv(_executor(name, k.device), cache, k, v, lens)
 
@@ -207,8 +213,9 @@ def _append_kv_torch(cache: PagedKVCache, k, v, lens: torch.Tensor) -> None:
     blocks = cache.block_table[rows, positions // cache.block_size].long()
     offsets = positions % cache.block_size
     if cache.quantized:
-        cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize_fp8(k[valid], k.dtype)
-        cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize_fp8(v[valid], v.dtype)
+        fmt = cache.format.name
+        cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize(fmt, k[valid], k.dtype)
+        cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize(fmt, v[valid], v.dtype)
         return
     cache.k_cache[blocks, offsets] = k[valid].to(cache.k_cache.dtype)
     cache.v_cache[blocks, offsets] = v[valid].to(cache.v_cache.dtype)
@@ -255,7 +262,7 @@ def paged_attention(
         lens = _host_lens(cache, chunk_lens, T, "paged_attention", what)
         return _paged_attention_torch(q, cache, lens, scale, causal)
     if cache.quantized:
-        check_fp8_supported(D, q.device, dtype=q.dtype, backend=name)
+        check_format_supported(cache.format.name, D, q.device, dtype=q.dtype, backend=name)
     elif cache.k_cache.dtype not in registry.DTYPE_ARG or D not in registry.HEAD_DIMS:  # in scope, no kernel
         kernel_policy.serve_gap("paged-attention-head-dim", "paged_attention",
                                 f"head_dim={D} with {cache.k_cache.dtype} pages on the {name!r} backend",
@@ -312,12 +319,22 @@ def _attend_rows(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causa
     # layout the matmuls read: no advanced-indexing gather, no transposing copy. (F.embedding is
     # that lookup; on the CPU it measured ~3x faster than index_select into a fresh tensor.)
     vector = ((blocks * cache.block_size + offsets)[:, None, :] * Hkv + torch.arange(Hkv)[None, :, None]).view(-1)
-    if cache.quantized or cache.k_cache.dtype != torch.float32:
+    if cache.quantized and cache.format.name != "fp8_e4m3":  # int8 / q8_0 / affine4: gather data and scales
+        fmt, width = cache.format.name, cache.k_cache.shape[-1]
+        plane = cache.k_scale.shape[3:]  # the scale plane of one vector
+        n = cache.k_scale.shape[0] * cache.k_scale.shape[1] * Hkv
+
+        def take(data, scales):
+            stored = data.reshape(-1, width).index_select(0, vector).view(B, Hkv, L, width)
+            return dequantize(fmt, stored, scales.reshape(n, -1).index_select(0, vector).view(B, Hkv, L, *plane))
+
+        k, v = take(cache.k_cache, cache.k_scale), take(cache.v_cache, cache.v_scale)
+    elif cache.quantized or cache.k_cache.dtype != torch.float32:
         k = F.embedding(vector, cache.k_cache.reshape(-1, D)).view(B, Hkv, L, D)
         v = F.embedding(vector, cache.v_cache.reshape(-1, D)).view(B, Hkv, L, D)
     else:  # fp32 pages: gather into the per-thread workspace (same memory every call, see cpu_rows)
         k, v = cpu_rows.gather_vectors(cache.k_cache, cache.v_cache, vector, (B, Hkv, L, D))
-    if cache.quantized:  # dequantize exactly as the reference: stored.float() * scale, in fp32
+    if cache.quantized and cache.format.name == "fp8_e4m3":  # exactly as the reference: stored.float() * scale
         k = dequantize_fp8(k, cache.k_scale.reshape(-1).index_select(0, vector).view(B, Hkv, L))
         v = dequantize_fp8(v, cache.v_scale.reshape(-1).index_select(0, vector).view(B, Hkv, L))
     k, v = k.float(), v.float()  # ours to change (workspace or a fresh gather; float() copies other dtypes)
@@ -358,6 +375,7 @@ def gather_kv_blocks(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    kv_format: str | None = None,
     backend=None,
 ) -> torch.Tensor:
     """All layers of ``num_frames`` frames of one stream, packed K|V: ``(L, Hkv, T, 2 * D)``.
@@ -371,7 +389,9 @@ def gather_kv_blocks(
     (the output dtype, if given, must be the pool's). An fp8 pool comes with ``k_scale`` and
     ``v_scale`` (fp32, ``(num_layers, num_pool_blocks, block_size, n_kv_head)``) and is
     dequantized, ``(stored.float() * scale).to(dtype)``, into the model dtype, which must
-    then be given (``out`` or ``out_dtype``).
+    then be given (``out`` or ``out_dtype``). Another quantized format names itself with
+    ``kv_format`` (``oasr.kv_formats``; its scales then have the format's scale plane) and is
+    dequantized by its own rule; ``kv_format`` None with scales means fp8_e4m3.
     """
     if k_pool.dim() != 5 or k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
         raise ValueError(
@@ -379,7 +399,8 @@ def gather_kv_blocks(
             f"n_kv_head, head_dim) of one dtype, got {tuple(k_pool.shape)} {k_pool.dtype} and "
             f"{tuple(v_pool.shape)} {v_pool.dtype}"
         )
-    L, _, bs, Hkv, D = k_pool.shape
+    fmt = get_format(kv_format if kv_format is not None else ("fp8_e4m3" if k_scale is not None else None))
+    L, _, bs, Hkv, D = *k_pool.shape[:4], k_pool.shape[4] * fmt.values_per_byte
     start, num_frames = int(start), int(num_frames)
     if block_ids.dim() != 1 or block_ids.dtype.is_floating_point:
         raise ValueError(f"gather_kv_blocks: block_ids must be a 1-D integer tensor, got {block_ids.dtype}")
@@ -390,7 +411,7 @@ def gather_kv_blocks(
             f"gather_kv_blocks: frames [{start}, {start + num_frames}) outside the {block_ids.shape[0]} "
             f"blocks of {bs} frames"
         )
-    quantized = _check_gather_scales(k_pool, k_scale, v_scale)
+    quantized = _check_gather_scales(k_pool, k_scale, v_scale, fmt)
     dtype = out.dtype if out is not None else out_dtype
     if out is not None and out_dtype is not None and out_dtype != out.dtype:
         raise ValueError(f"gather_kv_blocks: out is {out.dtype} but out_dtype={out_dtype}")
@@ -414,13 +435,13 @@ def gather_kv_blocks(
         offsets = positions % bs
         k, v = k_pool[:, blocks, offsets], v_pool[:, blocks, offsets]  # (L, T, Hkv, D)
         if quantized:
-            k = dequantize_fp8(k, k_scale[:, blocks, offsets], dtype)
-            v = dequantize_fp8(v, v_scale[:, blocks, offsets], dtype)
+            k = dequantize(fmt.name, k, k_scale[:, blocks, offsets], dtype)
+            v = dequantize(fmt.name, v, v_scale[:, blocks, offsets], dtype)
         out[..., :D] = k.transpose(1, 2)  # (L, T, Hkv, D) -> (L, Hkv, T, D)
         out[..., D:] = v.transpose(1, 2)
         return out
     if quantized:
-        check_fp8_supported(D, k_pool.device, dtype=dtype, backend=name)
+        check_format_supported(fmt.name, D, k_pool.device, dtype=dtype, backend=name)
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise ValueError("gather_kv_blocks: the pools must be contiguous for the kernels")
     if name == "emulated" and num_frames:  # host memory: a bad id would be a wild read, so check
@@ -428,21 +449,34 @@ def gather_kv_blocks(
         if int(used.min()) < 0 or int(used.max()) >= k_pool.shape[1]:
             raise IndexError(f"gather_kv_blocks: block id outside [0, {k_pool.shape[1]})")
     executor = _executor(name, k_pool.device)
-    return ops.gather_kv_blocks(executor, k_pool, v_pool, block_ids, start, num_frames, out, k_scale, v_scale)
+    return ops.gather_kv_blocks(executor, k_pool, v_pool, block_ids, start, num_frames, out, k_scale, v_scale,
+                                kv_format=fmt.name)
 
 
-def _check_gather_scales(k_pool: torch.Tensor, k_scale, v_scale) -> bool:
-    """True for an fp8 pool with its scales; refuses half a pair, or scales of the wrong shape or dtype."""
+def _check_gather_scales(k_pool: torch.Tensor, k_scale, v_scale, fmt) -> bool:
+    """True for a quantized pool with its scales; refuses half a pair, or data / scales of the wrong shape
+    or dtype for ``fmt`` (fp8: fp32 scales of ``k_pool.shape[:-1]``)."""
     if k_scale is None and v_scale is None:
+        if fmt.quantized:
+            raise ValueError(f"gather_kv_blocks: a {fmt.name} pool needs k_scale and v_scale")
         return False
     if k_scale is None or v_scale is None:
         raise ValueError("gather_kv_blocks: pass both k_scale and v_scale, or neither")
-    if k_pool.dtype != FP8_DTYPE:
-        raise ValueError(f"gather_kv_blocks: scales were given but the pool is {k_pool.dtype}, not {FP8_DTYPE}")
+    if not fmt.quantized:
+        raise ValueError("gather_kv_blocks: scales were given for a pool in the model dtype")
+    data_dtype = fmt.data_dtype(torch.float32)
+    if k_pool.dtype != data_dtype:
+        raise ValueError(f"gather_kv_blocks: scales were given but the pool is {k_pool.dtype}, not {data_dtype} "
+                         f"(a {fmt.name} pool)")
+    D = k_pool.shape[-1] * fmt.values_per_byte
+    shape = tuple(k_pool.shape[:-1]) + fmt.scale_shape(D)
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t.shape != k_pool.shape[:-1] or t.dtype != torch.float32 or t.device != k_pool.device:
+        dtype_ok = t.dtype == fmt.scale_dtype(t.dtype) if fmt.name.startswith("affine") \
+            else t.dtype == fmt.scale_dtype(torch.float32)
+        if tuple(t.shape) != shape or not dtype_ok or t.device != k_pool.device:
             raise ValueError(
-                f"gather_kv_blocks: {name} must be {tuple(k_pool.shape[:-1])} float32 on {k_pool.device}, "
-                f"got {tuple(t.shape)} {t.dtype} on {t.device}"
+                f"gather_kv_blocks: {name} must be {shape} "
+                f"{fmt.scale_dtype(torch.float32) if not fmt.name.startswith('affine') else 'model dtype'} on "
+                f"{k_pool.device} (a {fmt.name} pool), got {tuple(t.shape)} {t.dtype} on {t.device}"
             )
     return True

@@ -20,7 +20,8 @@
 // each warp reads whole head_dim rows of the pool.
 //
 // fp8 pools: gather_kv_blocks_fp8_kernel<T> (below) dequantizes instead of
-// copying; see its own header.
+// copying; see its own header. int8, q8_0 and affine4 pools:
+// gather_kv_blocks_quant_kernel<T, Page> (at the end).
 //
 // Checked by: tests/test_kernels_emulated.py::test_gather_* (bitwise against
 // the torch gather, NaN-poisoned pool outside the gathered frames),
@@ -28,9 +29,11 @@
 // the reference pool's dequantizing gather) and tests/test_kernels_cuda.py.
 //   python -m pytest tests/test_kernels_emulated.py -k gather    (CPU, no GPU needed)
 //   python -m pytest tests/test_fp8_kernels.py -k gather         (CPU, no GPU needed)
+//   python -m pytest tests/test_kv_format_kernels.py -k gather   (int8 / q8_0 / affine4, CPU)
 //   python -m pytest -m cuda tests/test_kernels_cuda.py          (GPU)
 //   python -m oasr kernels --arch sm_80,sm_90                    (registers, smem, spills)
 #include "common.cuh"
+#include "kv_formats.cuh"
 
 namespace oasr {
 
@@ -106,6 +109,48 @@ __global__ void __launch_bounds__(128) gather_kv_blocks_fp8_kernel(
         } else {
             load_vec_scaled<__nv_fp8_e4m3, N>(v_pool + vec * head_dim + u * N, v_scale[vec], x);
         }
+        store_vec<T, N>(out + i * N, x);
+    }
+}
+
+// gather_kv_blocks_quant_kernel -- the same gather from int8, q8_0 or affine4 pools, dequantizing.
+//
+// Computes (the oracle is oasr.reference.block_pool.BlockPool.gather_kv_blocks): out[l, h, f, :D]
+//   = T(dequantize(k_pool vector, its scale plane)) and [D:2D] the same of v, the values widened in
+//   fp32 by PageTraits<Page>::load (kv_formats.cuh) and rounded once to the model dtype T.
+//
+// Layouts (contiguous): k_pool, v_pool (num_layers, num_pool_blocks, block_size, n_kv_head,
+//   data_dim) of Page (data_dim = head_dim, or head_dim / 2 for 4-bit codes); k_scale, v_scale the
+//   format's scale plane per vector (kv_formats.cuh); out (num_layers, n_kv_head, num_frames,
+//   2 * head_dim) of T.
+//
+// Grid/block: as the fp8 gather: 1-D, 128 threads, grid-stride over the output in 16-byte units of
+//   N = 16 / sizeof(T) values (u fastest); a unit reads its N values' bytes and their group's scale.
+template <typename T, typename Page>
+__global__ void __launch_bounds__(128) gather_kv_blocks_quant_kernel(
+    const Page* __restrict__ k_pool, const Page* __restrict__ v_pool, const void* __restrict__ k_scale,
+    const void* __restrict__ v_scale, T* __restrict__ out, const int* __restrict__ block_ids, int start,
+    int num_frames, int num_layers, int num_pool_blocks, int block_size, int n_kv_head, int head_dim) {
+    constexpr int N = kVec16<T>;
+    const int units_per_row = head_dim / N;
+    const long long total = static_cast<long long>(num_layers) * n_kv_head * num_frames * 2 * units_per_row;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+        long long rest = i;
+        const int u = static_cast<int>(rest % units_per_row);
+        rest /= units_per_row;
+        const int half = static_cast<int>(rest % 2);  // 0: K, 1: V
+        rest /= 2;
+        const int f = static_cast<int>(rest % num_frames);
+        rest /= num_frames;
+        const int h = static_cast<int>(rest % n_kv_head);
+        const long long l = rest / n_kv_head;
+        const int pos = start + f;
+        const long long block = block_ids[pos / block_size];
+        const long long vec = ((l * num_pool_blocks + block) * block_size + pos % block_size) * n_kv_head + h;
+        float x[N];
+        PageTraits<Page>::template load<N>(half == 0 ? k_pool : v_pool, half == 0 ? k_scale : v_scale, vec, u * N,
+                                           head_dim, x);
         store_vec<T, N>(out + i * N, x);
     }
 }

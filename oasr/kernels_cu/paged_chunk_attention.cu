@@ -37,6 +37,11 @@
 //   dequantize(stored, scale) in fp32, so the shared-memory tiles, and all the
 //   arithmetic after them, are those of an fp32 pool holding the dequantized
 //   values. A 16-byte load moves 16 fp8 values instead of 8 halves.
+//   int8, q8_0 and affine4 pages (Int8Page, Q8_0Page, Affine4Page<T, G>; k_scale / v_scale their
+//   scale planes, kv_formats.cuh) differ the same way: PageTraits<Page>::load widens a tile row's
+//   values exactly as the reference's dequantize does in fp32 (scale per vector or per group, and
+//   + bias for affine4), so everything after the tile load is unchanged. A 16-byte load of 4-bit
+//   pages moves 32 values.
 //
 // Grid/block of the attention kernel: grid (q_tiles * num_splits, n_kv_head,
 //   B), 128 threads = 4 warps. One CTA serves one (row, KV head, query tile,
@@ -77,7 +82,7 @@
 // split counts, NaN-poisoned pools, shuffled block tables) and
 // tests/test_kernels_cuda.py (same on a GPU, plus CUDA-graph replay);
 // fp8 pages: tests/test_fp8_kernels.py::test_attention_* (against the reference
-// on the same fp8 pages).
+// on the same fp8 pages); int8 / q8_0 / affine4 pages: tests/test_kv_format_kernels.py.
 //   python -m pytest tests/test_kernels_emulated.py -k attention (CPU, no GPU needed)
 //   python -m pytest tests/test_fp8_kernels.py -k attention      (CPU, no GPU needed)
 //   python -m pytest tests/test_attention_past_length.py         (zeros past the chunk, NaN/Inf in V)
@@ -85,6 +90,7 @@
 //   python -m oasr kernels --arch sm_80,sm_90 [--sass]           (registers, smem, spills; main loop, model)
 #include "attention_window.cuh"
 #include "common.cuh"
+#include "kv_formats.cuh"
 
 namespace oasr {
 
@@ -96,33 +102,23 @@ constexpr int kRowsPerCta = kWarps * kRowsPerWarp;
 constexpr int kTileKeys = kWarp;  // one key per lane
 }  // namespace attn
 
-// One tile row's slice of K or V: N pool values widened to fp32 (and scaled, for fp8 pages).
-template <typename Page, int N>
-__device__ __forceinline__ void load_page(const Page* __restrict__ src, const float* __restrict__ scales,
-                                          long long vec, float (&dst)[N]) {
-    if constexpr (Codec<Page>::kScaled) {
-        load_vec_scaled<Page, N>(src, scales[vec], dst);
-    } else {
-        load_vec<Page, N>(src, dst);
-    }
-}
 
 template <typename T, typename Page, int D>
 __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
     const T* __restrict__ q, const Page* __restrict__ k_cache, const Page* __restrict__ v_cache,
-    const float* __restrict__ k_scale, const float* __restrict__ v_scale, const int* __restrict__ block_table,
+    const void* __restrict__ k_scale, const void* __restrict__ v_scale, const int* __restrict__ block_table,
     int table_stride, const int* __restrict__ cache_seqlens,
     const int* __restrict__ cache_seqstarts, const int* __restrict__ chunk_lens, T* __restrict__ out,
     float* __restrict__ part_acc, float* __restrict__ part_ml, int n_head, int n_kv_head, int num_frames,
     int block_size, int num_splits, int split_len, float scale_log2, int causal) {
     using namespace attn;
-    static_assert(D % kWarp == 0 && D % kVec16<T> == 0 && D % kVec16<Page> == 0,
+    static_assert(D % kWarp == 0 && D % kVec16<T> == 0 && D % PageTraits<Page>::kLoad == 0,
                   "head_dim must be a multiple of 32");
     constexpr int R = kRowsPerWarp;
     constexpr int DPL = D / kWarp;          // output dims per lane
     constexpr int VU = kVec16<T>;           // q elements per 16-byte load
     constexpr int UNITS = D / VU;           // 16-byte loads per head_dim row of q
-    constexpr int PVU = kVec16<Page>;       // page elements per 16-byte load
+    constexpr int PVU = PageTraits<Page>::kLoad;  // page values per 16-byte load
     constexpr int PUNITS = D / PVU;         // 16-byte loads per head_dim row of a page
     constexpr int KS = D + 4;               // padded shared row stride (floats)
 
@@ -181,8 +177,8 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
             if (pos < hi) {
                 const long long block = block_table[table_row + pos / block_size];
                 const long long slot = (block * block_size + pos % block_size) * n_kv_head + kvh;
-                load_page<Page, PVU>(k_cache + slot * D + c, k_scale, slot, kx);
-                load_page<Page, PVU>(v_cache + slot * D + c, v_scale, slot, vx);
+                PageTraits<Page>::template load<PVU>(k_cache, k_scale, slot, c, D, kx);
+                PageTraits<Page>::template load<PVU>(v_cache, v_scale, slot, c, D, vx);
             } else {  // zeros, never NaN: p = 0 times v must stay 0
 #pragma unroll
                 for (int e = 0; e < PVU; ++e) kx[e] = vx[e] = 0.f;

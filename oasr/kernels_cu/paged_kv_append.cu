@@ -24,7 +24,8 @@
 // frame (coalesced on both sides). A grid-stride loop covers B * T * units.
 //
 // fp8 pages: paged_kv_append_fp8_kernel<T, D> (below) quantizes instead of
-// copying; see its own header.
+// copying; see its own header. int8, q8_0 and affine4 pages:
+// paged_kv_append_quant_kernel<T, Page, D> (at the end), the rules in kv_formats.cuh.
 //
 // Checked by: tests/test_kernels_emulated.py::test_append_* (host emulation,
 // whole pool compared bitwise with the reference on a NaN-poisoned pool and a
@@ -33,9 +34,11 @@
 // tests/test_kernels_cuda.py (both on a GPU).
 //   python -m pytest tests/test_kernels_emulated.py -k append    (CPU, no GPU needed)
 //   python -m pytest tests/test_fp8_kernels.py -k append         (CPU, no GPU needed)
+//   python -m pytest tests/test_kv_format_kernels.py -k append   (int8 / q8_0 / affine4, CPU)
 //   python -m pytest -m cuda tests/test_kernels_cuda.py          (GPU)
 //   python -m oasr kernels --arch sm_80,sm_90                    (registers, smem, spills)
 #include "common.cuh"
+#include "kv_formats.cuh"
 
 namespace oasr {
 
@@ -159,6 +162,67 @@ __global__ void __launch_bounds__(128) paged_kv_append_fp8_kernel(
             k_scale[dst] = ks;
             v_scale[dst] = vs;
         }
+    }
+}
+
+// paged_kv_append_quant_kernel -- the same write into int8, q8_0 or affine4 pages, quantizing.
+//
+// Computes (the oracle is oasr.reference.paged_ops.append_kv on such a cache, i.e. the format's
+// quantize of oasr/kv_formats/ per vector): for every written frame and KV head, the vector's data
+// into k_cache / v_cache and its scale plane into k_scale / v_scale (Quantizer<T, Page> in
+// kv_formats.cuh states each rule; the layouts are in its table).
+//
+// Grid/block: as paged_kv_append_fp8_kernel: 1-D, 128 threads, grid-stride over vectors (b, t, h),
+//   a vector owned by D / E lanes holding E = 16 / sizeof(T) values each (one 16-byte load of K and
+//   one of V). A format's group (the whole vector for int8, 32 values for q8_0, G for affine4) is
+//   a power-of-two run of those lanes, reduced with __shfl_xor_sync; the loop bound advances in
+//   whole warps so every lane reaches every shuffle (lanes without a vector reduce zeros and store
+//   nothing).
+template <typename T, typename Page, int D>
+__global__ void __launch_bounds__(128) paged_kv_append_quant_kernel(
+    const T* __restrict__ k_chunk, const T* __restrict__ v_chunk, Page* __restrict__ k_cache,
+    Page* __restrict__ v_cache, void* __restrict__ k_scale, void* __restrict__ v_scale,
+    const int* __restrict__ block_table, int table_stride, const int* __restrict__ cache_seqlens,
+    const int* __restrict__ chunk_lens, int batch, int num_frames, int block_size, int n_kv_head) {
+    constexpr int E = kVec16<T>;  // values per lane
+    constexpr int G = D / E;      // lanes per vector
+    constexpr int VPW = kWarp / G;  // vectors per warp step
+    static_assert(D % E == 0 && kWarp % G == 0, "head_dim must split into 16-byte lanes within a warp");
+    static_assert(Quantizer<T, Page>::kGroup == 0 || (Quantizer<T, Page>::kGroup % E == 0 &&
+                  D % Quantizer<T, Page>::kGroup == 0), "a group is whole lanes of one vector");
+
+    const int lane = threadIdx.x % kWarp;
+    const int sub = lane / G;
+    const int e0 = (lane % G) * E;
+    const long long vectors = static_cast<long long>(batch) * num_frames * n_kv_head;
+    const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
+
+    for (long long base = warp * VPW; base < vectors; base += warps * VPW) {
+        const long long vec = base + sub;  // ((b * T) + t) * n_kv_head + h
+        bool active = vec < vectors;
+        int b = 0, t = 0, h = 0;
+        if (active) {
+            h = static_cast<int>(vec % n_kv_head);
+            const long long frame = vec / n_kv_head;
+            t = static_cast<int>(frame % num_frames);
+            b = static_cast<int>(frame / num_frames);
+            active = t < (chunk_lens ? chunk_lens[b] : num_frames);
+        }
+        float kx[E], vx[E];
+        long long dst = 0;  // the vector's index in the pool
+        if (active) {
+            load_vec<T, E>(k_chunk + vec * D + e0, kx);
+            load_vec<T, E>(v_chunk + vec * D + e0, vx);
+            const int pos = cache_seqlens[b] + t;
+            const long long block = block_table[static_cast<long long>(b) * table_stride + pos / block_size];
+            dst = (block * block_size + pos % block_size) * n_kv_head + h;
+        } else {
+#pragma unroll
+            for (int i = 0; i < E; ++i) kx[i] = vx[i] = 0.f;
+        }
+        Quantizer<T, Page>::template quantize<E>(kx, active, G, k_cache, k_scale, dst, e0, D);
+        Quantizer<T, Page>::template quantize<E>(vx, active, G, v_cache, v_scale, dst, e0, D);
     }
 }
 

@@ -38,7 +38,6 @@ from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream, unknown_stream
 from oasr.paged import PagedKVCache, StreamKVInfo
 from oasr.reference.block_pool import BlockPool
-from oasr.reference.fp8 import quantize
 from oasr.reference.slot_pool import StreamSlotPool
 from oasr.validate import (
     as_id_list,
@@ -326,6 +325,7 @@ class AttentionCacheManager:
                     v_scale=v_scale,
                     prepared_frames=tuple(prepared),
                     model_dtype=cfg.dtype,
+                    kv_format=cfg.kv_cache_dtype,
                 )
             )
         return caches
@@ -353,8 +353,9 @@ class AttentionCacheManager:
             pos = st.seqlen + t
             block, offset = st.blocks[pos // bs], pos % bs
             if cfg.kv_quantized:
-                pool.k_pool[:, block, offset], pool.k_scale[:, block, offset] = quantize(k[:, :, t], cfg.dtype)
-                pool.v_pool[:, block, offset], pool.v_scale[:, block, offset] = quantize(v[:, :, t], cfg.dtype)
+                fmt = cfg.kv_format
+                pool.k_pool[:, block, offset], pool.k_scale[:, block, offset] = fmt.quantize(k[:, :, t], cfg.dtype)
+                pool.v_pool[:, block, offset], pool.v_scale[:, block, offset] = fmt.quantize(v[:, :, t], cfg.dtype)
             else:
                 pool.k_pool[:, block, offset] = k[:, :, t].to(cfg.dtype)
                 pool.v_pool[:, block, offset] = v[:, :, t].to(cfg.dtype)

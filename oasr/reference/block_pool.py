@@ -6,10 +6,12 @@ Layout::
 
     k_pool, v_pool   (num_layers, max_num_blocks + scratch_blocks, block_size_frames, n_kv_head, head_dim)
 
-With ``kv_cache_dtype="fp8_e4m3"`` the pools are ``float8_e4m3fn`` and two more
-tensors, ``k_scale`` and ``v_scale`` of shape ``(num_layers, num_pool_blocks,
-block_size_frames, n_kv_head)``, hold one fp32 scale per vector; they are
-zeroed wherever the data is zeroed, and ``gather_kv_blocks`` dequantizes.
+With a quantized ``kv_cache_dtype`` (``oasr.kv_formats``) the pools hold the
+format's data, ``(..., n_kv_head, kv_data_dim)`` of ``kv_storage_dtype``, and two
+more tensors, ``k_scale`` and ``v_scale`` of shape ``(num_layers, num_pool_blocks,
+block_size_frames, n_kv_head, *kv_scale_shape)``, hold its scale plane (fp8 and
+int8: one fp32 scale per vector); they are zeroed wherever the data is zeroed,
+and ``gather_kv_blocks`` dequantizes.
 
 One block id addresses the same frames in every layer. Ids ``[0, max_num_blocks)``
 are allocatable; the ``scratch_blocks`` ids after them are scratch: never on the
@@ -58,7 +60,6 @@ import torch
 from oasr.block_owners import NO_OWNER, OwnerRegistry
 from oasr.config import CacheConfig
 from oasr.errors import PoolExhaustedError
-from oasr.reference.fp8 import dequantize
 from oasr.validate import check_count, gather_range
 
 
@@ -72,14 +73,15 @@ class BlockPool:
             config.max_num_blocks + scratch_blocks,
             config.block_size_frames,
             config.n_kv_head,
-            config.head_dim,
+            config.kv_data_dim,
         )
         self.k_pool = torch.zeros(shape, dtype=config.kv_storage_dtype, device=config.device)
         self.v_pool = torch.zeros(shape, dtype=config.kv_storage_dtype, device=config.device)
         self.k_scale = self.v_scale = None
         if config.kv_quantized:
-            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=config.device)
-            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=config.device)
+            scale_shape = shape[:-1] + config.kv_scale_shape
+            self.k_scale = torch.zeros(scale_shape, dtype=config.kv_scale_dtype, device=config.device)
+            self.v_scale = torch.zeros(scale_shape, dtype=config.kv_scale_dtype, device=config.device)
         self._free = deque(range(config.max_num_blocks))
         self._is_free = [True] * config.max_num_blocks
         self._owner = [NO_OWNER] * config.max_num_blocks  # tag each held block was allocated under
@@ -308,14 +310,14 @@ class BlockPool:
         bs = self.config.block_size_frames
         num_frames = gather_range(len(ids), bs, start, num_frames)
         if not ids:
-            L, _, _, H, D = self.k_pool.shape
+            L, _, _, H, D = *self.k_pool.shape[:4], self.config.head_dim
             return torch.zeros((L, H, 0, 2 * D), dtype=self.config.dtype, device=self.k_pool.device)
         pieces_k, pieces_v = [], []
         for i in ids:
             k, v = self.k_pool[:, i], self.v_pool[:, i]  # (L, bs, H, D)
             if self.k_scale is not None:
-                k = dequantize(k, self.k_scale[:, i], self.config.dtype)
-                v = dequantize(v, self.v_scale[:, i], self.config.dtype)
+                k = self.config.kv_format.dequantize(k, self.k_scale[:, i], self.config.dtype)
+                v = self.config.kv_format.dequantize(v, self.v_scale[:, i], self.config.dtype)
             pieces_k.append(k)
             pieces_v.append(v)
         k = torch.cat(pieces_k, dim=1)[:, start : start + num_frames]  # (L, T, H, D)

@@ -65,10 +65,10 @@ from oasr.decoder_common import (
 )
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
+from oasr.kv_formats import get_format
 from oasr.paged import PagedKVCache
 from oasr.prefix_cache import PrefixIndex, check_tokens
 from oasr.reference.block_pool import BlockPool
-from oasr.reference.fp8 import quantize
 from oasr.reference.paged_ops import append_kv
 
 
@@ -211,7 +211,8 @@ class DecoderKVCacheManager:
             k, v = self.pool.get_kv_view(layer)
             ks, vs = self.pool.get_kv_scale_view(layer)
             views.append(PagedKVCache(k, v, table, lens, starts, self.config.page_size, max(seqlens, default=0),
-                                      max(spans, default=0), layer, ks, vs, tuple(prepared), self.config.dtype))
+                                      max(spans, default=0), layer, ks, vs, tuple(prepared), self.config.dtype,
+                                      self.config.kv_cache_dtype))
         return views
 
     def self_caches(self, rows) -> list[PagedKVCache]:
@@ -474,6 +475,12 @@ class DecoderKVCacheManager:
 
 
 class DenseDecoderKV(DenseDecoderKVBase):
-    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the reference fp8 rule."""
+    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the reference rule of its format."""
 
-    quantize = staticmethod(quantize)
+    @staticmethod
+    def quantize(fmt, x, model_dtype):
+        return get_format(fmt).quantize(x, model_dtype)
+
+    @staticmethod
+    def dequantize(fmt, stored, scale, dtype):
+        return get_format(fmt).dequantize(stored, scale, dtype)

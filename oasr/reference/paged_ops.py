@@ -12,11 +12,12 @@ Semantics (see ``oasr.paged`` for the view)::
                       [cache_seqstarts[b], cache_seqlens[b] + chunk_lens[b])
                       (causal=True: only up to cache_seqlens[b] + t, inclusive)
 
-fp8 pages (``cache.quantized``): ``append_kv`` quantizes each written vector with
-``oasr.reference.fp8.quantize`` (the rule of ``oasr.fp8``, saturating at the
-model dtype's bound) and stores data and scale; attention reads dequantized
-pages (the reference dequantizes the gathered rows; the kernels dequantize per
-tile) and accumulates in fp32.
+Quantized pages (``cache.quantized``, format ``cache.format``): ``append_kv``
+quantizes each written vector with the format's readable rule
+(``oasr.kv_formats.<format>.quantize``, e.g. fp8's saturating at the model
+dtype's bound) and stores data and scale plane; attention reads dequantized
+pages (the reference dequantizes the gathered rows to fp32; the kernels
+dequantize per tile) and accumulates in fp32.
 
 Queries past a row's length, and rows with nothing to attend to, get zeros.
 Softmax runs in fp32; the output has ``q``'s dtype. GQA: query head ``h`` reads
@@ -42,7 +43,6 @@ import math
 import torch
 
 from oasr.paged import PagedKVCache
-from oasr.reference.fp8 import dequantize, quantize
 from oasr.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
 
 
@@ -70,8 +70,9 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
         n = lens[b]
         blocks, offsets = _table_slots(cache, b, seqlens[b], seqlens[b] + n)
         if cache.quantized:
-            cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize(k[b, :n], k.dtype)
-            cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize(v[b, :n], v.dtype)
+            fmt = cache.format
+            cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = fmt.quantize(k[b, :n], k.dtype)
+            cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = fmt.quantize(v[b, :n], v.dtype)
         else:
             cache.k_cache[blocks, offsets] = k[b, :n].to(cache.k_cache.dtype)
             cache.v_cache[blocks, offsets] = v[b, :n].to(cache.v_cache.dtype)
@@ -79,12 +80,12 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
 
 def gather_row(cache: PagedKVCache, row: int, start: int, end: int):
     """Contiguous ``(end - start, n_kv_head, head_dim)`` K and V of one row's table positions
-    (fp32 dequantized values for fp8 pages)."""
+    (fp32 dequantized values for quantized pages)."""
     blocks, offsets = _table_slots(cache, row, start, end)
     k, v = cache.k_cache[blocks, offsets], cache.v_cache[blocks, offsets]
     if cache.quantized:
-        k = dequantize(k, cache.k_scale[blocks, offsets])
-        v = dequantize(v, cache.v_scale[blocks, offsets])
+        k = cache.format.dequantize(k, cache.k_scale[blocks, offsets])
+        v = cache.format.dequantize(v, cache.v_scale[blocks, offsets])
     return k, v
 
 

@@ -13,7 +13,10 @@ fp8 pages (``cache.quantized``): ``append_kv`` launches the quantizing
 ``paged_kv_append_fp8_kernel``, ``paged_attention`` the attention kernel's fp8
 page variant (q and out stay in the model dtype), ``gather_kv_blocks`` the
 dequantizing ``gather_kv_blocks_fp8_kernel``. Each refuses, by name, a geometry
-the kernels cannot tile (``check_fp8_geometry``).
+the kernels cannot tile (``check_fp8_geometry``). int8, q8_0 and affine4 pages
+(``cache.format``; tags in kernels_cu/kv_formats.cuh) go the same three ways
+through ``paged_kv_append_quant_kernel``, attention v1's page variants and
+``gather_kv_blocks_quant_kernel``; attention v2 serves model-dtype and fp8 pages.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import torch
 
 from oasr.fast.kernels import registry
+from oasr.kv_formats import get_format
 from oasr.paged import PagedKVCache
 
 THREADS = 128  # every kernel runs 128-thread blocks
@@ -73,8 +77,33 @@ def _check_pool(cache: PagedKVCache) -> None:
         raise ValueError("k_cache and v_cache must have the same shape and dtype")
     if cache.k_cache.shape[1] != cache.block_size:
         raise ValueError(f"pool block dim {cache.k_cache.shape[1]} != block_size {cache.block_size}")
-    if cache.quantized:
+    if cache.quantized and cache.format.name == "fp8_e4m3":
         _check_scales(cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)
+    elif cache.quantized:
+        _check_quant_planes(cache.format, cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)
+
+
+def _check_quant_planes(fmt, k_pool, v_pool, k_scale, v_scale) -> None:
+    """Data and scale planes of an int8 / q8_0 / affine4 pool: the format's dtypes and shapes, contiguous,
+    on the pool's device, 16-byte aligned (the kernels read them with vector loads)."""
+    D = k_pool.shape[-1] * fmt.values_per_byte
+    if k_pool.dtype != fmt.data_dtype(torch.float32) or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"{fmt.name} pages: the pools must be {fmt.data_dtype(torch.float32)}, got {k_pool.dtype}")
+    shape = tuple(k_pool.shape[:-1]) + fmt.scale_shape(D)
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None or tuple(t.shape) != shape or not t.is_contiguous() or t.device != k_pool.device:
+            got = None if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise ValueError(f"{fmt.name} pages: {name} must be a contiguous {shape} plane on {k_pool.device}, "
+                             f"got {got}")
+    for name, t in (("k", k_pool), ("v", v_pool), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{fmt.name} pages: the {name} pool must be 16-byte aligned")
+
+
+def _page_arg(cache_or_format, dtype: torch.dtype) -> str:
+    """The Page template argument of a quantized format for model dtype ``dtype``."""
+    fmt = getattr(cache_or_format, "format", cache_or_format)
+    return registry.FP8_ARG if fmt.name == "fp8_e4m3" else registry.page_arg(fmt.name, registry.DTYPE_ARG[dtype])
 
 
 def _check_scales(k_pool, v_pool, k_scale, v_scale) -> None:
@@ -134,7 +163,7 @@ def append_kv(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | No
     if B == 0 or T == 0:
         return
     if cache.quantized:
-        return _append_kv_fp8(executor, cache, k, v, chunk_lens)
+        return _append_kv_quantized(executor, cache, k, v, chunk_lens)
     dtype = cache.k_cache.dtype
     if k.dtype != dtype or v.dtype != dtype:  # paged_ops refuses these first (oasr.validate)
         raise ValueError(f"append_kv: k and v must be the pool's {dtype}, got {k.dtype} and {v.dtype}")
@@ -154,8 +183,9 @@ def append_kv(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | No
     executor.launch(kernel, (registry.UNIT_ARG[unit],), grid, (THREADS, 1, 1), args)
 
 
-def _append_kv_fp8(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | None) -> None:
-    """Launch paged_kv_append_fp8: quantize each (frame, head) vector, write data and scale."""
+def _append_kv_quantized(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | None) -> None:
+    """Launch the quantizing append of the pages' format (fp8, or int8 / q8_0 / affine4): quantize each
+    (frame, head) vector, write its data and scale plane."""
     B, T, Hkv, D = k.shape
     if k.dtype != v.dtype or k.dtype not in registry.DTYPE_ARG:  # paged_ops refuses these first
         raise ValueError(f"fp8 append_kv: k and v must share a model dtype, got {k.dtype} and {v.dtype}")
@@ -168,8 +198,13 @@ def _append_kv_fp8(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor
         _ptr(table), table.stride(0), _ptr(seqlens), _ptr(chunk_lens), B, T, cache.block_size, Hkv,
     )  # fmt: skip
     grid = (_grid_1d(B * T * Hkv * lanes_per_vector, executor), 1, 1)
-    kernel = registry.BY_NAME["paged_kv_append_fp8_kernel"]
-    executor.launch(kernel, (registry.DTYPE_ARG[k.dtype], str(D)), grid, (THREADS, 1, 1), args)
+    if cache.format.name == "fp8_e4m3":
+        kernel = registry.BY_NAME["paged_kv_append_fp8_kernel"]
+        executor.launch(kernel, (registry.DTYPE_ARG[k.dtype], str(D)), grid, (THREADS, 1, 1), args)
+        return
+    kernel = registry.BY_NAME["paged_kv_append_quant_kernel"]  # int8 / q8_0 / affine4: the same arguments
+    targs = (registry.DTYPE_ARG[k.dtype], _page_arg(cache, k.dtype), str(D))
+    executor.launch(kernel, targs, grid, (THREADS, 1, 1), args)
 
 
 def choose_num_splits(batch: int, n_kv_head: int, q_tiles: int, max_keys: int, sm_count: int) -> int:
@@ -226,7 +261,7 @@ def _fewest_splits_by_waves(ctas: int, most: int, slots: int) -> int:
 def v2_supports(cache: PagedKVCache, q_dtype: torch.dtype, head_dim: int) -> bool:
     """True when attention v2 has an instantiation for this pool and query: fp16/bf16 queries,
     pages in that dtype or fp8, head_dim in HEAD_DIMS, block size in V2_BLOCK_SIZES."""
-    page_ok = cache.quantized or cache.k_cache.dtype == q_dtype
+    page_ok = cache.format.name == "fp8_e4m3" if cache.quantized else cache.k_cache.dtype == q_dtype
     return (
         q_dtype in registry.V2_DTYPE_ARG
         and page_ok
@@ -268,9 +303,9 @@ def paged_attention(
             f"fast paged_attention: B={B} rows, but the kernel's grid z is the batch and CUDA allows at most "
             f"{registry.MAX_GRID[2]}; split the cohort"
         )
-    if cache.quantized:  # fp8 pages, q and out in the model dtype
+    if cache.quantized:  # quantized pages, q and out in the model dtype
         check_fp8_geometry(D, q.dtype, executor.kind)
-        dtype, page = q.dtype, registry.FP8_ARG
+        dtype, page = q.dtype, _page_arg(cache, q.dtype)
     else:
         dtype = cache.k_cache.dtype
         if q.dtype != dtype:
@@ -360,6 +395,8 @@ def gather_kv_blocks(
     out,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    kv_format: str | None = None,
 ) -> torch.Tensor:
     """Launch gather_kv_blocks: all layers of one stream's frames into (L, Hkv, T, 2D).
 
@@ -367,6 +404,24 @@ def gather_kv_blocks(
     into ``out``'s dtype.
     """
     L, NB, bs, Hkv, D = k_pool.shape
+    fmt = get_format(kv_format if kv_format is not None else ("fp8_e4m3" if k_scale is not None else None))
+    D *= fmt.values_per_byte
+    if fmt.quantized and fmt.name != "fp8_e4m3":  # int8 / q8_0 / affine4: the dequantizing gather
+        _check_quant_planes(fmt, k_pool, v_pool, k_scale, v_scale)
+        check_fp8_geometry(D, out.dtype, executor.kind)
+        if out.shape[2] == 0 or L == 0 or Hkv == 0:
+            return out
+        if out.data_ptr() % 16:
+            raise ValueError(f"gather_kv_blocks: out must be 16-byte aligned for the {fmt.name} kernel")
+        block_ids = block_ids.to(torch.int32).contiguous()
+        args = (
+            _ptr(k_pool), _ptr(v_pool), _ptr(k_scale), _ptr(v_scale), _ptr(out), _ptr(block_ids), int(start),
+            int(num_frames), L, NB, bs, Hkv, D,
+        )  # fmt: skip
+        grid = (_grid_1d(out.numel() * out.element_size() // 16, executor), 1, 1)
+        targs = (registry.DTYPE_ARG[out.dtype], _page_arg(fmt, out.dtype))
+        executor.launch(registry.BY_NAME["gather_kv_blocks_quant_kernel"], targs, grid, (THREADS, 1, 1), args)
+        return out
     if k_scale is not None or v_scale is not None:
         _check_scales(k_pool, v_pool, k_scale, v_scale)
         check_fp8_geometry(D, out.dtype, executor.kind)
@@ -411,6 +466,6 @@ ATTENTION_LAUNCHERS = {
 }
 ATTENTION_SERVES = {  # (cache, q dtype, head_dim) -> bool
     "paged_chunk_attention_kernel": lambda cache, q_dtype, head_dim: True,  # every dtype the fast twin takes
-    "paged_chunk_attention_v2_kernel": v2_supports,
+    "paged_chunk_attention_v2_kernel": v2_supports,  # model-dtype and fp8 pages only
     "paged_chunk_attention_v3_kernel": v2_supports,  # the same instantiations
 }

@@ -24,7 +24,7 @@ import torch
 # The .cu sources ship inside the package (oasr/kernels_cu/, package data), so an installed wheel and an
 # editable checkout read them the same way; OASR_KERNELS_DIR overrides.
 KERNELS_DIR = Path(os.environ.get("OASR_KERNELS_DIR") or Path(__file__).resolve().parents[2] / "kernels_cu")
-SHARED_HEADERS = ("common.cuh", "warp_mma.cuh", "attention_window.cuh")
+SHARED_HEADERS = ("common.cuh", "warp_mma.cuh", "attention_window.cuh", "kv_formats.cuh")
 EMULATION_HEADERS = ("emu/simt_emu.h", "emu/warp_emu.h")
 
 # Template arguments for each dtype the kernels take.
@@ -36,6 +36,15 @@ FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 UNIT_ARG = {16: "oasr::Bytes16", 2: "unsigned short"}
 HEAD_DIMS = (64, 128)
 FP8_HEAD_DIMS = HEAD_DIMS  # the fp8 kernels tile the same head dims
+# The other quantized page formats (oasr.kv_formats; tags in kernels_cu/kv_formats.cuh): append
+# (paged_kv_append_quant_kernel), attention v1 and gather (gather_kv_blocks_quant_kernel).
+QUANT_FORMATS = ("int8", "q8_0", "affine4", "affine4_g64")
+
+
+def page_arg(fmt: str, dtype_arg: str) -> str:
+    """The Page template argument of format ``fmt`` (a QUANT_FORMATS name) for a model dtype's argument."""
+    return {"int8": "oasr::Int8Page", "q8_0": "oasr::Q8_0Page", "affine4": f"oasr::Affine4Page<{dtype_arg}, 32>",
+            "affine4_g64": f"oasr::Affine4Page<{dtype_arg}, 64>"}[fmt]
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,10 @@ _DTYPE_HEAD = tuple((t, str(d)) for t in DTYPE_ARG.values() for d in HEAD_DIMS)
 _DTYPE_FP8_HEAD = tuple((t, str(d)) for t in DTYPE_ARG.values() for d in FP8_HEAD_DIMS)
 # Attention: (model dtype, page type, head_dim), pages in the model dtype or in fp8.
 _ATTENTION = tuple((t, page, str(d)) for t in DTYPE_ARG.values() for page in (t, FP8_ARG) for d in HEAD_DIMS)
+_ATTENTION_QUANT = tuple(
+    (t, page_arg(f, t), str(d)) for t in DTYPE_ARG.values() for f in QUANT_FORMATS for d in HEAD_DIMS
+)
+_QUANT_HEAD = _ATTENTION_QUANT  # (model dtype, page, head_dim): append's instances too
 
 # Attention v2 (tensor cores): 16-bit model dtypes only, block size a template parameter.
 V2_DTYPE_ARG = {t: a for t, a in DTYPE_ARG.items() if t != torch.float32}
@@ -143,10 +156,31 @@ KERNELS: tuple[Kernel, ...] = (
         instances=_DTYPE_FP8_HEAD,
     ),
     Kernel(
+        name="oasr::paged_kv_append_quant_kernel",
+        family="paged_kv_append",
+        params=(
+            ("k_chunk", "ptr"),
+            ("v_chunk", "ptr"),
+            ("k_cache", "ptr"),
+            ("v_cache", "ptr"),
+            ("k_scale", "ptr"),
+            ("v_scale", "ptr"),
+            ("block_table", "ptr"),
+            ("table_stride", "i32"),
+            ("cache_seqlens", "ptr"),
+            ("chunk_lens", "ptr"),
+            ("batch", "i32"),
+            ("num_frames", "i32"),
+            ("block_size", "i32"),
+            ("n_kv_head", "i32"),
+        ),
+        instances=_QUANT_HEAD,
+    ),
+    Kernel(
         name="oasr::paged_chunk_attention_kernel",
         family="paged_chunk_attention",
         params=_ATTENTION_KERNEL_PARAMS,
-        instances=_ATTENTION,
+        instances=_ATTENTION + _ATTENTION_QUANT,
     ),
     Kernel(
         name="oasr::paged_chunk_attention_v2_kernel",
@@ -209,6 +243,26 @@ KERNELS: tuple[Kernel, ...] = (
             ("head_dim", "i32"),
         ),
         instances=tuple((t,) for t in DTYPE_ARG.values()),
+    ),
+    Kernel(
+        name="oasr::gather_kv_blocks_quant_kernel",
+        family="gather_kv_blocks",
+        params=(
+            ("k_pool", "ptr"),
+            ("v_pool", "ptr"),
+            ("k_scale", "ptr"),
+            ("v_scale", "ptr"),
+            ("out", "ptr"),
+            ("block_ids", "ptr"),
+            ("start", "i32"),
+            ("num_frames", "i32"),
+            ("num_layers", "i32"),
+            ("num_pool_blocks", "i32"),
+            ("block_size", "i32"),
+            ("n_kv_head", "i32"),
+            ("head_dim", "i32"),
+        ),
+        instances=tuple((t, page_arg(f, t)) for t in DTYPE_ARG.values() for f in QUANT_FORMATS),
     ),
 )
 

@@ -221,3 +221,23 @@ def emulated_attention(version: str, q, cache: PagedKVCache, chunk_lens=None, so
     lens = None if chunk_lens is None else torch.as_tensor(chunk_lens, dtype=torch.int32)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return ops.paged_attention(emulation.executor(), q, cache, lens, scale, causal, num_splits, version=version)
+
+
+def to_format(s: Scenario, fmt: str, model_dtype: torch.dtype | None = None) -> Scenario:
+    """The scenario over pages of format ``fmt`` (``oasr.kv_formats``): the history quantized by the
+    reference rule, 0x7F bytes and NaN scale planes everywhere else (a read outside the history is NaN)."""
+    from oasr.kv_formats import get_format
+
+    f = get_format(fmt)
+    c = s.cache
+    model_dtype = model_dtype or s.q.dtype
+    NB, bs, H, D = c.k_cache.shape
+    pools = []
+    for src in (c.k_cache, c.v_cache):
+        data = torch.full((NB, bs, H, f.data_dim(D)), 0x7F, dtype=torch.uint8).view(f.data_dtype(model_dtype))
+        scale = torch.full((NB, bs, H, *f.scale_shape(D)), float("nan"), dtype=f.scale_dtype(model_dtype))
+        held = ~src.float().isnan().any(dim=-1)  # the history's vectors (make_scenario poisons the rest)
+        data[held], scale[held] = f.quantize(src[held].to(model_dtype), model_dtype)
+        pools += [data, scale]
+    k, k_scale, v, v_scale = pools
+    return replace(s, cache=replace(c, k_cache=k, v_cache=v, k_scale=k_scale, v_scale=v_scale, kv_format=f.name))
