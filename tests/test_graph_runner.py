@@ -200,14 +200,14 @@ def test_graphed_engine_with_stand_in_captures_every_width_and_matches_eager(kv_
 def test_demo_prints_the_path_and_refuses_graphs_on_cpu(capsys):
     from oasr.__main__ import main as oasr_main
 
-    assert oasr_main(["demo", "--streams", "3", "--check-sample", "0", "--quiet", "--plot", ""]) == 0
+    assert oasr_main(["engine-demo", "--streams", "3", "--check-sample", "0", "--quiet", "--plot", ""]) == 0
     out = capsys.readouterr().out
     assert "model step  eager: CUDA graphs need a CUDA device" in out
-    assert oasr_main(["demo", "--streams", "3", "--check-sample", "0", "--quiet", "--plot", "", "--no-cuda-graphs",
-                      "--twin", "reference"]) == 0
+    assert oasr_main(["engine-demo", "--streams", "3", "--check-sample", "0", "--quiet", "--plot", "",
+                      "--no-cuda-graphs", "--twin", "reference"]) == 0
     assert "model step  eager: the reference twin" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:  # a usage error, before any work
-        oasr_main(["demo", "--streams", "3", "--quiet", "--plot", "", "--cuda-graphs"])
+        oasr_main(["engine-demo", "--streams", "3", "--quiet", "--plot", "", "--cuda-graphs"])
     assert exit_info.value.code == 2
     assert "--cuda-graphs needs --device cuda and --twin fast" in capsys.readouterr().err
 

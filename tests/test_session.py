@@ -408,8 +408,8 @@ def test_demo_output_is_the_same_with_suspensions():
 def test_demo_flag_runs(capsys):
     from oasr.__main__ import main
 
-    code = main(["demo", "--streams", "4", "--max-batch-size", "4", "--check-sample", "1", "--quiet", "--plot", "",
-                 "--suspend-every", "2"])
+    code = main(["engine-demo", "--streams", "4", "--max-batch-size", "4", "--check-sample", "1", "--quiet",
+                 "--plot", "", "--suspend-every", "2"])
     out = capsys.readouterr().out
     assert code == 0 and "suspensions and resumes" in out and "-> OK" in out
 

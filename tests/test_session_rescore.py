@@ -244,7 +244,7 @@ def test_demo_rescored_text_is_the_same_with_suspensions(capsys):
     from oasr.__main__ import main
 
     def rescoring_block(extra: list) -> list:
-        code = main(["demo", "--streams", "4", "--max-batch-size", "4", "--layers", "1", "--check-sample", "1",
+        code = main(["engine-demo", "--streams", "4", "--max-batch-size", "4", "--layers", "1", "--check-sample", "1",
                      "--quiet", "--plot", "", "--rescore", *extra])
         out = capsys.readouterr().out
         assert code == 0 and "-> OK" in out

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from oasr.commands import check_at_least, check_device
+from oasr.kv_formats import FORMAT_NAMES
 
 
 def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16) -> None:
@@ -15,8 +16,8 @@ def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16
                         help="a model checkpoint (.safetensors); default: the model shipped with the package")
     parser.add_argument("--twin", choices=("fast", "reference"), default="fast", help="engine twin")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--kv-cache-dtype", choices=("fp8_e4m3",), default=None,
-                        help="store K/V pages as fp8 (default: the model dtype)")
+    parser.add_argument("--kv-cache-dtype", choices=("model", "auto", *FORMAT_NAMES[1:]), default=None,
+                        help="the K/V page format (python -m oasr formats; default: the model dtype)")
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="encoder frames per chunk, 40 ms each (default: the model's, 16 = 640 ms)")
     parser.add_argument("--num-left-chunks", type=int, default=None,

@@ -379,7 +379,7 @@ class DecoderKVCacheManager:
             append_kv(view, k[layer][:, None], v[layer][:, None])
         self.commit_step(ids)
 
-    # ---- prefix caching (oasr.prefix_cache; seed 004's lifecycle) -------------------------------
+    # ---- prefix caching (oasr.prefix_cache: publish, hit, retire, evict) ------------------------------
     def admit_prompt(self, row: int, tokens, scope=0) -> int:
         """Bind the longest published prefix of the row's prompt ``tokens`` (shared pages, counts up,
         parked blocks taken back) and return how many leading tokens are cached: whole pages, strictly
