@@ -322,6 +322,7 @@ class CacheConfig:
 
     @property
     def kv_scale_dtype(self) -> torch.dtype | None:
+        """Dtype of the K/V pages' scale plane (None when ``kv_cache_dtype`` stores no scales)."""
         return self.kv_format.scale_dtype(self.dtype)
 
     @property

@@ -95,6 +95,7 @@ class DenseDecoderKV:
 
     @property
     def batch_size(self) -> int:
+        """Rows in the group."""
         return len(self.lengths)
 
     def _store(self, data: list, scales, layer: int, rows, positions, x: torch.Tensor) -> None:
@@ -159,6 +160,7 @@ class DenseDecoderKV:
         self.cross_lengths[b] = T
 
     def begin_step(self) -> None:
+        """Start a decode step: every row must have room for one more token (``ValueError`` otherwise)."""
         full = [b for b, n in enumerate(self.lengths) if n >= self.capacity]
         if full:
             raise ValueError(f"row {full[0]} is at the group's capacity of {self.capacity} tokens")
@@ -174,6 +176,7 @@ class DenseDecoderKV:
         self._store(self.v, self.v_scale, layer, rows, pos, v[:, 0])
 
     def end_step(self) -> None:
+        """Finish a decode step: every row is one token longer."""
         self.lengths = [n + 1 for n in self.lengths]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -187,6 +190,7 @@ class DenseDecoderKV:
 
     # ---- reads ----------------------------------------------------------------------
     def attend_self(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``q`` over each row's own tokens at ``layer`` (the step's included)."""
         T = q.shape[2]
         lens = torch.tensor(self.lengths, device=q.device)
         end = max(self.lengths) + T
@@ -198,6 +202,7 @@ class DenseDecoderKV:
         return _attend(q, k, v, allowed)
 
     def attend_cross(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` over each row's cross-attention K/V (the encoder output) at ``layer``."""
         T = q.shape[2]
         end = max(self.cross_lengths, default=0)
         k = self._load(self.cross_k, self.cross_k_scale, layer, end)
@@ -262,14 +267,17 @@ class PagedDecoderKV:
 
     @classmethod
     def admit(cls, manager, requests: list[DecoderRequest], ops, backend: str | None = None) -> PagedDecoderKV:
+        """Admit ``requests`` on ``manager`` and wrap the rows as one group (``AdmissionError`` if they do not fit)."""
         return cls(manager, manager.admit(requests), ops, backend)
 
     @property
     def batch_size(self) -> int:
+        """Rows in the group."""
         return len(self.rows)
 
     @property
     def lengths(self) -> list[int]:
+        """Each row's token count, in group order."""
         return [self.manager.length(r) for r in self.rows]
 
     def _kw(self) -> dict:
@@ -285,16 +293,20 @@ class PagedDecoderKV:
         self._cross = None
 
     def begin_step(self) -> None:
+        """Start a decode step: the manager prepares a page for each row's next token and hands out the views."""
         self.manager.prepare_step(self.rows)
         self._self = self.manager.self_caches(self.rows)
 
     def write(self, layer: int, k, v) -> None:
+        """Append this step's K/V ``(B, 1, n_kv_head, head_dim)`` at ``layer``."""
         self.ops.append_kv(self._self[layer], k, v, **self._kw())
 
     def attend_self(self, layer: int, q):
+        """Causal paged attention of ``q`` over each row's tokens at ``layer``."""
         return self.ops.paged_attention(q, self._self[layer], causal=True, **self._kw())
 
     def end_step(self) -> None:
+        """Finish a decode step: the manager commits one token per row."""
         self.manager.commit_step(self.rows)
         self._self = None
 
@@ -319,11 +331,13 @@ class PagedDecoderKV:
         return PagedDecoderKV(self.manager, self.manager.select(self.rows, idx), self.ops, self.backend)
 
     def merge(self, other: PagedDecoderKV) -> PagedDecoderKV:
+        """One group of both groups' rows (``ValueError`` unless they share the manager)."""
         if other.manager is not self.manager:
             raise ValueError("merge: paged groups must share one DecoderKVCacheManager")
         return PagedDecoderKV(self.manager, self.rows + other.rows, self.ops, self.backend)
 
     def finish(self) -> None:
+        """Finish every row (their pages go back to the pool); the group is empty afterwards."""
         for r in self.rows:
             self.manager.finish(r)
         self.rows = []

@@ -68,6 +68,7 @@ class FullAttention:
             raise ValueError(f"FullAttention.left_chunks must be -1 (unlimited) or >= 0, got {self.left_chunks!r}")
 
     def history_frames(self, chunk_size: int) -> int | None:
+        """Frames of history attended to (None: unlimited)."""
         return None if self.left_chunks < 0 else self.left_chunks * chunk_size
 
 
@@ -82,6 +83,7 @@ class SlidingWindow:
             raise ValueError(f"SlidingWindow.window_frames must be an int >= 0, got {self.window_frames!r}")
 
     def history_frames(self, chunk_size: int) -> int | None:
+        """Frames of history attended to: ``window_frames``, whatever the chunk size."""
         return self.window_frames
 
 
@@ -212,6 +214,7 @@ class CacheLayout:
     # ---- arithmetic ---------------------------------------------------------------------
     @property
     def uniform(self) -> bool:
+        """Whether every layer shares one band (one window)."""
         return len(self.bands) == 1
 
     @property
@@ -231,6 +234,7 @@ class CacheLayout:
         return [band.config.blocks_per_stream for band in self.bands]
 
     def state_bytes_per_stream(self) -> int:
+        """Bytes of one stream's fixed-extent states."""
         dtype = self.config.dtype
         return sum(math.prod(s.shape) * element_size(s.dtype or dtype) for s in self.state_specs)
 
@@ -261,6 +265,7 @@ class CacheLayout:
         return int(blocks)
 
     def describe(self) -> str:
+        """A readable summary: the block unit and each band's layers, window and blocks per stream."""
         lines = [f"block unit: {self.unit} layer(s) per block id, {self.bytes_per_block} bytes"]
         for b, band in enumerate(self.bands):
             window = "unlimited" if band.window is None else f"{band.window} frames"

@@ -52,10 +52,12 @@ class LayeredCacheBase:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def has_stream(self, stream_id) -> bool:
+        """Whether ``stream_id`` is allocated."""
         return self.bands[0].has_stream(stream_id)
 
     @property
     def stream_ids(self) -> list:
+        """The allocated stream ids."""
         return self.bands[0].stream_ids
 
     def _check_known(self, stream_id) -> None:
@@ -63,6 +65,7 @@ class LayeredCacheBase:
             raise unknown_stream(stream_id)
 
     def allocate_stream(self, stream_id) -> None:
+        """Allocate ``stream_id`` in every band (and its states); checked first, so a refusal changes nothing."""
         if self.has_stream(stream_id):
             raise duplicate_stream(stream_id)
         need = sum(band.config.prefill_blocks for band in self.bands)
@@ -76,6 +79,7 @@ class LayeredCacheBase:
             self.state.allocate_stream(stream_id)
 
     def free_stream(self, stream_id) -> None:
+        """Free ``stream_id``'s blocks in every band and its states."""
         self._check_known(stream_id)
         for band in self.bands:
             band.free_stream(stream_id)
@@ -124,6 +128,7 @@ class LayeredCacheBase:
         return any(band.at_capacity(stream_id, num_frames) for band in self.bands)
 
     def prepare_chunk(self, stream_id, num_frames: int | None = None) -> None:
+        """``prepare_chunks_batched`` for one stream."""
         self.prepare_chunks_batched([stream_id], num_frames)
 
     def prepare_chunks_batched(self, stream_ids, num_frames=None) -> None:
@@ -146,6 +151,7 @@ class LayeredCacheBase:
             band.prepare_chunks_batched(ids, frames)
 
     def commit_chunk_paged(self, stream_id, num_frames: int) -> None:
+        """``commit_chunks_batched`` for one stream."""
         self.commit_chunks_batched([stream_id], [num_frames])
 
     def commit_chunks_batched(self, stream_ids, num_frames) -> None:
@@ -182,6 +188,7 @@ class LayeredCacheBase:
         return [band.describe(stream_id) for band in self.bands]
 
     def blocks_held(self, stream_id) -> list[int]:
+        """Per band, how many blocks ``stream_id`` holds."""
         return [len(info.blocks) for info in self.describe(stream_id)]
 
     def cached_frames(self, stream_id) -> list[int]:

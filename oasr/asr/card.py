@@ -54,6 +54,7 @@ def model_card(spec, info: dict, results: dict) -> str:
 
 
 def write_model_card(path, spec, info: dict, results: dict) -> Path:
+    """Write ``model_card(spec, info, results)`` to ``path`` as Markdown; returns the path."""
     path = Path(path)
     path.write_text(model_card(spec, info, results))
     return path

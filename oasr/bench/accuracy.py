@@ -21,6 +21,7 @@ NOTES = ("WER in % on the shipped held-out set; kv_bytes: mean K/V bytes a strea
 
 
 def kv_bytes_per_stream(rec, clips_frames: list[int]) -> float:
+    """Mean K/V bytes a stream of ``rec``'s cache config holds at its end, over clips of ``clips_frames`` frames."""
     from oasr.memory import bytes_per_kv_block
 
     cfg = rec.cache_config
@@ -52,6 +53,7 @@ def _seconds(clip) -> float:
 
 
 def grid(quick: bool) -> list[tuple[str, dict]]:
+    """The ``(case name, config)`` pairs this section runs (``quick``: fewer left-context windows)."""
     cases = []
     for kv in (None, "fp8_e4m3"):
         for left in WINDOWS if not quick else (1, 4, -1):
@@ -66,6 +68,7 @@ def grid(quick: bool) -> list[tuple[str, dict]]:
 
 
 def section(quick: bool, device: str = "cpu") -> list[dict]:
+    """This section's rows (``quick``: the first 24 clips, the reduced grid) on ``device``; see the module docstring."""
     clips = load_testset(limit=24 if quick else None)
     rows, texts = [], {}
     for name, config in grid(quick):

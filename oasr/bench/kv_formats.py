@@ -35,10 +35,12 @@ NOTES = ("bytes and errors at an fp16 model; times on the CPU with fp32 queries 
 
 
 def bytes_per_frame(fmt: str, dtype: torch.dtype = SERVED_DTYPE) -> int:
+    """Bytes of K and V of one frame over every layer and KV head at the bench geometry, in format ``fmt``."""
     return 2 * LAYERS * N_KV * get_format(fmt).bytes_per_vector(HEAD_DIM, dtype)
 
 
 def blocks_per_gib(fmt: str, dtype: torch.dtype = SERVED_DTYPE) -> int:
+    """Whole blocks of ``BLOCK`` frames (every layer) in format ``fmt`` that fit in one GiB."""
     return (1 << 30) // (bytes_per_frame(fmt, dtype) * BLOCK)
 
 
@@ -76,6 +78,7 @@ def _as_format(caches, fmt: str, dtype: torch.dtype):
 
 
 def section(quick: bool, device="cpu") -> list[dict]:
+    """This section's rows (``quick``: a smaller cohort and set) on ``device``; see the module docstring."""
     from oasr import fast, reference
 
     device = torch.device(device)

@@ -18,6 +18,7 @@ NOTES = "rtf: compute seconds per second of audio; latency in ms (real-time play
 
 
 def serving_row(streams: int, device: str, clips_per_stream: int = 1) -> dict:
+    """Real-time factor and chunk latency percentiles (ms) of ``streams`` live streams of shipped clips."""
     from oasr.asr.audio import load_audio
     from oasr.asr.recognizer import Recognizer
     from oasr.asr.testset import load_testset
@@ -36,6 +37,7 @@ def serving_row(streams: int, device: str, clips_per_stream: int = 1) -> dict:
 
 
 def training_row(steps: int = 4) -> dict:
+    """Median time of ``steps`` training steps on 32 shipped clips, as utterances and audio seconds per second."""
     import torch
 
     from oasr.asr.audio import load_audio
@@ -71,6 +73,7 @@ def training_row(steps: int = 4) -> dict:
 
 
 def section(quick: bool, device: str = "cpu") -> list[dict]:
+    """This section's rows (``quick``: 1 and 8 streams, 2 training steps) on ``device``; see the module docstring."""
     rows = [serving_row(n, device) for n in ((1, 8) if quick else (1, 8, 64))]
     rows.append(training_row(2 if quick else 4))
     return rows

@@ -34,6 +34,7 @@ def _parser() -> CommandParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m oasr formats`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
     check_device(parser, args.device)

@@ -70,6 +70,7 @@ class RescoreJob:
 
     @property
     def done(self) -> bool:
+        """Whether every position is scored (``steps == total_steps``)."""
         return self.steps == self.total_steps
 
     @torch.no_grad()

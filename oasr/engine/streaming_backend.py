@@ -114,15 +114,19 @@ class StreamingEncoderBackend:
     kind = None
 
     def allocate(self, stream_id) -> None:
+        """Give ``stream_id`` a fresh state (subclasses raise when it is taken or none is free)."""
         raise NotImplementedError
 
     def free(self, stream_id) -> None:
+        """Release ``stream_id``'s state."""
         raise NotImplementedError
 
     def has_stream(self, stream_id) -> bool:
+        """Whether ``stream_id`` is allocated."""
         raise NotImplementedError
 
     def forward_step(self, stream_ids, xs: torch.Tensor, input_lens):
+        """One chunk for ``stream_ids``; returns ``(log_probs (N, T_out, vocab), out_lens list)``."""
         raise NotImplementedError
 
     def _check_step(self, stream_ids, xs: torch.Tensor, input_lens) -> list:
@@ -185,6 +189,7 @@ class StatefulStreamingBackend(_ListStateBackend):
         self._states: dict = {}
 
     def allocate(self, stream_id) -> None:
+        """Give ``stream_id`` the model's initial states (``ValueError`` if taken, ``RuntimeError`` if none free)."""
         if stream_id in self._states:
             raise ValueError(f"stream id {stream_id!r} is already allocated")
         if len(self._states) >= self.max_batch_size:
@@ -192,17 +197,21 @@ class StatefulStreamingBackend(_ListStateBackend):
         self._states[stream_id] = [s.to(self.device, self.dtype) for s in self.model.get_streaming_init_states(1)]
 
     def free(self, stream_id) -> None:
+        """Drop ``stream_id``'s states (``KeyError`` if unknown)."""
         if stream_id not in self._states:
             raise KeyError(f"unknown stream id {stream_id!r}")
         del self._states[stream_id]
 
     def has_stream(self, stream_id) -> bool:
+        """Whether ``stream_id`` is allocated."""
         return stream_id in self._states
 
     def state_of(self, stream_id) -> list:
+        """``stream_id``'s list of state tensors (batch 1), not a copy."""
         return self._states[stream_id]
 
     def forward_step(self, stream_ids, xs, input_lens):
+        """One chunk for ``stream_ids``; returns ``(log_probs (N, T_out, vocab), out_lens list)``, states updated."""
         lens = self._check_step(stream_ids, xs, input_lens)
         ids = list(stream_ids)
         batched = [torch.cat([self._states[sid][i] for sid in ids], dim=spec.slot_axis)
@@ -256,22 +265,28 @@ class SlotStreamingBackend(_ListStateBackend):
             self.runner.capture_all()
 
     def pinned_host_tensors(self) -> list:
+        """The pinned host staging tensors a step copies from (inputs, lengths)."""
         return [self._host_xs, self._host_lens]
 
     def static_buffers(self, width: int) -> list:
+        """The static device batch of ``width``: inputs, lengths, then one tensor per state."""
         b = self._batches[width]
         return [b["xs"], b["lens"], *b["states"]]
 
     def width_for(self, count: int) -> int:
+        """The smallest step width that holds ``count`` streams."""
         return next(w for w in self.widths if w >= count)
 
     def allocate(self, stream_id) -> None:
+        """Give ``stream_id`` a slot in the state cache (its errors if taken or full)."""
         self.state.allocate_stream(stream_id)
 
     def free(self, stream_id) -> None:
+        """Release ``stream_id``'s slot."""
         self.state.free_stream(stream_id)
 
     def has_stream(self, stream_id) -> bool:
+        """Whether ``stream_id`` holds a slot."""
         return self.state.has_stream(stream_id)
 
     def step(self, width: int):
@@ -280,6 +295,7 @@ class SlotStreamingBackend(_ListStateBackend):
         return self.model.streaming_forward(b["xs"], b["lens"], b["states"])
 
     def forward_step(self, stream_ids, xs, input_lens):
+        """One chunk for ``stream_ids``, padded to a step width; returns ``(log_probs, out_lens list)``."""
         lens = self._check_step(stream_ids, xs, input_lens)
         ids = list(stream_ids)
         N, width = len(ids), self.width_for(len(ids))

@@ -168,10 +168,12 @@ class DecoderKVCacheManager:
 
     @property
     def rows(self) -> list[int]:
+        """The admitted rows, in ascending order."""
         return np.flatnonzero(self._admitted).tolist()
 
     @property
     def num_free_rows(self) -> int:
+        """Rows that can still be admitted."""
         return int((~self._admitted).sum())
 
     def row_pages(self, row: int) -> RowPages:
@@ -192,6 +194,7 @@ class DecoderKVCacheManager:
 
     @property
     def available_blocks(self) -> int:
+        """Free blocks not reserved for admitted rows' ceilings."""
         return self.pool.num_free_blocks - self.reserved_blocks
 
     def describe(self, row: int) -> DecoderRowInfo:
@@ -208,10 +211,14 @@ class DecoderKVCacheManager:
 
     # ---- admission --------------------------------------------------------------
     def can_admit(self, requests) -> Admission:
+        """Whether ``requests`` fit now, with the reason when not (never changes anything)."""
         reqs = check_requests(requests)
         return judge(self.config, reqs, self.num_free_rows, self.pool.num_free_blocks, self.reserved_blocks)
 
     def admit(self, requests) -> list[int]:
+        """Admit ``requests`` (each row's ceiling reserved) and return their rows (``AdmissionError`` if they do not
+        fit).
+        """
         reqs = check_requests(requests)
         answer = self.can_admit(reqs)
         if not answer:
@@ -275,6 +282,7 @@ class DecoderKVCacheManager:
                            longest, longest, prepared)
 
     def self_caches(self, rows) -> list[PagedKVCache]:
+        """Per layer, the paged view of ``rows``' self-attention K/V (after ``prepare_step``)."""
         ids, rows_d = self._rows_index(rows, "self_caches")
         return self._self_views(ids, rows_d)
 
@@ -287,6 +295,7 @@ class DecoderKVCacheManager:
                            max(longest - 1, 0), longest, lens > 0)
 
     def cross_query_lens(self, rows) -> list[int]:
+        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths)."""
         ids = np.array(check_rows(rows, self._is_admitted, "cross_query_lens"), dtype=np.int64)
         return (self._cross_length[ids] > 0).astype(np.int64).tolist()
 
@@ -427,6 +436,7 @@ class DecoderKVCacheManager:
         self._drop(src)
 
     def prepare_step(self, rows) -> None:
+        """Make room for one more token in each of ``rows`` (a page where a row crosses a boundary)."""
         ids = np.array(check_rows(rows, self._is_admitted, "prepare_step"), dtype=np.int64)
         self._prepare(ids)
         self._sync(ids)
@@ -440,6 +450,7 @@ class DecoderKVCacheManager:
                              f"(call prepare_step first)")
 
     def commit_step(self, rows) -> None:
+        """Each of ``rows`` is one token longer (after ``prepare_step`` and the step's writes)."""
         ids = np.array(check_rows(rows, self._is_admitted, "commit_step"), dtype=np.int64)
         self._check_prepared(ids)
         self._length[ids] += 1
@@ -586,6 +597,7 @@ class DenseDecoderKV(DenseDecoderKVBase):
         return out.view(B, nH, T, D).to(q.dtype)
 
     def attend_self(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``q`` over each row's own tokens at ``layer`` (the step's included)."""
         T = q.shape[2]
         end = max(self.lengths) + T
         k = self._load(self.k, self.k_scale, layer, end)
@@ -595,6 +607,7 @@ class DenseDecoderKV(DenseDecoderKVBase):
         return self._grouped(q, k, v, allowed.to(q.device))
 
     def attend_cross(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` over each row's cross-attention K/V (the encoder output) at ``layer``."""
         T = q.shape[2]
         end = max(self.cross_lengths, default=0)
         k = self._load(self.cross_k, self.cross_k_scale, layer, end)

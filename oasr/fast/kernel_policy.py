@@ -108,6 +108,7 @@ def serve_slower(name: str, op: str) -> None:
 
 
 def reset_counts() -> None:
+    """Zero the ``out_of_scope``, ``gaps`` and ``slower`` counters."""
     out_of_scope.clear()
     gaps.clear()
     slower.clear()

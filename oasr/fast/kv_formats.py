@@ -38,6 +38,7 @@ def quantize_int8(x: torch.Tensor, model_dtype: torch.dtype | None = None):
 
 
 def dequantize_int8(stored, scale, dtype=torch.float32):
+    """int8: ``float(q) * scale`` in fp32, rounded once to ``dtype``."""
     return stored.float().mul_(scale.unsqueeze(-1)).to(dtype)
 
 
@@ -63,6 +64,7 @@ def quantize_q8_0(x: torch.Tensor, model_dtype: torch.dtype | None = None):
 
 
 def dequantize_q8_0(stored, scale, dtype=torch.float32):
+    """q8_0: ``float(q) * float(d)`` per block of 32 in fp32, rounded once to ``dtype``."""
     D = stored.shape[-1]
     blocks = stored.float().reshape(*stored.shape[:-1], D // 32, 32)
     return blocks.mul_(scale.float().unsqueeze(-1)).reshape(stored.shape).to(dtype)
@@ -87,6 +89,7 @@ def quantize_affine4(x: torch.Tensor, model_dtype: torch.dtype | None = None, gr
 
 
 def dequantize_affine4(stored, params, dtype=torch.float32):
+    """affine4: ``float(q) * scale + bias`` per group in fp32, rounded once to ``dtype``."""
     codes = torch.stack([stored & 0x0F, stored >> 4], dim=-1).reshape(*stored.shape[:-1], -1).float()
     G = params.shape[-2]
     groups = codes.reshape(*codes.shape[:-1], G, codes.shape[-1] // G)
@@ -111,6 +114,7 @@ def quantize(fmt: str, x: torch.Tensor, model_dtype: torch.dtype | None = None):
 
 
 def dequantize(fmt: str, stored: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``stored`` (with its ``scale``) in format ``fmt`` back to values in ``dtype``."""
     from oasr.fast.paged_ops import dequantize_fp8
 
     name = get_format(fmt).name

@@ -64,13 +64,16 @@ class KVFormat:
 
     @property
     def quantized(self) -> bool:
+        """Whether the format stores anything but the model dtype."""
         return self.name != "model"
 
     def data_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """Dtype of the data plane for a model served in ``model_dtype``."""
         return {"model": model_dtype, "fp8_e4m3": fp8_e4m3.FP8_DTYPE, "int8": torch.int8,
                 "q8_0": torch.int8}.get(self.name, torch.uint8)
 
     def data_dim(self, head_dim: int) -> int:
+        """Stored data elements per vector of ``head_dim`` values."""
         return head_dim // self.values_per_byte
 
     def scale_shape(self, head_dim: int) -> tuple[int, ...]:
@@ -81,6 +84,7 @@ class KVFormat:
         return (groups,) if self.params_per_group == 1 else (groups, self.params_per_group)
 
     def scale_dtype(self, model_dtype: torch.dtype) -> torch.dtype | None:
+        """Dtype of the scale plane (None for the model dtype)."""
         return {"model": None, "fp8_e4m3": torch.float32, "int8": torch.float32,
                 "q8_0": torch.float16}.get(self.name, model_dtype)
 
@@ -113,6 +117,7 @@ class KVFormat:
         return self.module.quantize(x, model_dtype)
 
     def dequantize(self, data: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reference rule's inverse: ``data`` and ``scale`` back to values in ``dtype``."""
         return self.module.dequantize(data, scale, dtype)
 
 

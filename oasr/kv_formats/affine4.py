@@ -37,6 +37,7 @@ LEVELS = 15  # 4 bits: codes 0..15
 
 
 def check_head_dim(head_dim: int, group: int) -> None:
+    """``ValueError`` unless ``head_dim`` is a multiple of the group size ``group``."""
     if head_dim % group:
         raise ValueError(f"affine4 K/V pages: head_dim must be a multiple of the group size {group}, got {head_dim}")
 

@@ -40,6 +40,7 @@ BLOCK = 32
 
 
 def check_head_dim(head_dim: int) -> None:
+    """``ValueError`` unless ``head_dim`` is a multiple of the block size (32)."""
     if head_dim % BLOCK:
         raise ValueError(f"q8_0 K/V pages: head_dim must be a multiple of {BLOCK} (GGML blocks), got {head_dim}")
 

@@ -104,14 +104,17 @@ class ConvRecurrentEncoder(nn.Module):
     # ---- declarations ------------------------------------------------------------------------
     @property
     def streaming_kind(self) -> str:
+        """The runtime that streams this encoder (from the config)."""
         return self.config.streaming_kind
 
     @property
     def streaming_chunk_frames(self) -> int:
+        """Input frames of one streaming chunk."""
         return self.config.chunk_frames
 
     @property
     def slot_state_specs(self) -> tuple:
+        """The per-stream states: each layer's last ``kernel_size - 1`` conv inputs and its recurrent state."""
         c = self.config
         return (
             StreamStateSpec("conv", (c.num_layers, c.kernel_size - 1, c.hidden_dim), slot_axis=1),
@@ -119,6 +122,7 @@ class ConvRecurrentEncoder(nn.Module):
         )
 
     def get_streaming_init_states(self, batch: int = 1) -> list:
+        """Zero states for ``batch`` streams, in the model's dtype and device."""
         ref = self.ctc.weight
         return [torch.zeros(s.batch_shape(batch), dtype=ref.dtype, device=ref.device) for s in self.slot_state_specs]
 

@@ -133,6 +133,7 @@ class DecoderKVCacheManager:
 
     @property
     def num_free_rows(self) -> int:
+        """Rows that can still be admitted."""
         return len(self._free_rows)
 
     def row_pages(self, row: int) -> RowPages:
@@ -238,6 +239,7 @@ class DecoderKVCacheManager:
         return self._views([self._table(self._rows[r].cross_blocks, width) for r in ids], lens, width, spans, reads)
 
     def cross_query_lens(self, rows) -> list[int]:
+        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths)."""
         ids = check_rows(rows, self._admitted, "cross_query_lens")
         return [1 if self._rows[r].cross_length else 0 for r in ids]
 
@@ -479,8 +481,10 @@ class DenseDecoderKV(DenseDecoderKVBase):
 
     @staticmethod
     def quantize(fmt, x, model_dtype):
+        """``x`` in format ``fmt``: ``(data, scale)`` for a model served in ``model_dtype``."""
         return get_format(fmt).quantize(x, model_dtype)
 
     @staticmethod
     def dequantize(fmt, stored, scale, dtype):
+        """``stored`` (with its ``scale``) in format ``fmt`` back to values in ``dtype``."""
         return get_format(fmt).dequantize(stored, scale, dtype)

@@ -206,6 +206,7 @@ class Tiling:
     fp8_keys_per_iteration: int | None = None  # when fp8 pages use another tile
 
     def keys(self, page: str) -> int:
+        """Keys one main-loop iteration consumes for ``page`` (``"bf16"`` or ``"fp8"``)."""
         return self.fp8_keys_per_iteration if page == "fp8" and self.fp8_keys_per_iteration else self.keys_per_iteration
 
     def live_warps(self, shape: AttentionShape) -> int:
