@@ -36,8 +36,8 @@ def model_card(spec, info: dict, results: dict) -> str:
         f"- training utterances: {info.get('utterances', '?')}",
         "",
         "## Training",
-        f"- {info.get('steps', '?')} AdamW steps of about 32 utterances (peak lr 2e-3, 400 warmup steps, cosine "
-        "decay), loss 0.3 CTC + 0.7 label-smoothed attention cross-entropy; the shipped weights are the EMA",
+        f"- {info.get('steps', '?')} AdamW steps ({info.get('schedule', 'warmup 400 steps, then cosine decay')}), "
+        "loss 0.3 CTC + 0.7 label-smoothed attention cross-entropy; the shipped weights are the EMA",
         f"- time on this machine: synthesis {info.get('synth_seconds', '?')} s, training "
         f"{info.get('train_seconds', '?')} s ({info.get('threads', '?')} threads, shared with other jobs)",
         "",
