@@ -114,6 +114,40 @@ _ATTENTION_KERNEL_PARAMS = (
     ("causal", "i32"),
 )
 
+# appends and gathers of pages with per-vector scales (fp8, and the quantized formats) take the same arguments
+_SCALED_APPEND_PARAMS = (
+    ("k_chunk", "ptr"),
+    ("v_chunk", "ptr"),
+    ("k_cache", "ptr"),
+    ("v_cache", "ptr"),
+    ("k_scale", "ptr"),
+    ("v_scale", "ptr"),
+    ("block_table", "ptr"),
+    ("table_stride", "i32"),
+    ("cache_seqlens", "ptr"),
+    ("chunk_lens", "ptr"),
+    ("batch", "i32"),
+    ("num_frames", "i32"),
+    ("block_size", "i32"),
+    ("n_kv_head", "i32"),
+)
+_SCALED_GATHER_PARAMS = (
+    ("k_pool", "ptr"),
+    ("v_pool", "ptr"),
+    ("k_scale", "ptr"),
+    ("v_scale", "ptr"),
+    ("out", "ptr"),
+    ("block_ids", "ptr"),
+    ("start", "i32"),
+    ("num_frames", "i32"),
+    ("num_layers", "i32"),
+    ("num_pool_blocks", "i32"),
+    ("block_size", "i32"),
+    ("n_kv_head", "i32"),
+    ("head_dim", "i32"),
+)
+_ATTENTION_V2_PARAMS = tuple(p for p in _ATTENTION_KERNEL_PARAMS if p[0] != "block_size")  # v2, v3: a template argument
+
 KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::paged_kv_append_kernel",
@@ -137,43 +171,13 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::paged_kv_append_fp8_kernel",
         family="paged_kv_append",
-        params=(
-            ("k_chunk", "ptr"),
-            ("v_chunk", "ptr"),
-            ("k_cache", "ptr"),
-            ("v_cache", "ptr"),
-            ("k_scale", "ptr"),
-            ("v_scale", "ptr"),
-            ("block_table", "ptr"),
-            ("table_stride", "i32"),
-            ("cache_seqlens", "ptr"),
-            ("chunk_lens", "ptr"),
-            ("batch", "i32"),
-            ("num_frames", "i32"),
-            ("block_size", "i32"),
-            ("n_kv_head", "i32"),
-        ),
+        params=_SCALED_APPEND_PARAMS,
         instances=_DTYPE_FP8_HEAD,
     ),
     Kernel(
         name="oasr::paged_kv_append_quant_kernel",
         family="paged_kv_append",
-        params=(
-            ("k_chunk", "ptr"),
-            ("v_chunk", "ptr"),
-            ("k_cache", "ptr"),
-            ("v_cache", "ptr"),
-            ("k_scale", "ptr"),
-            ("v_scale", "ptr"),
-            ("block_table", "ptr"),
-            ("table_stride", "i32"),
-            ("cache_seqlens", "ptr"),
-            ("chunk_lens", "ptr"),
-            ("batch", "i32"),
-            ("num_frames", "i32"),
-            ("block_size", "i32"),
-            ("n_kv_head", "i32"),
-        ),
+        params=_SCALED_APPEND_PARAMS,
         instances=_QUANT_HEAD,
     ),
     Kernel(
@@ -185,13 +189,13 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::paged_chunk_attention_v2_kernel",
         family="paged_chunk_attention_v2",
-        params=tuple(p for p in _ATTENTION_KERNEL_PARAMS if p[0] != "block_size"),  # v2: a template argument
+        params=_ATTENTION_V2_PARAMS,
         instances=_ATTENTION_V2,
     ),
     Kernel(  # v3: v2's instantiations (a power-of-two block size, a template argument)
         name="oasr::paged_chunk_attention_v3_kernel",
         family="paged_chunk_attention_v3",
-        params=tuple(p for p in _ATTENTION_KERNEL_PARAMS if p[0] != "block_size"),
+        params=_ATTENTION_V2_PARAMS,
         instances=_ATTENTION_V2,
     ),
     Kernel(
@@ -227,41 +231,13 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::gather_kv_blocks_fp8_kernel",
         family="gather_kv_blocks",
-        params=(
-            ("k_pool", "ptr"),
-            ("v_pool", "ptr"),
-            ("k_scale", "ptr"),
-            ("v_scale", "ptr"),
-            ("out", "ptr"),
-            ("block_ids", "ptr"),
-            ("start", "i32"),
-            ("num_frames", "i32"),
-            ("num_layers", "i32"),
-            ("num_pool_blocks", "i32"),
-            ("block_size", "i32"),
-            ("n_kv_head", "i32"),
-            ("head_dim", "i32"),
-        ),
+        params=_SCALED_GATHER_PARAMS,
         instances=tuple((t,) for t in DTYPE_ARG.values()),
     ),
     Kernel(
         name="oasr::gather_kv_blocks_quant_kernel",
         family="gather_kv_blocks",
-        params=(
-            ("k_pool", "ptr"),
-            ("v_pool", "ptr"),
-            ("k_scale", "ptr"),
-            ("v_scale", "ptr"),
-            ("out", "ptr"),
-            ("block_ids", "ptr"),
-            ("start", "i32"),
-            ("num_frames", "i32"),
-            ("num_layers", "i32"),
-            ("num_pool_blocks", "i32"),
-            ("block_size", "i32"),
-            ("n_kv_head", "i32"),
-            ("head_dim", "i32"),
-        ),
+        params=_SCALED_GATHER_PARAMS,
         instances=tuple((t, page_arg(f, t)) for t in DTYPE_ARG.values() for f in QUANT_FORMATS),
     ),
 )
