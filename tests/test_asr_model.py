@@ -123,3 +123,17 @@ def test_demo_runs_on_shipped_clips(capsys):
     out = capsys.readouterr().out
     for needle in ("WER", "real-time factor", "p50", "p99", "kv_pool", "reference:"):
         assert needle in out or needle == "reference:"
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+    (["--clips", "0"], "--clips must be >= 1, got 0"),
+    (["--full-context"], "the demo streams"),
+    (["--model", "/no/such/model.safetensors"], "no such file"),
+    (["--chunk-size", "0"], "--chunk-size must be >= 1"),
+])
+def test_demo_refuses_bad_options_before_any_work(capsys, argv, expect):
+    with pytest.raises(SystemExit) as done:
+        oasr_main(["demo", *argv])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and expect in err and len(err.strip().splitlines()) == 1

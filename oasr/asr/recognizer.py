@@ -200,8 +200,6 @@ class Recognizer:
                 index = live.pop(transcript.id)[0]
                 transcript.id = index
                 results[index] = transcript
-            for sid in [s for s in live if s not in self.streams]:
-                del live[sid]
         return [results[i] for i in range(len(audio))]
 
     @torch.no_grad()

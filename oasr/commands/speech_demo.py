@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from oasr.commands import CommandParser, check_output_path
+from oasr.commands import CommandParser, check_at_least, check_output_path
 from oasr.commands.asr_options import add_model_options, check_model_options, configuration, recognizer
 
 
@@ -103,10 +103,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_model_options(parser, args)
-    for name in ("concurrency", "piece_ms", "show"):
-        low = 0 if name == "show" else 1
-        if getattr(args, name) < low:
-            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    check_at_least(parser, args, {"concurrency": 1, "piece_ms": 1, "show": 0})
     if args.clips is not None and args.clips < 1:
         parser.error(f"--clips must be >= 1, got {args.clips}")
     if args.full_context:
