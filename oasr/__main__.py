@@ -1,4 +1,4 @@
-"""``python -m oasr <command>`` (or ``oasr <command>``): demo (the main job), transcribe, eval, train, bench,
+"""``python -m oasr <command>`` (or ``oasr <command>``): demo (the main job), transcribe, serve, eval, train, bench,
 kernels, formats, engine-demo; ``--version``."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 COMMANDS = {
     "demo": ("oasr.commands.speech_demo", "live streams of the shipped clips, transcribed (the main job)"),
     "transcribe": ("oasr.commands.transcribe", "stream audio files through the engine and print their text"),
+    "serve": ("oasr.commands.serve", "an HTTP/WebSocket server: OpenAI's transcription API, live audio, metrics"),
     "eval": ("oasr.commands.evaluate", "word and character error rates on the shipped test set"),
     "train": ("oasr.commands.train", "the training recipe: synthesize speech, train, export the model"),
     "bench": ("oasr.commands.bench", "reference against fast, as ratios measured in one run"),
