@@ -1,5 +1,5 @@
-"""``python -m oasr <command>`` (or ``oasr <command>``): demo (the main job), transcribe, serve, eval, train, bench,
-kernels, formats, engine-demo; ``--version``."""
+"""``python -m oasr <command>`` (or ``oasr <command>``): demo (the main job), transcribe, eval, train, bench,
+kernels, formats, engine-demo, serve; ``--version``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import sys
 COMMANDS = {
     "demo": ("oasr.commands.speech_demo", "live streams of the shipped clips, transcribed (the main job)"),
     "transcribe": ("oasr.commands.transcribe", "stream audio files through the engine and print their text"),
-    "serve": ("oasr.commands.serve", "an HTTP/WebSocket server: OpenAI's transcription API, live audio, metrics"),
     "eval": ("oasr.commands.evaluate", "word and character error rates on the shipped test set"),
     "train": ("oasr.commands.train", "the training recipe: synthesize speech, train, export the model"),
     "bench": ("oasr.commands.bench", "reference against fast, as ratios measured in one run"),
@@ -17,6 +16,7 @@ COMMANDS = {
     "formats": ("oasr.commands.formats", "the K/V page formats: bytes, and what serves them on this machine"),
     "engine-demo": ("oasr.commands.demo", "the engine on a seeded random model and synthetic features: every "
                     "cache option (eviction, prefill, fp8, sessions)"),
+    "serve": ("oasr.commands.serve", "an HTTP/WebSocket server: OpenAI's transcription API, live audio, metrics"),
 }
 
 
