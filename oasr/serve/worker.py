@@ -357,7 +357,8 @@ class EngineWorker:
             stream = self.rec.streams.get(sid)
             handle = self._handles.get(sid)
             if stream is not None and handle is not None and stream.frames_done > frames:
-                handle.post(("partial", stream.text, stream.frames_done * FRAME_SHIFT / SAMPLE_RATE))
+                covered = min(stream.frames_done * FRAME_SHIFT, stream.samples)  # the last chunk is padded
+                handle.post(("partial", stream.text, covered / SAMPLE_RATE))
         for transcript in finished:
             handle = self._handles.pop(transcript.id, None)
             if handle is not None:
