@@ -40,8 +40,10 @@ from pathlib import Path
 
 from oasr.asr.audio import AudioError
 from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE
+from oasr.errors import StreamCapacityError
 
 logger = logging.getLogger("oasr.serve")
+STATS_KEPT = 1024  # engine TickStats kept (the newest); older ones are dropped as the server runs
 
 
 class Busy(RuntimeError):
@@ -268,7 +270,7 @@ class EngineWorker:
                     handle.resumed = True
                 else:
                     stream = self.rec.open_stream(handle.id)
-            except (ValueError, KeyError, OSError) as exc:
+            except (ValueError, KeyError, OSError, StreamCapacityError) as exc:
                 request.future.set_exception(ValueError(f"stream {handle.id!r}: {exc}"))
                 continue
             handle.samples = stream.samples
@@ -330,7 +332,10 @@ class EngineWorker:
                 self._drop(sid)
                 handle.post(("gone", "the server shut down without a state directory: the stream was dropped"))
                 continue
-            blob = self.rec.suspend(sid)
+            try:
+                blob = self.rec.suspend(sid)
+            except ValueError:
+                continue  # being rescored (its audio ended): it finishes like an ended stream
             path = self.session_path(sid)
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(blob)
@@ -360,9 +365,12 @@ class EngineWorker:
                 covered = min(stream.frames_done * FRAME_SHIFT, stream.samples)  # the last chunk is padded
                 handle.post(("partial", stream.text, covered / SAMPLE_RATE))
         for transcript in finished:
+            self.rec.engine.cancel(transcript.id)  # the engine keeps finished results; a server must not
             handle = self._handles.pop(transcript.id, None)
             if handle is not None:
                 handle.post(("final", transcript))
+        if len(self.rec.engine.stats) > 2 * STATS_KEPT:
+            del self.rec.engine.stats[:-STATS_KEPT]  # the engine logs every tick; a server runs for days
         return progressed
 
     def _publish(self) -> None:
