@@ -160,7 +160,7 @@ def test_websocket_clients_concurrently_get_the_offline_transcripts(server, clip
 
 def test_disconnect_mid_stream_frees_blocks_and_slot(server, clips):
     _, audio, _ = clips
-    before = health(server)["pool"]
+    before = health(server)
 
     async def run():
         return await asyncio.gather(*(stream_audio(server.url, pcm, stop_at=len(pcm) // 2, close_after_delta=True)
@@ -168,10 +168,30 @@ def test_disconnect_mid_stream_frees_blocks_and_slot(server, clips):
 
     results = asyncio.run(run())
     assert all(r.deltas and r.transcript is None for r in results)  # each held blocks, then went away
-    assert wait_for(lambda: health(server)["pool"] == before), (health(server), before)
+    assert wait_for(lambda: health(server)["pool"] == before["pool"]), (health(server), before)
     assert health(server)["streams_active"] == 0
+    assert health(server)["streams_ended"]["cancelled"] == before["streams_ended"]["cancelled"] + 3
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     assert 'oasr_requests_total{endpoint="realtime",status="disconnected"}' in metrics
+
+
+def test_upload_clients_that_go_away_free_their_streams(server, clips):
+    chosen, audio, _ = clips
+    before = health(server)
+    url = server.url + protocol.TRANSCRIPTION_PATH
+    # an event stream closed after its first delta
+    with httpx.stream("POST", url, files={"file": ("a.flac", chosen[0].path.read_bytes())},
+                      data={"model": "oasr", "stream": "true"}, timeout=TIMEOUT) as response:
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+    assert json.loads(first[len("data: "):])["type"] == "transcript.text.delta"
+    # a plain upload whose client gives up long before 29 s of audio are transcribed
+    long_clip = np.concatenate([audio[i % len(audio)] for i in range(12)])[: 29 * 16000]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url, files={"file": ("long.wav", wav_bytes(long_clip, 16000))}, timeout=0.3)
+    assert wait_for(lambda: health(server)["pool"] == before["pool"]), (health(server), before)
+    ended, was = health(server)["streams_ended"], before["streams_ended"]
+    assert ended["cancelled"] == was["cancelled"] + 2 and ended["completed"] == was["completed"]  # not finished
+    assert 'endpoint="transcriptions",status="499"} 1.0' in httpx.get(server.url + "/metrics", timeout=10).text
 
 
 def test_websocket_bad_messages_are_errors_and_the_session_goes_on(server, clips):

@@ -16,6 +16,8 @@ oasr_pool_slots{kind}              gauge      stream slots ``used`` / ``total``
 oasr_real_time_factor              gauge      compute seconds per second of audio, since start
 oasr_audio_seconds_total           counter    audio taken, seconds
 oasr_sessions_suspended            gauge      suspended streams saved in the state directory
+oasr_streams_ended_total{reason}   counter    streams ended: completed / cancelled (client gone)
+                                              / suspended (shutdown)
 oasr_tick_seconds                  histogram  wall time of the engine ticks that encoded audio
 oasr_requests_total{endpoint,      counter    finished requests; ``status`` is the HTTP status,
 status}                                       or for WebSockets completed / disconnected /
@@ -55,6 +57,10 @@ class _WorkerCollector:
         yield GaugeMetricFamily("oasr_real_time_factor", "compute seconds per second of audio",
                                 value=s.real_time_factor)
         yield CounterMetricFamily("oasr_audio_seconds", "audio taken, seconds", value=s.audio_seconds)
+        ended = CounterMetricFamily("oasr_streams_ended", "streams ended since start, by how", labels=["reason"])
+        for reason, count in s.ended.items():
+            ended.add_metric([reason], count)
+        yield ended
         yield GaugeMetricFamily("oasr_sessions_suspended", "suspended streams saved in the state directory",
                                 value=s.suspended_on_disk)
 

@@ -104,6 +104,7 @@ class WorkerStats:
     busy_seconds: float = 0.0
     suspended_on_disk: int = 0
     accepting: bool = True
+    ended: dict = field(default_factory=dict)  # streams ended since start: completed / cancelled / suspended
 
     @property
     def real_time_factor(self) -> float:
@@ -130,7 +131,9 @@ class EngineWorker:
         self.on_tick = on_tick
         self.max_streams = recognizer.cache_config.max_batch_size
         self._on_disk = len(self.saved_sessions())
-        self.stats = WorkerStats(pool=recognizer.pool_usage(), suspended_on_disk=self._on_disk)
+        self._ended = {"completed": 0, "cancelled": 0, "suspended": 0}
+        self.stats = WorkerStats(pool=recognizer.pool_usage(), suspended_on_disk=self._on_disk,
+                                 ended=dict(self._ended))
         self._commands: queue.Queue = queue.Queue()
         self._handles: dict = {}  # stream id -> StreamHandle (granted, not finished)
         self._opens: list[_Open] = []  # waiting for a slot, oldest first
@@ -317,6 +320,7 @@ class EngineWorker:
         self._handles.pop(sid, None)
         if sid in self.rec.streams:
             self.rec.cancel(sid)
+            self._ended["cancelled"] += 1
 
     def _do_suspend_live(self, future) -> None:
         self._accepting = False
@@ -344,6 +348,7 @@ class EngineWorker:
             self._handles.pop(sid)
             handle.post(("suspended", samples))
             saved += 1
+            self._ended["suspended"] += 1
         future.set_result(saved)
 
     def _tick(self) -> bool:
@@ -366,6 +371,7 @@ class EngineWorker:
                 handle.post(("partial", stream.text, covered / SAMPLE_RATE))
         for transcript in finished:
             self.rec.engine.cancel(transcript.id)  # the engine keeps finished results; a server must not
+            self._ended["completed"] += 1
             handle = self._handles.pop(transcript.id, None)
             if handle is not None:
                 handle.post(("final", transcript))
@@ -379,4 +385,4 @@ class EngineWorker:
             streams_active=len(self._handles), streams_waiting=len(self._opens), engine_active=engine.num_active,
             engine_waiting=engine.num_waiting, pool=self.rec.pool_usage(), ticks=engine.tick,
             audio_seconds=self._audio_seconds, busy_seconds=self.rec.busy_seconds,
-            suspended_on_disk=self._on_disk, accepting=self._accepting)
+            suspended_on_disk=self._on_disk, accepting=self._accepting, ended=dict(self._ended))
