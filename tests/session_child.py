@@ -2,9 +2,9 @@
 
 ``python tests/session_child.py JOBS.json OUT.json``: each job names the format, the twin to resume on
 and the session bytes (hex); a job of kind "rescoring" is a stream suspended mid-rescoring, resumed
-and run to its rescored result (``rescored_record``). The engine here first hands slot 0 and the head of the free list to a
-decoy (``hold_decoy``), so the stream comes back under other slot and block ids. Writes, per job, the
-stream's slot and blocks once readmitted and its whole result (``result_record``).
+and run to its rescored result (``rescored_record``). The engine here first hands slot 0 and the head
+of the free list to a decoy (``hold_decoy``), so the stream comes back under other slot and block ids.
+Writes, per job, the stream's slot and blocks once readmitted and its whole result (``result_record``).
 """
 
 import json
