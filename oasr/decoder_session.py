@@ -89,18 +89,22 @@ class DecoderGeometry:
 
     @property
     def data_dim(self) -> int:
+        """Stored elements per (token, head) vector."""
         return get_format(self.kv_cache_dtype).data_dim(self.head_dim)
 
     @property
     def storage_dtype(self) -> torch.dtype:
+        """dtype of the stored K/V (the format's data dtype, else the model dtype)."""
         return get_format(self.kv_cache_dtype).data_dtype(self.dtype)
 
     @property
     def scale_plane(self) -> tuple:
+        """Per-vector shape of a quantized format's scale plane."""
         return get_format(self.kv_cache_dtype).scale_shape(self.head_dim)
 
     @property
     def scale_dtype(self) -> torch.dtype:
+        """dtype of a quantized format's scale plane."""
         return get_format(self.kv_cache_dtype).scale_dtype(self.dtype)
 
 

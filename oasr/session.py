@@ -23,10 +23,12 @@ Layout (little-endian; ``docs/sessions.md`` has every field with its offset)::
 
 Sections: 1 attention (lengths, then K, V and, for a quantized format, their scale planes, of the visible
 window only), 2 slot states (named tensors), 3 CTC beam (flag bit 0), 4 engine
-stream (flag bit 1), 5 decoder rows (flag bit 2: reserved for the autoregressive
-decoder's K/V rows; this build refuses a file that carries them), 6 encoder output
+stream (flag bit 1), 5 decoder rows (flag bit 2: the attention decoder's K/V rows as
+pages, each shared page once; ``oasr.decoder_session``), 6 encoder output
 (flag bit 3: the fp32 encoder frames a rescoring engine keeps for its second pass;
-only with section 4, one row per encoder frame the stream produced).
+only with section 4, one row per encoder frame the stream produced). A stream
+suspended mid-rescoring holds no caches: sections 4 (with the job's progress) and
+6 (before the job's first step) or 5 (after it), nothing else.
 
 Reading verifies everything before anything is applied: magic, version (only 1),
 size, checksum, flags, section structure, every length, every value a manager
@@ -36,11 +38,11 @@ says what differs, and changes nothing.
 
 API, from bytes to caches::
 
-    save_stream(stream_id, att, slot_states, ctc=None, engine=None) -> bytes
+    save_stream(stream_id, att, slot_states, ctc=None, engine=None, decoder_rows=None) -> bytes
     read_session(data) -> StreamSession               parse + verify the file itself
     check_session(session, att, slot_states, ctc)     verify it fits these caches
     restore_stream(session, stream_id, att, slot_states, ctc)   apply (after the checks)
-    load_stream(data, stream_id, att, slot_states, ctc=None) -> StreamSession   all three
+    load_stream(data, stream_id, att, slot_states, ctc=None, decoder=None) -> StreamSession   all three
 
 ``slot_states`` is a list of slot-indexed caches: ``SlotStateCache`` objects and/or
 ``CnnCacheManager`` objects (their ``.state``), e.g. ``[cnn, states]``. The engine's
