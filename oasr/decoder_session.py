@@ -346,7 +346,7 @@ def check_rows_state(state: DecoderRows) -> None:
         if not 0 <= r.length <= q.self_tokens or not 0 <= r.cross_length <= q.cross_len:
             raise SessionError(f"decoder rows section: row {i} holds {r.length} tokens and {r.cross_length} cross "
                                f"frames, its request declares {q.self_tokens} and {q.cross_len}")
-        want = (math.ceil(r.length / page), math.ceil(q.cross_len / page))
+        want = (-(-r.length // page), -(-q.cross_len // page))
         if (len(r.self_pages), len(r.cross_pages)) != want:
             raise SessionError(f"decoder rows section: row {i} names {len(r.self_pages)} self and {len(r.cross_pages)} "
                                f"cross pages, its lengths need {want[0]} and {want[1]}")
