@@ -275,3 +275,43 @@ def test_mixed_windows_unlimited_band_finishes_a_stream_at_its_ceiling():
     assert result.num_frames == 6 * 4  # the unlimited band's 6 blocks of 4 frames
     offline = model.forward_offline(f[None, : result.num_input_frames])[0][0]
     assert (result.log_probs - offline).abs().max().item() <= ATOL
+
+
+# ---- capture safety and graphs on the CPU -------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["slot", "mixed"])
+def test_the_engine_step_is_capture_safe_for_each_kind(model):
+    """``watch_engine`` checks the device step of every tick (the slot runtime's gather / step / scatter; the
+    paged tick over every band of the layered cache, staged as on CUDA); results are unchanged by watching."""
+    from oasr.fast.capture_check import watch_engine
+
+    if model == "slot":
+        encoder, config, piece = fixed_extent_encoder("slot"), CacheConfig(max_batch_size=4), 5
+        feats, arrivals = fixed_extent_workload()
+    else:
+        encoder, piece = mixed_model(seed=8), 11
+        config = encoder.config.cache_config(max_batch_size=4, block_size_frames=3)
+        feats = features({sid: 16 * 4 + 5 * sid for sid in range(5)}, seed=13)
+        arrivals = {sid: sid for sid in feats}
+    watched = StreamingEngine(encoder, config, keep_log_probs=True)
+    checker = watch_engine(watched)
+    a = serve(watched, feats, arrivals, piece=piece)
+    b = serve(StreamingEngine(encoder, config, keep_log_probs=True), feats, arrivals, piece=piece)
+    assert len(checker.records) >= 4
+    assert not [v for r in checker.records for v in r.violations]
+    for sid in feats:
+        assert torch.equal(a[sid].log_probs, b[sid].log_probs)
+
+
+def test_mixed_windows_graphed_with_a_stand_in_equals_eager():
+    model = mixed_model(seed=9)
+    config = model.config.cache_config(max_batch_size=4, block_size_frames=3)
+    feats = features({sid: 16 * 4 + 7 * sid for sid in range(5)}, seed=14)
+    arrivals = {sid: sid // 2 for sid in feats}
+    capture = StandInCapture()
+    graphed = StreamingEngine(model, config, cuda_graphs=True, graph_capture=capture, keep_log_probs=True)
+    assert graphed.execution == "graphed" and graphed.backend.layered
+    a = serve(graphed, feats, arrivals, piece=16)
+    b = serve(StreamingEngine(model, config, keep_log_probs=True), feats, arrivals, piece=16)
+    assert capture.replays > 0
+    for sid in feats:
+        assert torch.equal(a[sid].log_probs, b[sid].log_probs), sid

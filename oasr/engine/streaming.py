@@ -589,7 +589,7 @@ class StreamingEngine:
             s = self._streams[sid]
             s.max_extent = max(s.max_extent, self.backend.history_frames(sid) + enc[row])
         if self.att is None:
-            log_probs, hidden = self._model_step_fixed_extent(cohort, frames_in, width)
+            log_probs, hidden = self._model_step_fixed_extent(cohort, frames_in)
         elif self.model_tick is not None:
             log_probs, hidden = self._model_step_fast(cohort, frames_in, enc, width)
         else:
@@ -659,15 +659,18 @@ class StreamingEngine:
         self.cnn.update(cohort, new_cnn, pad_to=width)
         return log_probs.float().cpu(), (hidden[0].float().cpu() if hidden else None)
 
-    def _model_step_fixed_extent(self, cohort: list, frames_in: list, width: int) -> tuple:
+    def _model_step_fixed_extent(self, cohort: list, frames_in: list) -> tuple:
         """A slot or stateful runtime's step: the cohort's features through ``backend.forward_step`` (the slot
         runtime pads to its width through the padding lane and may replay a graph; the stateful one runs at
-        batch N). Returns ``(log_probs, None)``: the list API gives no encoder output."""
+        batch N). Returns ``(log_probs, None)``: the list API gives no encoder output. The slot runtime wraps
+        its own device step (gather, step or replay, scatter) in ``tick_monitor``'s region; the stateful one
+        captures nothing, so nothing of it is checked."""
         xs = torch.zeros((len(cohort), self.chunk_input_frames, self.input_dim), dtype=self.config.dtype)
         for row, (sid, n) in enumerate(zip(cohort, frames_in, strict=True)):
             xs[row, :n] = self._take(self._streams[sid], n)
-        with self._model_region(width):
-            log_probs, _ = self.backend.forward_step(cohort, xs.to(self.config.device), frames_in)
+        if hasattr(self.backend, "step_monitor"):
+            self.backend.step_monitor = self.tick_monitor
+        log_probs, _ = self.backend.forward_step(cohort, xs.to(self.config.device), frames_in)
         return log_probs.float().cpu(), None
 
     def _used_blocks(self) -> int:
