@@ -315,3 +315,34 @@ def test_mixed_windows_graphed_with_a_stand_in_equals_eager():
     assert capture.replays > 0
     for sid in feats:
         assert torch.equal(a[sid].log_probs, b[sid].log_probs), sid
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model", ["slot", "mixed"])
+def test_cuda_graphed_engine_equals_eager_and_the_stateful_oracle(model):
+    """On a CUDA device the engine captures by default: one graph per width (the slot step, or the paged tick
+    over every band); replay == eager bit for bit, and == the stateful oracle / the offline forward."""
+    if model == "slot":
+        encoder, config, piece = fixed_extent_encoder("slot").cuda(), CacheConfig(max_batch_size=4, device="cuda"), 5
+        feats, arrivals = fixed_extent_workload()
+    else:
+        encoder, piece = mixed_model(seed=8).cuda(), 11
+        config = encoder.config.cache_config(max_batch_size=4, block_size_frames=3, device="cuda")
+        feats = features({sid: 16 * 4 + 5 * sid for sid in range(5)}, seed=13)
+        arrivals = {sid: sid for sid in feats}
+    graphed = StreamingEngine(encoder, config, keep_log_probs=True)
+    assert graphed.execution == "graphed"
+    a = serve(graphed, feats, arrivals, piece=piece)
+    b = serve(StreamingEngine(encoder, config, keep_log_probs=True, cuda_graphs=False), feats, arrivals, piece=piece)
+    for sid in feats:
+        assert torch.equal(a[sid].log_probs, b[sid].log_probs), sid
+    if model == "slot":
+        stateful = serve(StreamingEngine(fixed_extent_encoder("stateful").cuda(), config, keep_log_probs=True),
+                         feats, arrivals, piece=piece)
+        for sid in feats:
+            assert (a[sid].log_probs - stateful[sid].log_probs).abs().max().item() <= ATOL, sid
+    else:
+        cpu = mixed_model(seed=8)
+        for sid, f in feats.items():
+            assert (a[sid].log_probs - cpu.forward_offline(f[None])[0][0]).abs().max().item() <= ATOL, sid
