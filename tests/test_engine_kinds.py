@@ -224,6 +224,26 @@ def test_mixed_windows_engine_equals_offline_with_per_layer_masks(twin, block_si
     assert engine.pool.num_used_blocks == 0  # every finished stream gave its blocks back
 
 
+def test_mixed_windows_engine_on_the_emulated_kernels(monkeypatch):
+    """The fast engine's tick over every band on the emulated CUDA kernels (head_dim 64, which they tile)."""
+    from oasr.fast.backend import backends_used
+    from tests.test_layered_conformer import _emulation_missing
+
+    reason = _emulation_missing()
+    if reason is not None:
+        pytest.skip(f"kernel emulation unavailable: {reason}")
+    monkeypatch.setenv("OASR_CPU_BACKEND", "emulated")
+    model = StreamingConformer(ConformerConfig(num_layers=4, chunk_size=4, attention_specs=MIXED, hidden_dim=32,
+                                               n_head=2, n_kv_head=1, head_dim=64, seed=7))
+    feats = features({sid: 16 * 4 + 5 * sid for sid in range(3)}, seed=15)
+    engine = StreamingEngine(model, model.config.cache_config(max_batch_size=4, block_size_frames=4),
+                             twin="fast", keep_log_probs=True)
+    results = serve(engine, feats, {sid: sid for sid in feats}, piece=13)
+    assert backends_used()["cpu"] == "emulated"
+    for sid, f in feats.items():
+        assert (results[sid].log_probs - model.forward_offline(f[None])[0][0]).abs().max().item() <= ATOL, sid
+
+
 def test_mixed_windows_twins_hand_out_the_same_blocks():
     model = mixed_model(seed=5)
     lengths = {sid: 16 * 5 + 7 * sid for sid in range(4)}
