@@ -28,7 +28,8 @@ twin)`` of the declared kind's class, and asks every runtime the same few questi
     blocks_held(sid)   pool blocks it holds now
     history_frames(sid), at_capacity(sid, frames)
     forward_step(ids, xs, input_lens)      the model step of a fixed-extent runtime
-    feature_gaps()     engine features this runtime cannot offer, each with the reason
+    refusal(model, feature)                why the engine cannot offer ``feature`` with this
+                                           runtime (``ENGINE_GAPS``), or None
 
 The slot and stateful runtimes share one surface (``allocate`` / ``free`` /
 ``forward_step``), and the list API of the encoder
@@ -193,8 +194,6 @@ class PagedStreamingBackend(StreamingEncoderBackend):
     ceilings) and how many it holds. ``config`` is the shared geometry (``model.config.cache_config()``
     gives it the widest window, so the fast tick's pinned launch plan covers every band).
     """
-
-    ENGINE_GAPS = {}
 
     def __init__(self, model, config, twin="fast", pad_lanes: int = 1):
         ops = twin_module(twin)
