@@ -6,7 +6,9 @@ reads as one object per stream. It works with either twin: it only calls the
 managers' public API. ``StreamContext.allocate`` admits a stream in every
 manager or in none (a failure rolls back what was admitted). ``save`` /
 ``StreamContext.load`` carry the stream's whole cache state through session
-bytes (``oasr.session``), to another set of managers of either twin.
+bytes (``oasr.session``), to another set of managers of either twin. ``att`` and
+``cnn`` may be None for an encoder with no paged K/V and no conv manager (a
+fixed-extent runtime keeps its own state).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ class StreamContext:
             raise ValueError("StreamContext.allocate: vocab_size is required when a CTC manager is given")
         done = []
         try:
-            att.allocate_stream(stream_id)
-            done.append(att)
-            cnn.allocate_stream(stream_id)
-            done.append(cnn)
+            for manager in (att, cnn):
+                if manager is not None:
+                    manager.allocate_stream(stream_id)
+                    done.append(manager)
             if ctc is not None:
                 ctc.allocate_stream(stream_id, ctc_batch, vocab_size)
                 done.append(ctc)
@@ -115,7 +117,6 @@ class StreamContext:
 
     def free(self) -> None:
         """Release the stream's blocks and slots; its CTC state goes back to the pool."""
-        self.att.free_stream(self.stream_id)
-        self.cnn.free_stream(self.stream_id)
-        if self.ctc is not None:
-            self.ctc.free_stream(self.stream_id)
+        for manager in (self.att, self.cnn, self.ctc):
+            if manager is not None:
+                manager.free_stream(self.stream_id)

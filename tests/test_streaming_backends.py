@@ -107,13 +107,13 @@ def test_a_new_runtime_plugs_in_by_registration():
         del STREAMING_BACKENDS["test-echo"]
 
 
-def test_engine_refuses_none_and_names_the_runtime_for_slot_at_construction():
+def test_engine_refuses_none_and_builds_each_runtime_at_construction():
     conformer = StreamingConformer(ConformerConfig(chunk_size=4))
     cfg = conformer.config.cache_config()
-    with pytest.raises(ValueError, match="streaming_kind='none'"):
+    with pytest.raises(ValueError, match="streaming_kind='none'.*offline"):
         StreamingEngine(make_encoder("none"), cfg, twin="reference")
-    with pytest.raises(ValueError, match="SlotStreamingBackend"):
-        StreamingEngine(make_encoder("slot"), cfg, twin="reference")
+    assert type(StreamingEngine(make_encoder("slot"), cfg, twin="reference").backend) is SlotStreamingBackend
+    assert type(StreamingEngine(make_encoder("stateful"), cfg).backend) is StatefulStreamingBackend
     engine = StreamingEngine(conformer, cfg, twin="reference")
     assert isinstance(engine.backend, PagedStreamingBackend) and engine.att is engine.backend.att
 
@@ -229,14 +229,16 @@ def test_cuda_graph_replay_equals_eager():
         assert (stateful[sid] - offline).abs().max().item() <= 1e-5
 
 
-def test_paged_backend_refuses_per_layer_windows_it_cannot_reserve():
+def test_paged_backend_takes_a_layered_cache_for_per_layer_windows_only():
     from oasr.layer_specs import FullAttention, SlidingWindow
 
     mixed = StreamingConformer(ConformerConfig(chunk_size=4, attention_specs=(SlidingWindow(6), FullAttention(2))))
-    with pytest.raises(ValueError, match="per-layer windows.*LayeredCache"):
-        StreamingEngine(mixed, mixed.config.cache_config(), twin="reference")
+    engine = StreamingEngine(mixed, mixed.config.cache_config(), twin="reference")
+    assert engine.backend.layered and isinstance(engine.att, reference.LayeredCache)
+    assert engine.backend.blocks_per_stream == sum(engine.att.layout.blocks_per_stream())
     uniform = StreamingConformer(ConformerConfig(chunk_size=4, attention_specs=(SlidingWindow(6),) * 2))
     engine = StreamingEngine(uniform, uniform.config.cache_config(), twin="reference")
+    assert not engine.backend.layered and isinstance(engine.att, reference.AttentionCacheManager)
     assert engine.config.window_frames == 6  # one window for every layer: the engine's own case
 
 

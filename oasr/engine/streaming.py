@@ -61,7 +61,7 @@ from oasr.config import CacheConfig
 from oasr.ctc_config import CtcDecoderConfig
 from oasr.engine.decoding import GreedyCtcDecoder
 from oasr.engine.rescoring import RescoreJob
-from oasr.engine.streaming_backend import build_streaming_backend, paged_kind_or_refuse
+from oasr.engine.streaming_backend import STREAMING_BACKENDS, check_streamable
 from oasr.engine.tick import FastModelTick
 from oasr.errors import StreamCapacityError
 from oasr.models.twins import twin_module, twin_name
@@ -103,6 +103,15 @@ def check_stream_id(stream_id) -> None:
             raise ValueError(f"stream id {stream_id}: an int id must fit in signed 64 bits [{low}, {high})")
         return
     raise ValueError(f"stream ids are ints or strs, got {stream_id!r} ({type(stream_id).__name__})")
+
+
+def refuse_unless_offered(backend_cls, model, feature: str, what: str) -> None:
+    """``ValueError`` naming the model's streaming kind when its runtime cannot offer ``feature``
+    (``StreamingEncoderBackend.refusal``); ``what`` is the call or argument that asked for it."""
+    reason = backend_cls.refusal(model, feature)
+    if reason is not None:
+        raise ValueError(f"StreamingEngine: {what} is not offered for {type(model).__name__} "
+                         f"(streaming_kind={backend_cls.kind!r}): {reason}")
 
 
 @dataclass
@@ -231,7 +240,8 @@ class StreamingEngine:
             raise ValueError(f"StreamingEngine: max_wait_time must be an int >= 0 (ticks), got {max_wait_time!r}")
         if cuda_graphs not in (None, True, False):
             raise ValueError(f"StreamingEngine: cuda_graphs must be None, True or False, got {cuda_graphs!r}")
-        self.backend_kind = paged_kind_or_refuse(model)  # the encoder's streaming_kind, read before anything else
+        self.backend_kind = check_streamable(model)  # the encoder's streaming_kind, read before anything else
+        backend_cls = STREAMING_BACKENDS[self.backend_kind]
         if decode_steps_per_tick is not None and (isinstance(decode_steps_per_tick, bool) or not isinstance(
                 decode_steps_per_tick, int) or decode_steps_per_tick < 1):
             raise ValueError(f"StreamingEngine: decode_steps_per_tick must be None or an int >= 1, got "
@@ -241,7 +251,12 @@ class StreamingEngine:
             raise ValueError(f"StreamingEngine: max_tick_ms must be None or a finite number > 0, got {max_tick_ms!r}")
         if clock is not None and not callable(clock):
             raise ValueError(f"StreamingEngine: clock must be callable (seconds), got {clock!r}")
-        model.check_cache_config(config)
+        if rescore:
+            refuse_unless_offered(backend_cls, model, "rescore", "rescore=True")
+        if cuda_graphs:
+            refuse_unless_offered(backend_cls, model, "cuda_graphs", "cuda_graphs=True")
+        if config.kv_cache_dtype is not None:
+            refuse_unless_offered(backend_cls, model, "kv_format", f"kv_cache_dtype={config.kv_cache_dtype!r}")
         param = next(model.parameters())
         if param.device.type != config.device.type:
             raise ValueError(f"StreamingEngine: the model is on {param.device}, the caches on {config.device}")
@@ -256,10 +271,13 @@ class StreamingEngine:
             self.ctc_config = ctc_config or CtcDecoderConfig(beam_size=4, nbest=4 if rescore else 1)
             self.ctc = self.ops.CtcStateCacheManager(self.ops.StreamingCtcDecoder(self.ctc_config))
         self.keep_log_probs = keep_log_probs
-        self.chunk_input_frames = model.config.chunk_input_frames
-        self.input_dim = model.config.input_dim
-        self.rate = model.config.subsampling_rate
-        self.backend = build_streaming_backend(model, config, self.ops, pad_lanes=1)  # oasr.engine.streaming_backend
+        # the runtime of the declared kind (oasr.engine.streaming_backend); a paged one checks the geometry
+        self.backend = backend_cls.for_engine(model, config, self.ops)
+        self.chunk_input_frames = self.backend.chunk_input_frames
+        self.input_dim = self.backend.input_dim
+        self.rate = self.backend.subsampling_rate
+        # paged: the caches the tick drives; fixed-extent (slot, stateful): pool, att, cnn are None and
+        # states is the runtime (admission allocates and frees each stream's state there)
         self.pool, self.att, self.cnn, self.states = self.backend.pool, self.backend.att, self.backend.cnn, \
             self.backend.states
         self._streams: dict = {}
@@ -289,13 +307,19 @@ class StreamingEngine:
         if cuda_graphs and not on_cuda and capture is None:
             raise ValueError(f"StreamingEngine: cuda_graphs=True needs a CUDA device, the caches are on "
                              f"{self.config.device}; on the CPU the engine runs eager (cuda_graphs=None or False)")
-        graphs = bool(cuda_graphs) if cuda_graphs is not None else (on_cuda and self.twin == "fast")
-        if self.twin == "fast":
+        capturable = type(self.backend).refusal(self.model, "cuda_graphs") is None
+        graphs = bool(cuda_graphs) if cuda_graphs is not None else (on_cuda and self.twin == "fast" and capturable)
+        if self.twin == "fast" and self.att is not None:
             self.model_tick = FastModelTick(self.model, self.att, self.cnn, self.states, self.ops, self.config,
                                             graphs=graphs, capture=capture, hidden=self.rescore)
+        elif graphs:  # a fixed-extent runtime captures its own step per width
+            self.backend.capture_graphs(capture)
         self.execution = "graphed" if graphs else "eager"
         if graphs:
-            self.execution_note = f"graphed: {self.model_tick.graph_stats.format()}"
+            stats = self.model_tick.graph_stats if self.model_tick is not None else self.backend.runner.stats
+            self.execution_note = f"graphed: {stats.format()}"
+        elif not capturable:
+            self.execution_note = f"eager: streaming_kind={self.backend_kind!r} captures nothing"
         elif self.twin != "fast":
             self.execution_note = "eager: the reference twin runs op by op (it is the oracle)"
         elif not on_cuda:
@@ -438,8 +462,10 @@ class StreamingEngine:
         """A free slot, and free blocks for every active stream's remaining worst case plus one more."""
         if len(self._active) >= self.config.max_batch_size:
             return False
-        per_stream = self.config.blocks_per_stream
-        held = sum(len(self.att.describe(sid).blocks) for sid in self._active)
+        if self.pool is None:  # fixed-extent state: a slot is all a stream needs
+            return True
+        per_stream = self.backend.blocks_per_stream  # every band's ceiling with per-layer windows
+        held = sum(self.backend.blocks_held(sid) for sid in self._active)
         still_claimable = len(self._active) * per_stream - held
         return self.pool.num_free_blocks - still_claimable >= per_stream
 
@@ -564,7 +590,7 @@ class StreamingEngine:
                 continue
             if n < self.rate:  # ended, nothing left that makes an encoder frame
                 self._finish(s, "eos", outputs)
-            elif self.att.at_capacity(sid, n // self.rate):
+            elif self.backend.at_capacity(sid, n // self.rate):
                 self._finish(s, "length", outputs)
             else:
                 cohort.append(sid)
@@ -572,12 +598,13 @@ class StreamingEngine:
 
         width, encoder_frames = 0, 0
         active = len(self._active)  # streams holding blocks while the cohort is in flight
-        used, live = self.pool.num_used_blocks, sum(self.att.cached_frames(self._active))
+        used, live = self._used_blocks(), sum(self.backend.history_frames(sid) for sid in self._active)
         if cohort:
             width = self.cohort_width(len(cohort))
             enc = [n // self.rate for n in frames_in]
-            self.att.prepare_chunks_batched(cohort, enc)
-            used = self.pool.num_used_blocks
+            if self.att is not None:
+                self.att.prepare_chunks_batched(cohort, enc)
+            used = self._used_blocks()
             live += sum(enc)
             encoder_frames = sum(enc)
             self._forward(cohort, frames_in, enc, width, outputs)
@@ -593,8 +620,10 @@ class StreamingEngine:
     def _forward(self, cohort: list, frames_in: list, enc: list, width: int, outputs: dict) -> None:
         for row, sid in enumerate(cohort):
             s = self._streams[sid]
-            s.max_extent = max(s.max_extent, self.att.cached_frames(sid) + enc[row])
-        if self.model_tick is not None:
+            s.max_extent = max(s.max_extent, self.backend.history_frames(sid) + enc[row])
+        if self.att is None:
+            log_probs, hidden = self._model_step_fixed_extent(cohort, frames_in)
+        elif self.model_tick is not None:
             log_probs, hidden = self._model_step_fast(cohort, frames_in, enc, width)
         else:
             log_probs, hidden = self._model_step_reference(cohort, frames_in, enc, width)
@@ -662,6 +691,23 @@ class StreamingEngine:
         self.att.commit_chunks_batched(cohort, enc)
         self.cnn.update(cohort, new_cnn, pad_to=width)
         return log_probs.float().cpu(), (hidden[0].float().cpu() if hidden else None)
+
+    def _model_step_fixed_extent(self, cohort: list, frames_in: list) -> tuple:
+        """A slot or stateful runtime's step: the cohort's features through ``backend.forward_step`` (the slot
+        runtime pads to its width through the padding lane and may replay a graph; the stateful one runs at
+        batch N). Returns ``(log_probs, None)``: the list API gives no encoder output. The slot runtime wraps
+        its own device step (gather, step or replay, scatter) in ``tick_monitor``'s region; the stateful one
+        captures nothing, so nothing of it is checked."""
+        xs = torch.zeros((len(cohort), self.chunk_input_frames, self.input_dim), dtype=self.config.dtype)
+        for row, (sid, n) in enumerate(zip(cohort, frames_in, strict=True)):
+            xs[row, :n] = self._take(self._streams[sid], n)
+        if hasattr(self.backend, "step_monitor"):
+            self.backend.step_monitor = self.tick_monitor
+        log_probs, _ = self.backend.forward_step(cohort, xs.to(self.config.device), frames_in)
+        return log_probs.float().cpu(), None
+
+    def _used_blocks(self) -> int:
+        return 0 if self.pool is None else self.pool.num_used_blocks
 
     def _decode(self, cohort: list, chunks: list) -> list:
         """Decode the cohort's chunks; return each stream's best partial token list."""
@@ -751,6 +797,7 @@ class StreamingEngine:
         step so far, and the job's decoder K/V rows (before its first step, the encoder output).
         """
         self._check_open()
+        refuse_unless_offered(type(self.backend), self.model, "sessions", "suspend")
         s = self._stream(stream_id)
         if s.state == RESCORING:
             return self._suspend_rescoring(s)
@@ -799,6 +846,7 @@ class StreamingEngine:
         new slots and blocks; the stream goes on exactly as if it had never left. Returns its id.
         """
         self._check_open()
+        refuse_unless_offered(type(self.backend), self.model, "sessions", "resume")
         session = read_session(data, expect=SessionGeometry.of(self.config))
         e = session.engine
         if e is None:

@@ -3,8 +3,9 @@
 =============  =============================  =========================================================
 kind           backend                        what it owns per stream
 =============  =============================  =========================================================
-``"paged"``    ``PagedStreamingBackend``      K/V that grows: a block pool, per-layer tables, conv rows,
-                                              declared state (``StreamingEngine`` runs its tick on them)
+``"paged"``    ``PagedStreamingBackend``      K/V that grows: a block pool, per-layer tables (one window,
+                                              or a ``LayeredCache`` band per window), conv rows, declared
+                                              state (``StreamingEngine`` runs its paged tick on them)
 ``"slot"``     ``SlotStreamingBackend``       every tensor fixed-extent: one slot in a ``SlotStateCache``;
                                               the step is batched, and captured per width (CUDA graphs)
 ``"stateful"`` ``StatefulStreamingBackend``   a list of tensors threaded per request; nothing captured.
@@ -16,6 +17,19 @@ A runtime plugs in with ``@register_streaming_backend("kind")`` on a subclass of
 ``StreamingEncoderBackend``; ``build_streaming_backend(model, ...)`` reads the
 declaration and builds it. An unknown kind, or ``"none"``, is a ``ValueError`` that
 names the model and the kinds registered.
+
+``StreamingEngine`` builds its runtime the same way, through ``for_engine(model, config,
+twin)`` of the declared kind's class, and asks every runtime the same few questions
+(the base class gives the fixed-extent answers)::
+
+    pool, att, cnn     the paged caches (None for a fixed-extent runtime)
+    states             allocate_stream / free_stream per stream (a slot cache, or the runtime)
+    blocks_per_stream  pool blocks a stream may come to hold (0: nothing grows)
+    blocks_held(sid)   pool blocks it holds now
+    history_frames(sid), at_capacity(sid, frames)
+    forward_step(ids, xs, input_lens)      the model step of a fixed-extent runtime
+    refusal(model, feature)                why the engine cannot offer ``feature`` with this
+                                           runtime (``ENGINE_GAPS``), or None
 
 The slot and stateful runtimes share one surface (``allocate`` / ``free`` /
 ``forward_step``), and the list API of the encoder
@@ -38,6 +52,7 @@ from contextlib import nullcontext
 import torch
 
 from oasr.engine.tick import engine_widths
+from oasr.layer_specs import ATTENTION_SPECS
 from oasr.models.twins import twin_module
 
 logger = logging.getLogger("oasr.engine")
@@ -84,19 +99,6 @@ def check_streamable(model) -> str:
     return kind
 
 
-def paged_kind_or_refuse(model) -> str:
-    """``StreamingEngine``'s construction check: its tick drives paged K/V, so the model must declare
-    ``"paged"``; ``"none"``, an unknown kind, or a kind another runtime serves is a ``ValueError``
-    naming that runtime."""
-    kind = check_streamable(model)
-    if kind != "paged":
-        backend = STREAMING_BACKENDS[kind]
-        raise ValueError(f"{type(model).__name__} declares streaming_kind={kind!r}: StreamingEngine's tick runs "
-                         f"paged encoders; serve this one with {backend.__name__} "
-                         f"(build_streaming_backend(model, ...) in {__name__})")
-    return kind
-
-
 def build_streaming_backend(model, *args, **kwargs):
     """The backend of the model's declared kind, built with ``(model, *args, **kwargs)``."""
     return STREAMING_BACKENDS[check_streamable(model)](model, *args, **kwargs)
@@ -108,10 +110,29 @@ class StreamingEncoderBackend:
     ``allocate(stream_id)`` / ``free(stream_id)`` / ``has_stream``; ``forward_step(ids, xs,
     input_lens)`` runs one chunk for the streams ``ids`` (``xs (N, T, input_dim)``, ``T <=
     chunk_input_frames``; ``input_lens`` N ints) and returns ``(log_probs (N, T_out, vocab),
-    out_lens list)``. Geometry: ``chunk_input_frames``, ``subsampling_rate``.
+    out_lens list)``. Geometry: ``chunk_input_frames``, ``subsampling_rate``, ``input_dim``.
+
+    What ``StreamingEngine`` asks of a runtime (module docstring) has the fixed-extent answers
+    here: no pool, nothing grows, never at capacity. The paged runtime overrides them.
     """
 
     kind = None
+    pool = att = cnn = None  # the paged caches; a fixed-extent runtime has none
+    blocks_per_stream = 0  # pool blocks a stream may come to hold (its admission reservation)
+
+    # what the engine cannot offer with this runtime, feature -> reason (see ``refusal``)
+    ENGINE_GAPS: dict = {}
+
+    @classmethod
+    def for_engine(cls, model, config, twin="fast"):
+        """The runtime ``StreamingEngine`` serves ``model`` with, built from the engine's ``CacheConfig``."""
+        raise NotImplementedError
+
+    @classmethod
+    def refusal(cls, model, feature: str) -> str | None:
+        """Why an engine over this runtime cannot offer ``feature`` (``"sessions"``, ``"rescore"``,
+        ``"cuda_graphs"``, ``"kv_format"``) for ``model``; None when it can."""
+        return cls.ENGINE_GAPS.get(feature)
 
     def allocate(self, stream_id) -> None:
         """Give ``stream_id`` a fresh state (subclasses raise when it is taken or none is free)."""
@@ -128,6 +149,18 @@ class StreamingEncoderBackend:
     def forward_step(self, stream_ids, xs: torch.Tensor, input_lens):
         """One chunk for ``stream_ids``; returns ``(log_probs (N, T_out, vocab), out_lens list)``."""
         raise NotImplementedError
+
+    def blocks_held(self, stream_id) -> int:
+        """Pool blocks ``stream_id`` holds now (0 for fixed-extent state)."""
+        return 0
+
+    def history_frames(self, stream_id) -> int:
+        """Frames of K/V history the stream's next chunk reads (its widest layer; 0 without K/V)."""
+        return 0
+
+    def at_capacity(self, stream_id, num_frames: int) -> bool:
+        """Whether ``num_frames`` more encoder frames would pass the stream's ceiling (never, fixed-extent)."""
+        return False
 
     def _check_step(self, stream_ids, xs: torch.Tensor, input_lens) -> list:
         ids = list(stream_ids)
@@ -148,26 +181,81 @@ class StreamingEncoderBackend:
 
 @register_streaming_backend("paged")
 class PagedStreamingBackend(StreamingEncoderBackend):
-    """The paged Conformer's caches: a ``BlockPool``, an ``AttentionCacheManager``, a ``CnnCacheManager``
-    and the declared ``SlotStateCache`` (each with one padding lane). ``StreamingEngine`` builds this at
-    construction and runs its tick over them (``pool``, ``att``, ``cnn``, ``states``)."""
+    """The paged Conformer's caches: a ``BlockPool``, the attention tables, a ``CnnCacheManager`` and the
+    declared ``SlotStateCache`` (each with ``pad_lanes`` padding lanes). ``StreamingEngine`` builds this at
+    construction and runs its paged tick over them (``pool``, ``att``, ``cnn``, ``states``).
+
+    One window for every layer: ``att`` is the twin's ``AttentionCacheManager`` over ``BlockPool(config)``.
+    Per-layer windows (``model.config.layer_windows`` not all alike): ``att`` is the twin's
+    ``LayeredCache`` over the model's attention specs (``layered`` is True), one band per window over one
+    pool, each evicting by its own window; the engine's tick reads it through the same calls
+    (``allocate_stream``, ``prepare_chunks_batched``, ``get_paged_caches``, ``commit_chunks_batched``,
+    ``at_capacity``) and asks this backend how many blocks a stream may hold (the sum over the bands'
+    ceilings) and how many it holds. ``config`` is the shared geometry (``model.config.cache_config()``
+    gives it the widest window, so the fast tick's pinned launch plan covers every band).
+    """
 
     def __init__(self, model, config, twin="fast", pad_lanes: int = 1):
-        windows = set(getattr(model.config, "layer_windows", ()))
-        if len(windows) > 1:
-            raise ValueError(f"{type(model).__name__} has per-layer windows {sorted(windows, key=str)}: the engine's "
-                             f"paged tick reserves one window for every layer; stream it through a LayeredCache "
-                             f"(oasr.layered_cache) instead")
         ops = twin_module(twin)
         self.model, self.config = model, config
-        self.pool = ops.BlockPool(config, scratch_blocks=1)
-        self.att = ops.AttentionCacheManager(self.pool, config, pad_lanes=pad_lanes)
+        self.chunk_input_frames = model.config.chunk_input_frames
+        self.subsampling_rate = model.config.subsampling_rate
+        self.input_dim = model.config.input_dim
+        self.layered = len(set(getattr(model.config, "layer_windows", ()))) > 1
+        if self.layered:
+            attention = [spec for spec in model.layer_specs(config) if isinstance(spec, ATTENTION_SPECS)]
+            self.att = ops.LayeredCache(config, attention, pad_lanes=pad_lanes)
+            self.pool = self.att.pool
+            self.blocks_per_stream = sum(self.att.layout.blocks_per_stream())
+        else:
+            self.pool = ops.BlockPool(config, scratch_blocks=1)
+            self.att = ops.AttentionCacheManager(self.pool, config, pad_lanes=pad_lanes)
+            self.blocks_per_stream = config.blocks_per_stream
         self.cnn = ops.CnnCacheManager(config, pad_lanes=pad_lanes)
         self.states = ops.SlotStateCache(model.streaming_state_specs, config.max_batch_size, pad_lanes=pad_lanes,
                                          device=config.device, dtype=config.dtype)
 
+    @classmethod
+    def for_engine(cls, model, config, twin="fast"):
+        """Checks ``config`` against the model's geometry, then builds with one padding lane."""
+        model.check_cache_config(config)
+        return cls(model, config, twin, pad_lanes=1)
+
+    @classmethod
+    def refusal(cls, model, feature: str) -> str | None:
+        """Sessions carry one block table per stream: a model with per-layer windows has one per band."""
+        if feature == "sessions" and len(set(getattr(model.config, "layer_windows", ()))) > 1:
+            return ("its per-layer windows keep one block table per window band (LayeredCache), and a session "
+                    "carries one table per stream")
+        return super().refusal(model, feature)
+
+    def blocks_held(self, stream_id) -> int:
+        """Pool blocks ``stream_id`` holds now, over every band."""
+        if self.layered:
+            return sum(self.att.blocks_held(stream_id))
+        return len(self.att.describe(stream_id).blocks)
+
+    def history_frames(self, stream_id) -> int:
+        """Frames of history the stream's next chunk reads: its widest layer's."""
+        if self.layered:
+            return max(self.att.cached_frames(stream_id))
+        return self.att.cached_frames(stream_id)
+
+    def at_capacity(self, stream_id, num_frames: int) -> bool:
+        """Whether ``num_frames`` more encoder frames would pass a block ceiling (any band's)."""
+        return self.att.at_capacity(stream_id, num_frames)
+
 
 class _ListStateBackend(StreamingEncoderBackend):
+    """The list API's runtimes. In an engine, ``states`` is the runtime itself: admission calls
+    ``allocate_stream`` / ``free_stream`` on it as on a paged encoder's slot-state cache."""
+
+    ENGINE_GAPS = {
+        "sessions": "its state lives in the runtime's own rows, which the session format does not carry",
+        "rescore": "its list API returns log-probs only, and attention rescoring needs the encoder output",
+        "kv_format": "it keeps no K/V pages, so a page format (kv_cache_dtype) has nothing to store",
+    }
+
     def __init__(self, model, max_batch_size: int = 8, device="cpu", dtype=torch.float32):
         self.model = model
         self.max_batch_size = int(max_batch_size)
@@ -177,12 +265,34 @@ class _ListStateBackend(StreamingEncoderBackend):
         self.subsampling_rate = model.subsampling_rate
         self.input_dim = model.config.input_dim
 
+    @classmethod
+    def for_engine(cls, model, config, twin="fast"):
+        """Built from the engine's ``config``: only ``max_batch_size``, ``device`` and ``dtype`` apply
+        (the K/V geometry fields describe pages this runtime does not have)."""
+        return cls(model, config.max_batch_size, config.device, config.dtype)
+
+    @property
+    def states(self):
+        """What an engine allocates and frees per stream: this runtime."""
+        return self
+
+    def allocate_stream(self, stream_id) -> None:
+        """``allocate``, under the name an engine calls on every kind's per-stream state."""
+        self.allocate(stream_id)
+
+    def free_stream(self, stream_id) -> None:
+        """``free``, under the name an engine calls on every kind's per-stream state."""
+        self.free(stream_id)
+
 
 @register_streaming_backend("stateful")
 class StatefulStreamingBackend(_ListStateBackend):
     """Per stream, the encoder's list of state tensors (batch 1); a step concatenates the cohort's
     lists along each state's batch axis, runs ``streaming_forward`` once at ``B = N`` and splits the
     new states back. Readable and uncaptured: the slot runtime's parity oracle."""
+
+    ENGINE_GAPS = {**_ListStateBackend.ENGINE_GAPS,
+                   "cuda_graphs": "it runs op by op at batch N and captures nothing (declare 'slot' to capture)"}
 
     def __init__(self, model, max_batch_size: int = 8, device="cpu", dtype=torch.float32):
         super().__init__(model, max_batch_size, device, dtype)
@@ -256,13 +366,29 @@ class SlotStreamingBackend(_ListStateBackend):
         self.step_monitor = None  # e.g. a CaptureSafetyChecker: its region(label) wraps each device step
         self.runner = None
         if graphs:
-            from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
+            self.capture_graphs(capture)
 
-            if capture is None and not on_cuda:
-                raise ValueError(f"SlotStreamingBackend: graphs=True needs a CUDA device, got {self.device}")
-            capture = capture if capture is not None else CudaGraphCapture(self.device)
-            self.runner = GraphRunner(self.step, self.widths, capture)
-            self.runner.capture_all()
+    @classmethod
+    def for_engine(cls, model, config, twin="fast"):
+        """Built from the engine's ``config`` (``max_batch_size``, ``device``, ``dtype``), eager; the engine
+        captures the graphs afterwards (``capture_graphs``) when it runs graphed."""
+        return cls(model, config.max_batch_size, config.device, config.dtype, twin=twin)
+
+    def capture_graphs(self, capture=None) -> None:
+        """Capture ``step(width)`` for every width (CUDA graphs; ``capture`` a stand-in in tests); from now
+        on a step replays. A CPU device without a stand-in is refused (``ValueError``)."""
+        from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
+
+        if capture is None and self.device.type != "cuda":
+            raise ValueError(f"SlotStreamingBackend: graphs=True needs a CUDA device, got {self.device}")
+        capture = capture if capture is not None else CudaGraphCapture(self.device)
+        self.runner = GraphRunner(self.step, self.widths, capture)
+        self.runner.capture_all()
+
+    @property
+    def graphed(self) -> bool:
+        """Whether a step replays captured graphs."""
+        return self.runner is not None
 
     def pinned_host_tensors(self) -> list:
         """The pinned host staging tensors a step copies from (inputs, lengths)."""

@@ -13,3 +13,9 @@ class LayeredCache(LayeredCacheBase):
     pool_cls = BlockPool
     manager_cls = AttentionCacheManager
     state_cls = SlotStateCache
+
+    def _stage_like_cuda(self) -> None:
+        """Every band's manager on the staged path a CUDA device runs (``oasr.fast.attention_cache``), so the
+        capture-safety checker's ``watch_engine`` checks on the CPU the tick a CUDA device runs."""
+        for band in self.bands:
+            band._stage_like_cuda()
