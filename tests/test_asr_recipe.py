@@ -1,6 +1,9 @@
 """A smoke run of the training recipe: a few steps on real fbank features lower the joint loss."""
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
 from oasr.asr.audio import load_audio
@@ -45,6 +48,24 @@ def test_batches_and_schedule():
     assert all(max(lens[b]) * len(b) <= 650 or len(b) == 1 for b in plan)
     assert learning_rate(0, 100, 1.0, 10) == 0.1 and learning_rate(9, 100, 1.0, 10) == 1.0
     assert abs(learning_rate(100, 100, 1.0, 10) - 0.05) < 1e-9
+
+
+def test_serving_share_draws_the_serving_chunking():
+    import random
+
+    from oasr.asr.train import draw_chunking
+
+    # share 0 keeps the original schedule's draws exactly (a resumed run stays reproducible)
+    a, b = random.Random(5), random.Random(5)
+    original = [draw_chunking(a) for _ in range(200)]
+    assert [draw_chunking(b, (16, 4), 0.0) for _ in range(200)] == original
+    rng = random.Random(7)
+    draws = [draw_chunking(rng, (16, 4), 0.4) for _ in range(4000)]
+    serving = sum(d == (16, 4) for d in draws) / len(draws)
+    full = sum(d == (100000, -1) for d in draws) / len(draws)
+    assert 0.37 < serving < 0.44 and 0.27 < full < 0.33  # 0.4 + 0.6 * (1/50 * 1/7), 0.6 * 0.5
+    with pytest.raises(ValueError, match="serving_share"):
+        train(Path("."), 1, serving_share=1.0)
 
 
 def test_joint_loss_is_finite_for_every_chunking():

@@ -275,3 +275,51 @@ def test_a_dropped_engine_is_collected():
     plain = make_engine(model, "fast")  # without rescoring: nothing to remove, close still drops the model
     plain.close()
     assert plain.model is None and hooks(model) == base
+
+
+# ---- cancel ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("twin", ["fast", "reference"])
+def test_cancel_in_every_state_frees_everything_and_leaves_the_others_alone(twin):
+    """A client that went away: cancel a waiting, an active, a rescoring and a finished stream; the pool
+    and the slots come back, the id is free again, and the stream that stayed gets its undisturbed result."""
+    model = make_model()
+    cfg = model.config.cache_config(block_size_frames=3, max_batch_size=2)
+
+    def engine_():
+        return StreamingEngine(model, cfg, twin=twin, rescore=True, decode_steps_per_tick=1)
+
+    def add(engine, sid, seed):
+        engine.add_stream(sid)
+        engine.push(sid, features(seed=seed))
+
+    solo = engine_()
+    add(solo, "keep", 1)
+    solo.end_stream("keep")
+    solo.run()
+    want = solo.result("keep").tokens
+
+    engine = engine_()
+    free0 = engine.pool.num_free_blocks
+    for seed, sid in enumerate(("keep", "active", "waiting"), start=1):
+        add(engine, sid, seed)
+    engine.step()  # keep and active hold the two slots, waiting waits
+    assert engine.status("active") == "active" and engine.status("waiting") == "waiting"
+    engine.cancel("waiting")
+    engine.cancel("active")
+    assert engine.stream_ids == ["keep"] and engine.num_waiting == 0 and engine.num_active == 1
+    with pytest.raises(KeyError):
+        engine.cancel("active")
+    engine.add_stream("active")  # the id is free again
+    engine.cancel("active")
+    engine.end_stream("keep")
+    add(engine, "late", 4)
+    engine.end_stream("late")
+    while engine.status("late") != "rescoring":
+        engine.step()
+    engine.cancel("late")  # mid-rescoring: its job goes with it
+    engine.run()
+    assert engine.result("keep").tokens == want
+    engine.cancel("keep")  # finished: its result goes too
+    assert engine.stream_ids == [] and engine.pool.num_free_blocks == free0 and not engine._rescoring

@@ -23,17 +23,23 @@ def shard_path(directory, index: int) -> Path:
     return Path(directory) / f"shard_{index:04d}.npz"
 
 
-def make_shard(directory, index: int, count: int, seed: int, held_out: bool = False) -> Path:
-    """Synthesize shard ``index`` (``count`` utterances) into ``directory``; skips an existing one."""
-    from oasr.asr.synth import TEST_VARIANTS, TRAIN_VARIANTS, draw_utterance
+def make_shard(directory, index: int, count: int, seed: int, held_out: bool = False,
+               more_voices: bool = False) -> Path:
+    """Synthesize shard ``index`` (``count`` utterances) into ``directory``; skips an existing one.
 
+    Training shards are spoken by ``TRAIN_VARIANTS`` (with ``more_voices``: those and
+    ``MORE_TRAIN_VARIANTS``), held-out ones by ``TEST_VARIANTS``."""
+    from oasr.asr.synth import MORE_TRAIN_VARIANTS, TEST_VARIANTS, TRAIN_VARIANTS, draw_utterance
+
+    if held_out and more_voices:
+        raise ValueError("make_shard: a held-out shard is spoken by the test voices only (more_voices=False)")
     path = shard_path(directory, index)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = random.Random(f"{seed}/{index}")
     sentences = SentenceGenerator(rng.getrandbits(32), held_out=held_out)
-    variants = TEST_VARIANTS if held_out else TRAIN_VARIANTS
+    variants = TEST_VARIANTS if held_out else TRAIN_VARIANTS + (MORE_TRAIN_VARIANTS if more_voices else [])
     feats, lens, texts, voices = [], [], [], []
     for _ in range(count):
         text = next(sentences)

@@ -54,6 +54,11 @@ class OnlineFbank:
 
     ``pcm`` is float in [-1, 1] at 16 kHz (any length, possibly empty). ``finish()`` marks the end of
     the input and returns nothing new (``snip_edges``: a partial last window is dropped, as offline).
+
+    Every frame depends only on the samples of its own window (no dither, no cross-frame state), so
+    the extractor's whole state is ``tail``: the samples from the start of the next frame on (fewer
+    than one window plus a shift). ``OnlineFbank.restore(tail)`` continues where it left off, frame
+    for frame identical to never having stopped (what a suspended stream carries).
     """
 
     def __init__(self):
@@ -62,6 +67,19 @@ class OnlineFbank:
         self._fbank = knf.OnlineFbank(_options())
         self._taken = 0
         self.finished = False
+        self.tail = np.zeros(0, dtype=np.float32)
+
+    @classmethod
+    def restore(cls, tail) -> OnlineFbank:
+        """An extractor that goes on from ``tail`` (another one's ``tail``); no frame is due yet."""
+        x = _as_pcm(tail)
+        if x.size >= FRAME_LENGTH:
+            raise ValueError(f"OnlineFbank.restore: a tail holds fewer than {FRAME_LENGTH} samples (a whole "
+                             f"window would already have made a frame), got {x.size}")
+        online = cls()
+        if online.accept(x).shape[0]:  # pragma: no cover - excluded by the length check
+            raise AssertionError("a restored tail made a frame")
+        return online
 
     def accept(self, pcm) -> np.ndarray:
         """Take more PCM samples; returns the fbank frames now complete (``ValueError`` after ``finish``)."""
@@ -71,14 +89,19 @@ class OnlineFbank:
         if x.size:
             # Kaldi's fbank works on 16-bit sample values, as kaldi's wav reader gives them
             self._fbank.accept_waveform(SAMPLE_RATE, (x * 32768.0).tolist())
-        return self._take()
+            self.tail = np.concatenate([self.tail, x])
+        frames = self._take()
+        self.tail = self.tail[len(frames) * FRAME_SHIFT :]
+        return frames
 
     def finish(self) -> np.ndarray:
         """End the input; returns the last frames (calling it again returns none)."""
         if not self.finished:
             self._fbank.input_finished()
             self.finished = True
-        return self._take()
+        frames = self._take()
+        self.tail = np.zeros(0, dtype=np.float32)
+        return frames
 
     def _take(self) -> np.ndarray:
         ready = self._fbank.num_frames_ready

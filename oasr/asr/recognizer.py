@@ -16,10 +16,19 @@ Per chunk the stream records the latency from the moment its last audio sample w
 moment the tick that turned it into a partial result returned (``AudioStream.latencies``).
 A bad file or bad PCM is refused with ``AudioError`` before anything reaches the engine, so the
 other streams are unaffected.
+
+A live stream can leave and come back: ``suspend(id)`` returns bytes that hold everything the
+stream is (the front end's unconsumed samples, its counters and partials, and the engine's session:
+caches, buffered frames, beam state), ``resume(bytes)`` on any recognizer of the same model and
+geometry continues it, to the transcript it would have had had it never left; ``cancel(id)`` drops
+a stream whose client went away. These are what a server's shutdown and a replica's migration use.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -32,6 +41,8 @@ from oasr.asr.audio import check_pcm, load_audio
 from oasr.asr.checkpoint import load_checkpoint
 from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE, OnlineFbank
 from oasr.ctc_config import CtcDecoderConfig
+
+STREAM_MAGIC = b"OASRAUD1"  # a suspended AudioStream (Recognizer.suspend)
 
 
 def default_model_path() -> Path:
@@ -137,6 +148,117 @@ class Recognizer:
         sid = self.engine.add_stream(stream_id)
         stream = self.streams[sid] = AudioStream(self, sid)
         return stream
+
+    def cancel(self, stream_id) -> None:
+        """Drop a live stream now (its client went away): its slot, blocks and beam state go back to the
+        pools, nothing of it is kept. ``KeyError`` for an unknown id."""
+        if stream_id not in self.streams:
+            raise KeyError(f"unknown stream id {stream_id!r}")
+        self.engine.cancel(stream_id)
+        del self.streams[stream_id]
+
+    def suspend(self, stream_id) -> bytes:
+        """Take a live stream out of the recognizer as self-contained bytes (see ``resume``).
+
+        The bytes hold the front end's unconsumed samples, the stream's counters, text and partials, and
+        either the engine's session (a stream that has been admitted: ``StreamingEngine.suspend``) or,
+        for one still waiting for its first admission, the feature frames it has buffered. A stream
+        being rescored or finished cannot be suspended (``ValueError``, as the engine says); ``KeyError``
+        for an unknown id. Nothing changes on an error. Per-chunk latencies already measured stay with
+        the caller's copy of the stream; arrival times do not travel (they are this process's clock)."""
+        if stream_id not in self.streams:
+            raise KeyError(f"unknown stream id {stream_id!r}")
+        stream = self.streams[stream_id]
+        if self.engine.admitted(stream_id) or self.engine.status(stream_id) != "waiting":
+            kind, payload = "session", self.engine.suspend(stream_id)  # raises for rescoring / finished
+            ended = None
+        else:
+            feats = self.engine.buffered_input(stream_id).float().contiguous()
+            kind, payload, ended = "features", feats.numpy().tobytes(), self.engine.input_ended(stream_id)
+            self.engine.cancel(stream_id)
+        del self.streams[stream_id]
+        meta = {"version": 1, "kind": kind, "stream_id": stream_id, "samples": stream.samples,
+                "frames_pushed": stream.frames_pushed, "frames_done": stream.frames_done, "text": stream.text,
+                "partials": [[t, text] for t, text in stream.partials], "fbank_finished": stream.fbank.finished,
+                "input_ended": ended, "model": self.engine.model_digest.hex()}
+        body = json.dumps(meta).encode()
+        tail = stream.fbank.tail.astype(np.float32).tobytes()
+        data = b"".join([STREAM_MAGIC, struct.pack("<I", len(body)), body, struct.pack("<Q", len(tail)), tail,
+                         struct.pack("<Q", len(payload)), payload])
+        return data + hashlib.blake2b(data, digest_size=32).digest()
+
+    def resume(self, data, stream_id=None) -> AudioStream:
+        """A stream suspended by ``suspend`` (here or on another recognizer of the same model and
+        geometry), live again under ``stream_id`` (default: its own id); feed it the audio that follows.
+
+        The bytes are verified whole (checksum, layout, model) before anything changes; corrupt,
+        truncated or foreign bytes raise ``ValueError`` (``oasr.session.SessionError`` for the engine's
+        part), an id in use ``ValueError``. Latencies start afresh (the resumed stream's first chunk is
+        timed from the resume)."""
+        meta, tail, payload = self._read_stream_blob(data)
+        if meta["kind"] == "session":
+            sid = self.engine.resume(payload, stream_id)
+        else:
+            feats = np.frombuffer(payload, dtype=np.float32).reshape(-1, self.encoder.config.input_dim)
+            sid = self.engine.add_stream(meta["stream_id"] if stream_id is None else stream_id)
+            try:
+                if len(feats):
+                    self.engine.push(sid, torch.from_numpy(feats.copy()))
+                if meta["input_ended"]:
+                    self.engine.end_stream(sid)
+            except Exception:
+                self.engine.cancel(sid)
+                raise
+        stream = AudioStream(self, sid)
+        stream.fbank = OnlineFbank.restore(tail)
+        if meta["fbank_finished"]:
+            stream.fbank.finish()
+        stream.samples, stream.frames_pushed = meta["samples"], meta["frames_pushed"]
+        stream.frames_done, stream.text = meta["frames_done"], meta["text"]
+        stream.partials = [(t, text) for t, text in meta["partials"]]
+        stream._arrivals = [(stream.frames_pushed, time.perf_counter())]
+        self.streams[sid] = stream
+        return stream
+
+    def _read_stream_blob(self, data) -> tuple[dict, np.ndarray, bytes]:
+        data = bytes(data)
+        if len(data) < len(STREAM_MAGIC) + 4 + 16 + 32 or not data.startswith(STREAM_MAGIC):
+            raise ValueError("Recognizer.resume: not a suspended stream (expected bytes from Recognizer.suspend, "
+                             f"starting {STREAM_MAGIC!r}; got {len(data)} bytes starting {data[:8]!r})")
+        body, digest = data[:-32], data[-32:]
+        if hashlib.blake2b(body, digest_size=32).digest() != digest:
+            raise ValueError("Recognizer.resume: the suspended stream is corrupt or truncated (checksum differs)")
+        at = len(STREAM_MAGIC)
+        try:
+            (n,) = struct.unpack_from("<I", body, at)
+            meta = json.loads(body[at + 4 : at + 4 + n])
+            at += 4 + n
+            (n,) = struct.unpack_from("<Q", body, at)
+            tail = np.frombuffer(body[at + 8 : at + 8 + n], dtype=np.float32).copy()
+            at += 8 + n
+            (n,) = struct.unpack_from("<Q", body, at)
+            payload = body[at + 8 : at + 8 + n]
+            if at + 8 + n != len(body) or len(payload) != n:
+                raise ValueError("lengths do not add up")
+        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"Recognizer.resume: malformed suspended stream ({exc})") from None
+        if meta.get("version") != 1 or meta.get("kind") not in ("session", "features"):
+            raise ValueError(f"Recognizer.resume: unknown suspended-stream version/kind "
+                             f"({meta.get('version')!r}, {meta.get('kind')!r})")
+        if meta["model"] != self.engine.model_digest.hex():
+            raise ValueError("Recognizer.resume: the stream was suspended on another model (weights digest differs)")
+        if meta["kind"] == "features" and len(payload) % (4 * self.encoder.config.input_dim):
+            raise ValueError(f"Recognizer.resume: buffered features of {len(payload)} bytes are not whole "
+                             f"{self.encoder.config.input_dim}-dim float32 frames")
+        return meta, tail, payload
+
+    def pool_usage(self) -> dict:
+        """Blocks and slots in use now, and the streams live / waiting: what a server's metrics report."""
+        pool, cfg = self.engine.pool, self.cache_config
+        return {"blocks_used": cfg.max_num_blocks - pool.num_free_blocks, "blocks_total": cfg.max_num_blocks,
+                "slots_used": self.engine.num_active, "slots_total": cfg.max_batch_size,
+                "streams_active": self.engine.num_active, "streams_waiting": self.engine.num_waiting,
+                "streams_open": len(self.streams)}
 
     def step(self) -> list:
         """One engine tick; returns the ``Transcript`` of every stream that finished in it."""

@@ -26,6 +26,11 @@ ACCENTS = ["en-us", "en", "en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-
 TRAIN_VARIANTS = ["m1", "m2", "m3", "m4", "m6", "m7", "f1", "f2", "f4", "f5", "klatt", "klatt3", "klatt4",
                   "Andy", "Annie", "Denis", "Michael", "john", "linda", "max"]
 TEST_VARIANTS = ["m5", "f3", "klatt2", "paul", "anika"]
+# a second, wider voice set for the extra shards (``python -m oasr train --extra-voice-shards``): more
+# female and high-pitched variants (the base set has few, and the held-out high-pitched voice scored worst);
+# none of them is a test variant or derived from one (anikaRobot is anika's, so it is left out)
+MORE_TRAIN_VARIANTS = ["belinda", "aunty", "steph", "Alicia", "Andrea", "shelby", "grandma", "m8", "klatt5",
+                       "klatt6", "adam", "edward", "iven", "quincy", "zac", "rob", "travis", "benjamin"]
 
 
 def espeak_available() -> bool:

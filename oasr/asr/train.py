@@ -6,6 +6,9 @@ head jointly with the ``AttentionDecoder`` (so the second pass that rescores the
 model, not a random one). Each batch draws its attention mask: full context with probability 1/2,
 otherwise a chunk of 1-25 encoder frames and a left context of 1-8 chunks or unlimited (WeNet's
 dynamic chunk training), so one checkpoint serves every chunk size and left window the caches offer.
+With ``serving_share`` > 0 that share of the batches is drawn at the serving chunk and left context
+instead (a later phase of the shipped model's schedule: it closes the gap between the streaming first
+pass and full context at the default chunk, and the other chunkings stay in the mix).
 
 Everything is seeded; ``DIR/state.pt`` (tensors only, read back with ``weights_only=True``) is written
 every ``--save-every`` steps and a rerun resumes from it. The weights shipped with the package are the
@@ -69,8 +72,15 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * done)))
 
 
-def draw_chunking(rng: random.Random) -> tuple[int, int]:
-    """(chunk_size, num_left_chunks) for one batch: full context half the time, else a random chunking."""
+def draw_chunking(rng: random.Random, serving: tuple[int, int] | None = None,
+                  serving_share: float = 0.0) -> tuple[int, int]:
+    """(chunk_size, num_left_chunks) for one batch.
+
+    ``serving_share`` of the batches take ``serving`` (the spec's chunk and left context); of the rest,
+    half run full context and half a random chunk of 1-25 frames with 1-8 or unlimited left chunks. With
+    ``serving_share == 0`` the draws (and so a seeded run) are those of the original schedule."""
+    if serving_share > 0 and rng.random() < serving_share:
+        return serving
     if rng.random() < 0.5:
         return 100000, -1
     return rng.randint(1, 25), rng.choice([-1, 1, 2, 3, 4, 6, 8])
@@ -116,8 +126,14 @@ def greedy_wer(encoder, tokenizer, cmvn, shards: ShardSet, count: int, chunk: in
 
 def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: float = 2e-3,
           warmup: int = 400, ema_decay: float = 0.999, save_every: int = 200, log_every: int = 25,
-          dev_dir: Path | None = None, spec: AsrSpec | None = None, log=print) -> dict:
-    """Train for ``steps`` optimizer steps on the shards in ``work/train`` (resuming ``work/state.pt``)."""
+          dev_dir: Path | None = None, spec: AsrSpec | None = None, serving_share: float = 0.0,
+          log=print) -> dict:
+    """Train for ``steps`` optimizer steps on the shards in ``work/train`` (resuming ``work/state.pt``).
+
+    ``serving_share`` (0 <= share < 1) is the share of batches drawn at the serving chunking
+    (``draw_chunking``)."""
+    if not 0.0 <= serving_share < 1.0:
+        raise ValueError(f"serving_share must be in [0, 1), got {serving_share}")
     work = Path(work)
     spec = spec or AsrSpec()
     tok = spec.tokenizer()
@@ -146,6 +162,7 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
         f"{torch.get_num_threads()} threads")
     dev = ShardSet(dev_dir) if dev_dir is not None and Path(dev_dir).exists() else None
     g = torch.Generator().manual_seed(seed)
+    serving = (spec.encoder["chunk_size"], spec.encoder["num_left_chunks"])
     t_start, seen, seen_frames = time.time(), 0, 0
     losses = []
 
@@ -171,7 +188,7 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
                 x[b, : lens[b]] = cmvn.normalize(data.utterance(i).astype(np.float32))
             spec_augment(x, lens, g)
             targets = [tok.encode(data.texts[i]) for i in idx]
-            chunk, left = draw_chunking(rng)
+            chunk, left = draw_chunking(rng, serving, serving_share)
             for group in opt.param_groups:
                 group["lr"] = learning_rate(step, steps, lr, warmup)
             loss, ctc, att = joint_loss(encoder, decoder, tok, x, lens, targets, chunk, left)

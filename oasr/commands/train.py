@@ -21,6 +21,9 @@ def build_parser() -> CommandParser:
     parser = CommandParser(prog="python -m oasr train", description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("--work", required=True, help="working directory (shards, state, exported model)")
     parser.add_argument("--shards", type=int, default=12, help="training shards to synthesize")
+    parser.add_argument("--extra-voice-shards", type=int, default=0,
+                        help="more training shards after those, spoken by the base and a wider second voice set "
+                             "(the shipped model: 3)")
     parser.add_argument("--shard-size", type=int, default=2000, help="utterances per shard")
     parser.add_argument("--steps", type=int, default=8800, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1.2e-3, help="peak learning rate (warmup 400 steps, then cosine)")
@@ -30,15 +33,18 @@ def build_parser() -> CommandParser:
     parser.add_argument("--max-frames", type=int, default=3000,
                         help="padded feature frames per batch (3000: about 9 utterances; on a CPU more, smaller "
                              "steps learned faster than fewer large ones)")
+    parser.add_argument("--serving-share", type=float, default=0.0,
+                        help="share of batches trained at the serving chunk and left context (the rest: full "
+                             "context or a random chunking); the shipped model's last phase used 0.4")
     return parser
 
 
 def _shard(job):
     from oasr.asr.data import make_shard
 
-    directory, index, size, seed = job
+    directory, index, size, seed, more_voices = job
     t0 = time.time()
-    make_shard(directory, index, size, seed)
+    make_shard(directory, index, size, seed, more_voices=more_voices)
     return index, time.time() - t0
 
 
@@ -46,8 +52,10 @@ def main(argv=None) -> int:
     """Run ``python -m oasr train`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_at_least(parser, args, {"shards": 1, "shard_size": 1, "steps": 1, "workers": 1, "threads": 1,
-                                  "max_frames": 1000})
+    check_at_least(parser, args, {"shards": 1, "extra_voice_shards": 0, "shard_size": 1, "steps": 1, "workers": 1,
+                                  "threads": 1, "max_frames": 1000})
+    if not 0.0 <= args.serving_share < 1.0:
+        parser.error(f"--serving-share must be in [0, 1), got {args.serving_share}")
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
     if shutil.which("espeak-ng") is None:
@@ -62,7 +70,8 @@ def main(argv=None) -> int:
     work = Path(args.work)
     (work / "train").mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    jobs = [(work / "train", i, args.shard_size, args.seed) for i in range(args.shards)]
+    jobs = [(work / "train", i, args.shard_size, args.seed, i >= args.shards)
+            for i in range(args.shards + args.extra_voice_shards)]
     with Pool(args.workers) as pool:
         for index, seconds in pool.imap_unordered(_shard, jobs):
             print(f"shard {index}: {args.shard_size} utterances in {seconds:.0f} s", flush=True)
@@ -70,10 +79,11 @@ def main(argv=None) -> int:
     synth_seconds = time.time() - t0
     torch.set_num_threads(args.threads)
     out = train(work, args.steps, seed=args.seed, max_frames=args.max_frames, lr=args.lr, dev_dir=work / "dev",
-                log=lambda s: print(s, flush=True))
+                serving_share=args.serving_share, log=lambda s: print(s, flush=True))
     params = sum(p.numel() for m in (out["encoder"], out["decoder"]) for p in m.parameters())
     info = {"steps": out["step"], "train_seconds": round(out["seconds"]), "synth_seconds": round(synth_seconds),
-            "utterances": args.shards * args.shard_size, "seed": args.seed, "threads": args.threads,
+            "utterances": (args.shards + args.extra_voice_shards) * args.shard_size, "seed": args.seed,
+            "threads": args.threads,
             "parameters": params}
     save_checkpoint(work / "model.safetensors", out["encoder"], out["decoder"], out["spec"], out["cmvn"], info)
     print(f"exported {work / 'model.safetensors'}; evaluate it with: python -m oasr eval --model "

@@ -345,6 +345,37 @@ class StreamingEngine:
             raise ValueError(f"stream {stream_id!r}: end_stream called twice")
         s.ended = True
 
+    def cancel(self, stream_id) -> None:
+        """Drop a stream at once, whatever its state: a waiting stream leaves the queue, an active one
+        gives back its slot, its blocks and its decoder state, a stream being rescored drops its job,
+        a finished one its result. The id is forgotten (it may be used again). A client that went away
+        is the use: nothing of it stays in the engine. ``KeyError`` for an unknown id; nothing changes."""
+        s = self._stream(stream_id)
+        if s.state == ACTIVE:
+            self._contexts.pop(stream_id).free()
+            self.states.free_stream(stream_id)
+            self._active.remove(stream_id)
+        elif s.state == WAITING:
+            self._waiting.remove(stream_id)
+        elif s.state == RESCORING:
+            self._rescoring = [(sid, job) for sid, job in self._rescoring if sid != stream_id]
+        self.results.pop(stream_id, None)
+        del self._streams[stream_id]
+
+    def buffered_input(self, stream_id) -> torch.Tensor:
+        """A copy of the stream's feature frames pushed but not yet encoded, ``(T, input_dim)`` on the CPU."""
+        s = self._stream(stream_id)
+        if not s.pending:
+            return torch.zeros(0, self.input_dim, dtype=self.config.dtype)
+        return torch.cat(s.pending).clone()
+
+    def admitted(self, stream_id) -> bool:
+        """Whether the stream holds cache state that ``suspend`` can save: it is active, or it was
+        resumed and waits to be admitted again. A new stream still waiting for its first admission, and
+        a stream that is being rescored or has finished, hold none."""
+        s = self._stream(stream_id)
+        return s.state == ACTIVE or (s.state == WAITING and s.session is not None)
+
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_active(self) -> int:
