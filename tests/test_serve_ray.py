@@ -45,20 +45,31 @@ def streams():
     """Two CPU engines (half a CPU each, one torch thread) and the router on a local 2-CPU Ray instance."""
     import ray
     from ray import serve
+    from ray.cluster_utils import Cluster
 
-    from oasr.serve.ray import deploy, start_local
+    from oasr.serve.ray import deploy
 
     # Ray's worker processes must import this checkout's oasr, whatever the installed one is
     root = str(Path(oasr.__file__).resolve().parents[1])
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([saved] if saved else []))
+    cluster = None
     try:
-        start_local(num_cpus=2, object_store_memory=256 * 1024**2)
+        # Ray's test cluster rather than ray.init: the same head node without the autoscaler monitor and the
+        # log monitor, two fewer Python processes starting while the raylet gives its dashboard agent a fixed
+        # 15 s to come up (a loaded 2-core machine misses that now and then)
+        cluster = Cluster(initialize_head=True, connect=True, head_node_args=dict(
+            num_cpus=2, include_dashboard=False, no_monitor=True, include_log_monitor=False,
+            object_store_memory=256 * 1024**2))
+        serve.start(proxy_location="Disabled")
         client = deploy(2, engine_cpus=0.5, torch_threads=1, recognizer_options={"max_streams": 8}, timeout_s=120)
         yield client
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():  # (serve.shutdown() alone would start a Ray instance to shut down)
+            serve.shutdown()
+            ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:

@@ -112,7 +112,8 @@ class EngineReplica:
         return await self._command(lambda: self._cancel(stream_id))
 
     async def suspend(self, stream_id) -> dict:
-        """Take a stream out of this engine to move it: ``{"session": bytes}`` (live) or ``{"result": dict}``."""
+        """Take a stream out of this engine to move it: ``{"session": bytes}`` (live) or ``{"result": dict}``
+        (finished); ``{"busy": True}`` and nothing taken while its second pass (rescoring) runs."""
         return await self._command(lambda: self._suspend(stream_id))
 
     async def resume(self, moved: dict, stream_id) -> None:
@@ -215,6 +216,8 @@ class EngineReplica:
         if stream_id in self.finished:
             return {"result": self.finished.pop(stream_id)}
         self._live(stream_id)
+        if self.recognizer.engine.status(stream_id) == "rescoring":
+            return {"busy": True}  # its audio is all in; the transcript follows in a tick or two
         return {"session": self.recognizer.suspend(stream_id)}
 
     def _resume(self, moved: dict, stream_id) -> None:
@@ -253,6 +256,7 @@ class StreamRouter:
         self.closed: set = set()  # drained engines
         self._locks: dict = {}
         self._turn = itertools.count()
+        self.busy_timeout_s = 30.0  # how long a move waits for a stream's rescoring to finish
 
     # -- streams --
     async def open_stream(self, stream_id=None, engine: str | None = None) -> object:
@@ -324,6 +328,13 @@ class StreamRouter:
             if target == source:
                 raise ValueError(f"StreamRouter: stream {stream_id!r} is already on {source}")
             moved = await self.engines[source].suspend.remote(stream_id)
+            deadline = asyncio.get_running_loop().time() + self.busy_timeout_s
+            while moved.get("busy"):  # being rescored: move its transcript once it is there
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise TimeoutError(f"StreamRouter: stream {stream_id!r} still rescoring after "
+                                       f"{self.busy_timeout_s} s; not moved")
+                await asyncio.sleep(0.02)
+                moved = await self.engines[source].suspend.remote(stream_id)
             try:
                 await self.engines[target].resume.remote(moved, stream_id)
             except BaseException:
