@@ -212,3 +212,168 @@ def test_refusals_leave_streams_as_they_were(streams, clips):
     feed(streams, sid, pcm, len(pcm) // 2, len(pcm))
     streams.end(sid)
     assert streams.result(sid)["text"] == text
+
+
+# ---- the router's bookkeeping alone, on in-memory engines (no Ray processes) ---------------------------------
+class _Call:
+    """What a deployment handle's method looks like to the router: ``.remote(...)`` gives an awaitable."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeEngine:
+    """An engine handle stand-in: a stream is the list of audio pieces it got; a move carries that list."""
+
+    def __init__(self, name):
+        self.name, self.streams, self.refuse, self.busy = name, {}, False, {}
+        for method in ("open", "accept", "end", "poll", "pop_result", "cancel", "suspend", "resume", "load"):
+            setattr(self, method, _Call(getattr(self, "_" + method)))
+
+    async def _open(self, sid):
+        self.streams[sid] = []
+        return sid
+
+    async def _accept(self, sid, pcm, rate):
+        self.streams[sid].append(pcm)
+
+    async def _end(self, sid):
+        self.streams[sid]
+
+    async def _poll(self, sid):
+        return {"id": sid, "engine": self.name, "text": " ".join(self.streams[sid]), "final": False}
+
+    async def _pop_result(self, sid):
+        return {"id": sid, "engine": self.name, "text": " ".join(self.streams.pop(sid)), "final": True}
+
+    async def _cancel(self, sid):
+        del self.streams[sid]
+
+    async def _suspend(self, sid):
+        if self.busy.get(sid):
+            self.busy[sid] -= 1
+            return {"busy": True}
+        pieces = self.streams.pop(sid)
+        return {"session": " ".join(pieces).encode(), "pieces": pieces}
+
+    async def _resume(self, moved, sid):
+        if self.refuse:
+            raise ValueError(f"{self.name} refuses the session")
+        self.streams[sid] = moved["pieces"]
+
+    async def _load(self):
+        return {"engine": self.name, "live": len(self.streams)}
+
+
+def router(n=3, placement="least_loaded"):
+    from oasr.serve.ray import StreamRouter
+
+    engines = [FakeEngine(f"engine{i}") for i in range(n)]
+    return StreamRouter(engines, [e.name for e in engines], placement), engines
+
+
+def run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("placement, expected", [("least_loaded", ["engine0", "engine1", "engine2", "engine0"]),
+                                                 ("round_robin", ["engine0", "engine1", "engine2", "engine0"])])
+def test_router_places_new_streams(placement, expected):
+    r, _ = router(3, placement)
+
+    async def scenario():
+        return [r.homes[await r.open_stream(f"s{i}")] for i in range(4)]
+
+    assert run(scenario()) == expected
+
+
+def test_router_least_loaded_fills_the_emptiest_engine():
+    r, _ = router(3)
+
+    async def scenario():
+        for i in range(3):
+            await r.open_stream(f"pinned{i}", engine="engine0")
+        return [r.homes[await r.open_stream(f"s{i}")] for i in range(4)]
+
+    assert run(scenario()) == ["engine1", "engine2", "engine1", "engine2"]
+
+
+def test_router_move_carries_the_stream_and_later_calls_follow_it():
+    r, engines = router(2)
+
+    async def scenario():
+        sid = await r.open_stream("a", engine="engine0")
+        await r.accept(sid, "one", 16000)
+        move = await r.migrate(sid)
+        await r.accept(sid, "two", 16000)
+        return move, await r.poll(sid)
+
+    move, state = run(scenario())
+    assert (move["from"], move["to"], move["bytes"]) == ("engine0", "engine1", len(b"one"))
+    assert state == {"id": "a", "engine": "engine1", "text": "one two", "final": False}
+    assert engines[0].streams == {} and engines[1].streams == {"a": ["one", "two"]}
+
+
+def test_router_refused_resume_puts_the_stream_back_on_its_source():
+    r, engines = router(2)
+    engines[1].refuse = True
+
+    async def scenario():
+        await r.open_stream("a", engine="engine0")
+        await r.accept("a", "one", 16000)
+        with pytest.raises(ValueError, match="refuses"):
+            await r.migrate("a", to="engine1")
+        await r.accept("a", "two", 16000)
+
+    run(scenario())
+    assert r.homes == {"a": "engine0"} and engines[0].streams == {"a": ["one", "two"]} and engines[1].streams == {}
+
+
+def test_router_waits_out_a_stream_being_rescored():
+    r, engines = router(2)
+    engines[0].busy["a"] = 3
+
+    async def scenario():
+        await r.open_stream("a", engine="engine0")
+        return await r.migrate("a")
+
+    assert run(scenario())["to"] == "engine1" and engines[0].busy["a"] == 0
+    r2, engines2 = router(2)
+    r2.busy_timeout_s = 0.05
+    engines2[0].busy["a"] = 10**6
+
+    async def stuck():
+        await r2.open_stream("a", engine="engine0")
+        with pytest.raises(TimeoutError, match="rescoring"):
+            await r2.migrate("a")
+
+    run(stuck())
+    assert r2.homes == {"a": "engine0"}
+
+
+def test_router_drain_spreads_streams_over_the_open_engines_then_rebalance_evens_them():
+    r, engines = router(3)
+
+    async def scenario():
+        for i in range(6):
+            await r.open_stream(f"s{i}")  # two per engine
+            await r.accept(f"s{i}", f"piece{i}", 16000)
+        moves = await r.drain("engine1")
+        counts_after_drain = r._counts()
+        await r.restore("engine1")
+        back = await r.rebalance()
+        return moves, counts_after_drain, back
+
+    moves, drained, back = run(scenario())
+    assert sorted(m["id"] for m in moves) == ["s1", "s4"] and {m["to"] for m in moves} == {"engine0", "engine2"}
+    assert drained == {"engine0": 3, "engine1": 0, "engine2": 3}
+    assert len(back) == 2 and all(m["to"] == "engine1" for m in back)
+    assert sorted(r._counts().values()) == [2, 2, 2]
+    held = {sid: pieces for e in engines for sid, pieces in e.streams.items()}
+    assert held == {f"s{i}": [f"piece{i}"] for i in range(6)}  # every stream moved whole, none lost or doubled
+    assert all(r.homes[sid] == e.name for e in engines for sid in e.streams)
