@@ -34,7 +34,8 @@ Migration (``StreamRouter.migrate``, and ``drain`` / ``rebalance``, which use it
 session bytes: ``Recognizer.suspend`` on the source (the stream leaves it, its blocks and slot are freed), the
 bytes through Ray, ``Recognizer.resume`` on the target under the same id. The router holds the stream's lock
 for the whole move, so the stream's calls wait and then go to the new engine; the client sees one stream. A
-stream that has already finished moves as its transcript. What a session restores is the stream exactly (K/V
+stream that has already finished moves as its transcript; one whose second pass (rescoring) is running is
+moved as its transcript once that is done. What a session restores is the stream exactly (K/V
 window, conv and CTC state, unconsumed audio features, partial text); the resumed stream then computes in
 the target engine's cohorts, so its transcript equals one that never moved (the tests check it against
 ``Recognizer.transcribe`` on shipped clips) and is bit-identical only where the cohort widths also match.
@@ -320,7 +321,9 @@ class StreamRouter:
 
         Returns ``{"id", "from", "to", "bytes"}`` (``bytes``: the session's size, 0 for a finished stream).
         Refused (``ValueError``, nothing moved) for an unknown or closed target or the stream's own engine.
-        If the target refuses the session the stream goes back to its source, so it is never lost.
+        If the target refuses the session the stream goes back to its source, so it is never lost. A stream
+        being rescored is waited for (at most ``busy_timeout_s``, then ``TimeoutError``, nothing moved) and
+        moves as its transcript.
         """
         async with self._lock(stream_id):
             source = self.homes[stream_id]
