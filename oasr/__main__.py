@@ -1,5 +1,5 @@
 """``python -m oasr <command>`` (or ``oasr <command>``): demo (the main job), transcribe, eval, train, bench,
-kernels, formats, engine-demo; ``--version``."""
+kernels, formats, engine-demo, serve; ``--version``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ COMMANDS = {
     "formats": ("oasr.commands.formats", "the K/V page formats: bytes, and what serves them on this machine"),
     "engine-demo": ("oasr.commands.demo", "the engine on a seeded random model and synthetic features: every "
                     "cache option (eviction, prefill, fp8, sessions)"),
+    "serve": ("oasr.commands.serve", "an HTTP/WebSocket server: OpenAI's transcription API, live audio, metrics"),
 }
 
 

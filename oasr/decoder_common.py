@@ -303,3 +303,38 @@ def check_pool(config: DecoderCacheConfig, pool) -> None:
             f"DecoderKVCacheManager: pool geometry (layers, kv heads, head_dim, page) = {geometry} with "
             f"{pool.scratch_blocks} scratch blocks; the decoder needs {want} and >= 1 scratch block"
         )
+
+
+def judge_restore(config: DecoderCacheConfig, requests: list[DecoderRequest], self_pages, cross_pages, lengths,
+                  num_pages: int, published, free_rows: int, free_blocks: int, reserved: int) -> Admission:
+    """``restore_rows``' rule, never mutating: rows carrying ``num_pages`` saved pages (row ``i``'s
+    columns name pages ``self_pages[i]`` / ``cross_pages[i]``; ``published`` pages will be pinned).
+
+    Malformed input is a ``ValueError`` (counts that disagree with the lengths and requests, a page
+    index out of range or named by no row). The answer is no when the rows or the ceilings do not fit
+    (``judge``'s rule), or when the pages plus the rows' reservation (growth to their ceilings and the
+    copy-on-write copies the shared pages owe) exceed the free blocks not reserved already.
+    """
+    if not len(requests) == len(self_pages) == len(cross_pages) == len(lengths):
+        raise ValueError(f"restore_rows: {len(requests)} requests, {len(self_pages)} self and {len(cross_pages)} "
+                         f"cross page lists, {len(lengths)} lengths")
+    named = set()
+    for i, (req, s, c, n) in enumerate(zip(requests, self_pages, cross_pages, lengths, strict=True)):
+        if not 0 <= n <= req.self_tokens or len(s) != config.pages_for(n) or len(c) != config.pages_for(req.cross_len):
+            raise ValueError(f"restore_rows: row {i} of length {n} names {len(s)} self and {len(c)} cross pages; "
+                             f"its request {req} needs {config.pages_for(n)} and {config.pages_for(req.cross_len)}")
+        named.update(s, c)
+    if named != set(range(num_pages)) or not set(published) <= named:
+        raise ValueError(f"restore_rows: the rows must name every one of the {num_pages} pages, and only those")
+    basic = judge(config, requests, free_rows, 1 << 62, 0)  # rows and ceilings (blocks counted below)
+    if not basic:
+        return basic
+    rows = [RowPages(tuple(-1 - p for p in s), tuple(-1 - p for p in c), n, req.self_tokens)
+            for req, s, c, n in zip(requests, self_pages, cross_pages, lengths, strict=True)]
+    need = num_pages + reserved_pages(config, rows, [-1 - p for p in published])
+    available = free_blocks - reserved
+    if need > available:
+        return Admission(False, f"the restored rows need {need} blocks ({num_pages} saved pages, the rest their "
+                                f"reservation), only {available} are available ({free_blocks} free minus {reserved} "
+                                f"reserved by admitted rows)", need)
+    return Admission(True, "", need)

@@ -91,6 +91,18 @@ class PrefixIndex:
             keys.append(h)
         return ids, keys
 
+    def adopt(self, pool, block: int, tokens: tuple, scope=0):
+        """Record ``block`` as the published block of ``tokens`` (a whole-page prefix, a session's page
+        loaded again) unless the pool already names another block by that prefix; returns the key for
+        ``pool.publish``, or None when the prefix is cached already (``block`` then stays private)."""
+        chain = list(self._chain(tuple(tokens), len(tokens) // self.page_size, scope))
+        h = chain[-1][1] if chain else None
+        entry = self._entries.get(h)
+        if h is None or (entry is not None and pool.key_of(entry[0]) == h):
+            return None
+        self._entries[h] = (int(block), (scope, tuple(tokens)))
+        return h
+
     def pinned(self, pool) -> list[int]:
         """Published blocks the pool still names (held or parked); entries whose block the pool has
         reclaimed are dropped here, so the index does not outgrow the pool."""

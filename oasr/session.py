@@ -23,10 +23,12 @@ Layout (little-endian; ``docs/sessions.md`` has every field with its offset)::
 
 Sections: 1 attention (lengths, then K, V and, for a quantized format, their scale planes, of the visible
 window only), 2 slot states (named tensors), 3 CTC beam (flag bit 0), 4 engine
-stream (flag bit 1), 5 decoder rows (flag bit 2: reserved for the autoregressive
-decoder's K/V rows; this build refuses a file that carries them), 6 encoder output
+stream (flag bit 1), 5 decoder rows (flag bit 2: the attention decoder's K/V rows as
+pages, each shared page once; ``oasr.decoder_session``), 6 encoder output
 (flag bit 3: the fp32 encoder frames a rescoring engine keeps for its second pass;
-only with section 4, one row per encoder frame the stream produced).
+only with section 4, one row per encoder frame the stream produced). A stream
+suspended mid-rescoring holds no caches: sections 4 (with the job's progress) and
+6 (before the job's first step) or 5 (after it), nothing else.
 
 Reading verifies everything before anything is applied: magic, version (only 1),
 size, checksum, flags, section structure, every length, every value a manager
@@ -36,11 +38,11 @@ says what differs, and changes nothing.
 
 API, from bytes to caches::
 
-    save_stream(stream_id, att, slot_states, ctc=None, engine=None) -> bytes
+    save_stream(stream_id, att, slot_states, ctc=None, engine=None, decoder_rows=None) -> bytes
     read_session(data) -> StreamSession               parse + verify the file itself
     check_session(session, att, slot_states, ctc)     verify it fits these caches
     restore_stream(session, stream_id, att, slot_states, ctc)   apply (after the checks)
-    load_stream(data, stream_id, att, slot_states, ctc=None) -> StreamSession   all three
+    load_stream(data, stream_id, att, slot_states, ctc=None, decoder=None) -> StreamSession   all three
 
 ``slot_states`` is a list of slot-indexed caches: ``SlotStateCache`` objects and/or
 ``CnnCacheManager`` objects (their ``.state``), e.g. ``[cnn, states]``. The engine's
@@ -71,7 +73,7 @@ CHECKSUM_BYTES = 32
 
 FLAG_CTC_BEAM = 1 << 0
 FLAG_ENGINE = 1 << 1
-FLAG_DECODER_ROWS = 1 << 2  # reserved: the autoregressive decoder's K/V rows (not implemented)
+FLAG_DECODER_ROWS = 1 << 2  # the attention decoder's K/V rows (oasr.decoder_session)
 FLAG_ENCODER_OUT = 1 << 3  # the encoder output a rescoring engine keeps (StreamingEngine(rescore=True))
 KNOWN_FLAGS = FLAG_CTC_BEAM | FLAG_ENGINE | FLAG_DECODER_ROWS | FLAG_ENCODER_OUT
 
@@ -93,6 +95,7 @@ MODEL_DTYPES = {code: dtype for dtype, code in MODEL_DTYPE_CODES.items()}
 KV_FORMATS = {0: None, 1: "fp8_e4m3", 2: "int8", 3: "q8_0", 4: "affine4", 5: "affine4_g64"}
 KV_FORMAT_CODES = {v: k for k, v in KV_FORMATS.items()}
 DECODERS = {1: "beam", 2: "greedy"}
+FINISH_REASONS = {1: "eos", 2: "length"}
 
 
 class SessionError(ValueError):
@@ -181,12 +184,26 @@ class EngineStream:
     log_probs: torch.Tensor | None  # (T, vocab) fp32, when the engine keeps them
     greedy_tokens: list = field(default_factory=list)
     greedy_last: int = 0
+    rescoring: RescoreProgress | None = None  # set when the stream is suspended mid-rescoring
+
+
+@dataclass
+class RescoreProgress:
+    """A stream suspended while its attention rescoring job runs (engine state ``"rescoring"``): its first
+    pass is over and its caches are freed; what is left is the job (``oasr.engine.rescoring``)."""
+
+    finish_reason: str  # "eos" or "length", as the first pass ended
+    first_pass: list  # the CTC best (the n-best's first tokens)
+    rescorer_digest: bytes  # blake2b-256 of the rescorer's weights: its K/V rows only resume on it
+    steps: int  # decoder steps the job has run, 0 <= steps < longest hypothesis + 1
+    nbest: list  # CtcHypothesis records, best first: the rows of the job
+    scores: torch.Tensor  # (rows,) fp32 decoder log-likelihood summed over the positions scored so far
 
 
 @dataclass
 class StreamSession:
     geometry: SessionGeometry
-    kv: KVWindow
+    kv: KVWindow | None  # None only for a stream suspended mid-rescoring (its caches are freed)
     states: list
     ctc_config: CtcDecoderConfig | None = None
     beam: BeamSnapshot | None = None
@@ -194,12 +211,21 @@ class StreamSession:
     # (frames, hidden_dim) fp32: what a rescoring engine kept of the encoder output, one row per encoder
     # frame produced (``engine.offset`` rows); only with ``engine``
     encoder_out: torch.Tensor | None = None
+    decoder_rows: object = None  # oasr.decoder_session.DecoderRows: the attention decoder's K/V rows
+    decoder_row_ids: list | None = None  # set by a load: the rows the decoder cache gave them
 
     @property
     def flags(self) -> int:
-        """The header's section flags: which optional sections (CTC beam, engine, encoder output) follow."""
+        """The header's section flags: which optional sections (CTC beam, engine, decoder rows, encoder
+        output) follow."""
         return ((FLAG_CTC_BEAM if self.beam is not None else 0) | (FLAG_ENGINE if self.engine is not None else 0)
+                | (FLAG_DECODER_ROWS if self.decoder_rows is not None else 0)
                 | (FLAG_ENCODER_OUT if self.encoder_out is not None else 0))
+
+    @property
+    def rescoring(self) -> bool:
+        """Whether the stream was suspended mid-rescoring (no caches: the job's state instead)."""
+        return self.engine is not None and self.engine.rescoring is not None
 
 
 # ---- byte helpers -------------------------------------------------------------------------------------
@@ -303,7 +329,8 @@ def _encode_engine(e: EngineStream) -> bytes:
     parts = [
         _encode_id(e.stream_id),
         e.model_digest,
-        struct.pack("<IIBBBB", e.input_dim, e.vocab_size, decoder, int(e.ended), int(e.log_probs is not None), 0),
+        struct.pack("<IIBBBB", e.input_dim, e.vocab_size, decoder, int(e.ended), int(e.log_probs is not None),
+                    int(e.rescoring is not None)),
         struct.pack("<qqq", e.offset, e.input_frames, e.max_extent),
         struct.pack(f"<I{len(e.partial)}i", len(e.partial), *e.partial),
         struct.pack(f"<I{len(e.greedy_tokens)}ii", len(e.greedy_tokens), *e.greedy_tokens, e.greedy_last),
@@ -311,7 +338,22 @@ def _encode_engine(e: EngineStream) -> bytes:
     ]
     if e.log_probs is not None:
         parts += [struct.pack("<q", e.log_probs.shape[0]), _tensor_bytes(e.log_probs.float())]
+    if e.rescoring is not None:
+        parts.append(_encode_rescoring(e.rescoring))
     return b"".join(parts)
+
+
+def _encode_rescoring(r: RescoreProgress) -> bytes:
+    reason = {v: k for k, v in FINISH_REASONS.items()}[r.finish_reason]
+    parts = [struct.pack("<BBBB", reason, 0, 0, 0), r.rescorer_digest, struct.pack("<I", r.steps),
+             struct.pack(f"<I{len(r.first_pass)}i", len(r.first_pass), *r.first_pass), struct.pack("<I", len(r.nbest))]
+    for h in r.nbest:
+        n = len(h.tokens)
+        parts.append(struct.pack(f"<Id{n}i{n}i", n, float(h.log_score), *h.tokens, *h.frames))
+    scores = r.scores.detach().float().cpu()
+    if scores.shape != (len(r.nbest),):
+        raise ValueError(f"session: {tuple(scores.shape)} rescoring scores for {len(r.nbest)} hypotheses")
+    return b"".join(parts) + _tensor_bytes(scores)
 
 
 def _encode_encoder_out(t: torch.Tensor) -> bytes:
@@ -330,11 +372,16 @@ def encode_session(session: StreamSession) -> bytes:
     """The bytes of ``session`` (header, sections, checksum); the inverse of :func:`read_session`."""
     _check_host()
     g = session.geometry
-    sections = [(SEC_ATTENTION, _encode_attention(session.kv)), (SEC_SLOT_STATES, _encode_states(session.states))]
+    sections = [] if session.kv is None else [(SEC_ATTENTION, _encode_attention(session.kv)),
+                                              (SEC_SLOT_STATES, _encode_states(session.states))]
     if session.beam is not None:
         sections.append((SEC_CTC_BEAM, _encode_beam(session.ctc_config, session.beam)))
     if session.engine is not None:
         sections.append((SEC_ENGINE, _encode_engine(session.engine)))
+    if session.decoder_rows is not None:
+        from oasr.decoder_session import encode_decoder_rows
+
+        sections.append((SEC_DECODER_ROWS, encode_decoder_rows(session.decoder_rows)))
     if session.encoder_out is not None:
         sections.append((SEC_ENCODER_OUT, _encode_encoder_out(session.encoder_out)))
     body = b"".join(SECTION.pack(kind, len(payload)) + payload for kind, payload in sections)
@@ -374,9 +421,6 @@ def _parse_header(data: bytes) -> tuple[SessionGeometry, int, int, int]:
     if flags & ~KNOWN_FLAGS:
         raise SessionError(f"session flags 0x{flags:08x} carry unknown bits 0x{flags & ~KNOWN_FLAGS:08x}; "
                            f"this build knows 0x{KNOWN_FLAGS:08x}")
-    if flags & FLAG_DECODER_ROWS:
-        raise SessionError("session carries decoder rows (flag bit 2): reserved for the autoregressive decoder's "
-                           "K/V, which this build cannot load")
     if dtype_code not in MODEL_DTYPES:
         raise SessionError(f"session header: unknown model dtype code {dtype_code}")
     if kv_code not in KV_FORMATS:
@@ -413,9 +457,6 @@ def _split_sections(body: bytes, num_sections: int, flags: int) -> dict:
         last = kind
     if pos != len(body):
         raise SessionError(f"{len(body) - pos} bytes after the last of {num_sections} sections")
-    for kind in (SEC_ATTENTION, SEC_SLOT_STATES):
-        if kind not in sections:
-            raise SessionError(f"session has no {SECTION_NAMES[kind]} section")
     for kind, flag in _FLAG_OF_SECTION.items():
         if bool(flags & flag) != (kind in sections):
             raise SessionError(f"flag bit {flag.bit_length() - 1} says {SECTION_NAMES[kind]} "
@@ -521,10 +562,10 @@ def _decode_engine(raw: bytes) -> EngineStream:
     else:
         raise SessionError(f"engine stream section: unknown stream id kind {kind}")
     digest = r.take(32)
-    input_dim, vocab, decoder, ended, has_lp, reserved = r.unpack("IIBBBB")
-    if decoder not in DECODERS or ended > 1 or has_lp > 1 or reserved or input_dim < 1 or vocab < 2:
+    input_dim, vocab, decoder, ended, has_lp, phase = r.unpack("IIBBBB")
+    if decoder not in DECODERS or ended > 1 or has_lp > 1 or phase > 1 or input_dim < 1 or vocab < 2:
         raise SessionError(f"engine stream section: bad fields (decoder {decoder}, ended {ended}, log-probs {has_lp}, "
-                           f"reserved {reserved}, input_dim {input_dim}, vocab {vocab})")
+                           f"rescoring {phase}, input_dim {input_dim}, vocab {vocab})")
     offset, input_frames, max_extent = r.unpack("qqq")
     if min(offset, input_frames, max_extent) < 0:
         raise SessionError(f"engine stream section: negative counter ({offset}, {input_frames}, {max_extent})")
@@ -544,11 +585,47 @@ def _decode_engine(raw: bytes) -> EngineStream:
         if t != offset:
             raise SessionError(f"engine stream section: {t} log-prob frames for {offset} encoder frames")
         log_probs = _tensor_from(r.take(t * vocab * 4), torch.float32, (t, vocab))
+    rescoring = _decode_rescoring(r, vocab, offset) if phase else None
     r.done()
     if any(not 0 <= tok < vocab for tok in partial + greedy_tokens + [greedy_last]):
         raise SessionError(f"engine stream section: a token outside the vocabulary of {vocab}")
+    if rescoring is not None and (not ended or frames or DECODERS[decoder] != "beam"):
+        raise SessionError("engine stream section: a stream mid-rescoring has ended, has no pending input and "
+                           "decodes with the beam search")
     return EngineStream(stream_id, digest, input_dim, vocab, DECODERS[decoder], bool(ended), offset, input_frames,
-                        max_extent, partial, pending, log_probs, greedy_tokens, greedy_last)
+                        max_extent, partial, pending, log_probs, greedy_tokens, greedy_last, rescoring)
+
+
+def _decode_rescoring(r: _Reader, vocab: int, offset: int) -> RescoreProgress:
+    from oasr.ctc_config import CtcHypothesis
+
+    reason, *reserved = r.unpack("BBBB")
+    if reason not in FINISH_REASONS or any(reserved):
+        raise SessionError(f"engine stream section: rescoring finish reason {reason} (1 eos, 2 length), reserved "
+                           f"{reserved}")
+    digest, steps = r.take(32), r.one("I")
+    first_pass = list(r.unpack(f"{r.one('I')}i"))
+    count = r.one("I")
+    if not 1 <= count <= len(r.data):
+        raise SessionError(f"engine stream section: {count} hypotheses to rescore")
+    nbest = []
+    for _ in range(count):
+        n = r.one("I")
+        score = r.one("d")
+        values = r.unpack(f"{2 * n}i")
+        tokens, frames = list(values[:n]), list(values[n:])
+        if any(not 0 <= t < vocab for t in tokens) or any(not 0 <= f < max(offset, 1) for f in frames) \
+                or frames != sorted(frames) or not math.isfinite(score):
+            raise SessionError("engine stream section: a rescoring hypothesis with tokens outside the vocabulary, "
+                               "frames outside the stream or out of order, or a score that is not finite")
+        nbest.append(CtcHypothesis(tokens, score, frames))
+    scores = _tensor_from(r.take(4 * count), torch.float32, (count,))
+    if first_pass != nbest[0].tokens:
+        raise SessionError("engine stream section: the first pass is not the best hypothesis of the n-best")
+    if steps > max(len(h.tokens) for h in nbest) or not bool(torch.isfinite(scores).all()):
+        raise SessionError(f"engine stream section: rescoring at step {steps} of a job of "
+                           f"{max(len(h.tokens) for h in nbest) + 1} steps, or scores that are not finite")
+    return RescoreProgress(FINISH_REASONS[reason], first_pass, digest, steps, nbest, scores)
 
 
 def _check_engine_frames(session: StreamSession) -> None:
@@ -556,6 +633,8 @@ def _check_engine_frames(session: StreamSession) -> None:
     frame count every other section keeps too: the attention section's ``total_frames`` and the CTC
     beam's ``frames_decoded``. A session where they differ would resume at wrong positions."""
     e = session.engine
+    if session.kv is None:
+        return
     if e.offset != session.kv.total_frames:
         raise SessionError(f"engine stream section: offset {e.offset} encoder frames, the attention section has "
                            f"seen total_frames={session.kv.total_frames}")
@@ -575,6 +654,42 @@ def _decode_encoder_out(raw: bytes, g: SessionGeometry) -> torch.Tensor:
     if not bool(torch.isfinite(out).all()):
         raise SessionError("encoder output section: the kept encoder output holds NaN or infinite values")
     return out
+
+
+def _check_layout(sections: dict, engine: EngineStream | None) -> None:
+    """Which sections a session holds. A stream of caches: attention and slot states (CTC beam, engine,
+    decoder rows, encoder output optional). A stream suspended mid-rescoring holds no caches (its first
+    pass is over): no attention, slot states or CTC beam; its job's state is the encoder output before
+    the job's first step and the decoder rows after it."""
+    if engine is None or engine.rescoring is None:
+        for kind in (SEC_ATTENTION, SEC_SLOT_STATES):
+            if kind not in sections:
+                raise SessionError(f"session has no {SECTION_NAMES[kind]} section")
+        return
+    extra = [SECTION_NAMES[k] for k in (SEC_ATTENTION, SEC_SLOT_STATES, SEC_CTC_BEAM) if k in sections]
+    if extra:
+        raise SessionError(f"a stream suspended mid-rescoring holds no caches, the session has {', '.join(extra)}")
+    steps = engine.rescoring.steps
+    want = SEC_ENCODER_OUT if steps == 0 else SEC_DECODER_ROWS
+    other = SEC_DECODER_ROWS if steps == 0 else SEC_ENCODER_OUT
+    if want not in sections or other in sections:
+        raise SessionError(f"a rescoring job at step {steps} is saved as its {SECTION_NAMES[want]} section alone "
+                           f"(the encoder output before its first step, the decoder rows after)")
+
+
+def _check_job_rows(session: StreamSession) -> None:
+    """A rescoring job's decoder rows: dense, one per hypothesis, each ``steps`` tokens long over the
+    stream's ``offset`` encoder frames, in a group of the job's capacities."""
+    e, rows = session.engine, session.decoder_rows
+    job = e.rescoring
+    capacity = max(len(h.tokens) for h in job.nbest) + 1
+    bad = [i for i, r in enumerate(rows.rows) if (r.length, r.cross_length, r.request.prompt_len,
+                                                  r.request.self_tokens, r.request.cross_len)
+           != (job.steps, e.offset, 0, capacity, e.offset)]
+    if rows.geometry.storage != "dense" or len(rows.rows) != len(job.nbest) or bad:
+        raise SessionError(f"decoder rows section: a rescoring job at step {job.steps} of {len(job.nbest)} "
+                           f"hypotheses over {e.offset} encoder frames needs as many dense rows of {job.steps} "
+                           f"tokens (capacity {capacity}) and {e.offset} cross frames")
 
 
 def _geometry_config(g: SessionGeometry) -> CacheConfig:
@@ -603,13 +718,23 @@ def read_session(data, expect: SessionGeometry | None = None) -> StreamSession:
     if expect is not None:
         _check_geometry(geometry, expect)
     sections = _split_sections(data[HEADER_BYTES : HEADER_BYTES + body_bytes], num_sections, flags)
-    session = StreamSession(geometry, _decode_attention(sections[SEC_ATTENTION], geometry),
-                            _decode_states(sections[SEC_SLOT_STATES]))
+    engine = _decode_engine(sections[SEC_ENGINE]) if SEC_ENGINE in sections else None
+    _check_layout(sections, engine)
+    session = StreamSession(geometry, None, [])
+    if SEC_ATTENTION in sections:
+        session.kv = _decode_attention(sections[SEC_ATTENTION], geometry)
+        session.states = _decode_states(sections[SEC_SLOT_STATES])
     if SEC_CTC_BEAM in sections:
         session.ctc_config, session.beam = _decode_beam(sections[SEC_CTC_BEAM])
-    if SEC_ENGINE in sections:
-        session.engine = _decode_engine(sections[SEC_ENGINE])
+    if engine is not None:
+        session.engine = engine
         _check_engine_frames(session)
+    if SEC_DECODER_ROWS in sections:
+        from oasr.decoder_session import decode_decoder_rows
+
+        session.decoder_rows = decode_decoder_rows(sections[SEC_DECODER_ROWS])
+        if session.rescoring:
+            _check_job_rows(session)
     if SEC_ENCODER_OUT in sections:
         if session.engine is None:
             raise SessionError("encoder output section (flag bit 3) without the engine stream section: only an "
@@ -640,8 +765,10 @@ def _window_index(config: CacheConfig, blocks, seqstart: int, seqlen: int, devic
     return block_ids.to(device), (positions % bs).to(device)
 
 
-def capture_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream | None = None) -> StreamSession:
-    """Read one stream's state out of the caches (changes nothing)."""
+def capture_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream | None = None,
+                   decoder_rows=None) -> StreamSession:
+    """Read one stream's state out of the caches (changes nothing). ``decoder_rows``: the stream's
+    attention-decoder rows, captured with ``oasr.decoder_session.capture_paged`` (or ``capture_dense``)."""
     config = att.config
     info = att.describe(stream_id)
     pool = att.pool
@@ -661,15 +788,16 @@ def capture_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream |
         for name, spec in cache.specs.items():
             row = cache.view(name, [stream_id]).gather().select(spec.slot_axis, 0)
             states.append(NamedState(name, spec.persistent, row.cpu().contiguous()))
-    session = StreamSession(SessionGeometry.of(config), kv, states, engine=engine)
+    session = StreamSession(SessionGeometry.of(config), kv, states, engine=engine, decoder_rows=decoder_rows)
     if ctc is not None:
         session.ctc_config, session.beam = ctc.decoder.config, ctc.snapshot_stream(stream_id)
     return session
 
 
-def save_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream | None = None) -> bytes:
+def save_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream | None = None,
+                decoder_rows=None) -> bytes:
     """The session bytes of ``stream_id`` (changes nothing); see the module docstring for the arguments."""
-    return encode_session(capture_stream(stream_id, att, slot_states, ctc, engine))
+    return encode_session(capture_stream(stream_id, att, slot_states, ctc, engine, decoder_rows))
 
 
 def _check_geometry(saved: SessionGeometry, here: SessionGeometry) -> None:
@@ -678,15 +806,19 @@ def _check_geometry(saved: SessionGeometry, here: SessionGeometry) -> None:
         raise SessionError("foreign session, its geometry differs: " + "; ".join(diffs))
 
 
-def check_session(session: StreamSession, att, slot_states, ctc=None, stream_id=None) -> None:
+def check_session(session: StreamSession, att, slot_states, ctc=None, stream_id=None, decoder=None) -> None:
     """Raise :class:`SessionError` unless ``session`` fits these caches exactly (changes nothing).
 
     Foreign: another geometry, dtype or K/V format; other declared states (names, shapes, dtypes,
     persistence); a CTC beam where this stack has no decoder or the reverse, or another decoder
     configuration. With ``stream_id`` also the room to admit it: a duplicate id (``ValueError``),
     its block ceiling, free blocks and a free slot (``StreamCapacityError``, ``PoolExhaustedError``,
-    ``SlotsExhaustedError``).
+    ``SlotsExhaustedError``). ``decoder``: the ``DecoderKVCacheManager`` to take the session's decoder
+    rows (both present or both absent; their geometry and format, then room: ``AdmissionError``).
     """
+    if session.kv is None:
+        raise SessionError("the session holds a stream suspended mid-rescoring (no caches); only "
+                           "StreamingEngine.resume takes it")
     _check_geometry(session.geometry, SessionGeometry.of(att.config))
     caches = _slot_caches(slot_states)
     declared = {name: (cache, spec) for cache in caches for name, spec in cache.specs.items()}
@@ -705,6 +837,13 @@ def check_session(session: StreamSession, att, slot_states, ctc=None, stream_id=
                            f"state, these caches {'have a' if ctc is not None else 'have no'} CTC decoder")
     if ctc is not None and session.ctc_config != ctc.decoder.config:
         raise SessionError(f"foreign session: CTC decoder {session.ctc_config}, here {ctc.decoder.config}")
+    if (session.decoder_rows is None) != (decoder is None):
+        raise SessionError(f"foreign session: it {'has no' if session.decoder_rows is None else 'carries'} "
+                           f"attention-decoder rows, {'a' if decoder is not None else 'no'} decoder cache is given")
+    if decoder is not None:
+        from oasr.decoder_session import check_paged
+
+        check_paged(session.decoder_rows, decoder)
     if stream_id is not None:
         check_room(session, stream_id, att, caches, ctc)
 
@@ -719,9 +858,10 @@ def check_room(session: StreamSession, stream_id, att, slot_states, ctc=None) ->
     check_restore_room(att.config, stream_id, need, att.pool.num_free_blocks, [att.slots] + [c.slots for c in caches])
 
 
-def restore_stream(session: StreamSession, stream_id, att, slot_states, ctc=None) -> None:
-    """Admit ``stream_id`` carrying ``session``'s state; checks everything first (``check_session``)."""
-    check_session(session, att, slot_states, ctc, stream_id=stream_id)
+def restore_stream(session: StreamSession, stream_id, att, slot_states, ctc=None, decoder=None) -> None:
+    """Admit ``stream_id`` carrying ``session``'s state; checks everything first (``check_session``).
+    With ``decoder`` the decoder rows are restored too; their new row ids go to ``session.decoder_row_ids``."""
+    check_session(session, att, slot_states, ctc, stream_id=stream_id, decoder=decoder)
     caches = _slot_caches(slot_states)
     kv = session.kv
     blocks = att.restore_stream(stream_id, kv.seqlen, kv.seqstart, kv.total_frames)
@@ -739,12 +879,17 @@ def restore_stream(session: StreamSession, stream_id, att, slot_states, ctc=None
             cache.view(name, [stream_id]).scatter(row)
     if ctc is not None:
         ctc.restore_stream(stream_id, session.beam)
+    if decoder is not None:
+        from oasr.decoder_session import restore_paged
+
+        session.decoder_row_ids = restore_paged(session.decoder_rows, decoder)
 
 
-def load_stream(data, stream_id, att, slot_states, ctc=None) -> StreamSession:
-    """Verify ``data`` and admit ``stream_id`` with its state, or raise and change nothing; returns the session."""
+def load_stream(data, stream_id, att, slot_states, ctc=None, decoder=None) -> StreamSession:
+    """Verify ``data`` and admit ``stream_id`` with its state, or raise and change nothing; returns the session
+    (with ``decoder``, a ``DecoderKVCacheManager``, its restored decoder rows in ``decoder_row_ids``)."""
     session = read_session(data, expect=SessionGeometry.of(att.config))
-    restore_stream(session, stream_id, att, slot_states, ctc)
+    restore_stream(session, stream_id, att, slot_states, ctc, decoder)
     return session
 
 
@@ -759,6 +904,7 @@ def model_digest(model: torch.nn.Module) -> bytes:
 
 __all__ = [
     "EngineStream",
+    "RescoreProgress",
     "SessionError",
     "SessionGeometry",
     "StreamSession",

@@ -160,3 +160,57 @@ def target(model, twin: str = "fast", rescore: bool = False) -> StreamingEngine:
     engine.push("busy", features(30, seed=5))
     engine.step()
     return engine
+
+
+# ---- a stream suspended mid-rescoring (its attention rescoring job spread over ticks) --------------------
+
+
+def rescoring_engine(model, twin: str, rescorer=None) -> StreamingEngine:
+    """A rescoring engine whose tick runs one decoder step, so a job spans many ticks."""
+    cfg = model.config.cache_config(block_size_frames=3, max_batch_size=4)
+    return StreamingEngine(model, cfg, twin=twin, keep_log_probs=True, rescore=True, decode_steps_per_tick=1,
+                           rescorer=rescorer)
+
+
+def until_rescoring(engine: StreamingEngine, extra_ticks: int) -> None:
+    """Streams "a" and "b" get their whole input and end together; ticks until both are being rescored
+    ("a"'s job runs first), then ``extra_ticks`` more: "a" is ``1 + extra_ticks`` steps in, "b" at step 0."""
+    for sid, seed in (("a", 1), ("b", 2)):
+        engine.add_stream(sid)
+        engine.push(sid, features(TOTAL, seed=seed))
+        engine.end_stream(sid)
+    while engine.status("a") != "rescoring":
+        engine.step()
+    for _ in range(extra_ticks):
+        engine.step()
+
+
+def rescored_record(result, combined) -> dict:
+    """A rescored result in JSON-able values: ``result_record`` plus the first pass and the combined scores
+    of the second pass (float.hex, exact)."""
+    record = result_record(result)
+    record.update(first_pass=list(result.first_pass), combined=[float(c).hex() for c in combined])
+    return record
+
+
+def recording_results(monkeypatch=None) -> dict:
+    """Patch ``RescoreJob.result`` to record each finished job's combined scores by its hypotheses."""
+    from oasr.engine import rescoring
+
+    seen, result = {}, rescoring.RescoreJob.result
+
+    def recording(self):
+        best, combined = result(self)
+        seen[tuple(map(tuple, self.hyps))] = list(combined)
+        return best, combined
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(rescoring.RescoreJob, "result", recording)
+    else:
+        rescoring.RescoreJob.result = recording
+    return seen
+
+
+def rescored(engine: StreamingEngine, seen: dict, sid) -> dict:
+    result = engine.result(sid)
+    return rescored_record(result, seen[tuple(tuple(h.tokens) for h in result.nbest)])

@@ -53,7 +53,7 @@ def test_usage(capsys):
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
         "python -m oasr: error: unknown command 'nonsense'; choose from demo, transcribe, eval, train, bench, kernels, "
-        "formats, engine-demo (see --help)"
+        "formats, engine-demo, serve (see --help)"
     ]
 
 
@@ -165,7 +165,8 @@ def test_kernels_bad_arch_is_one_usage_error_before_any_compile(capsys, monkeypa
     assert "--arch" in line
 
 
-@pytest.mark.parametrize("command", ["demo", "engine-demo", "transcribe", "eval", "bench", "kernels"])
+@pytest.mark.parametrize("command", ["demo", "engine-demo", "transcribe", "eval", "bench", "kernels",
+                                     "serve"])
 def test_help_shows_every_option_with_help_and_default(capsys, command):
     with pytest.raises(SystemExit) as exit_info:
         oasr_main([command, "--help"])

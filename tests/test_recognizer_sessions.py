@@ -134,3 +134,11 @@ def test_foreign_model_is_refused(recognizer, clips, tmp_path):
         other.resume(blob)
     assert other.pool_usage()["streams_open"] == 0
     assert np.isfinite(other.pool_usage()["blocks_total"])
+
+
+def test_a_rescoring_recognizer_resumes_to_the_same_second_pass(clips):
+    rec = Recognizer(max_streams=2, rescore=True)
+    pcm = clips[1]
+    want_text, _ = stream_clip(rec, pcm)
+    assert stream_clip(rec, pcm, suspend_at=2)[0] == want_text
+    assert stream_clip(rec, pcm, end_then_suspend=True)[0] == want_text

@@ -109,20 +109,29 @@ def test_the_first_step_of_a_tick_always_runs():
     assert max(s.decode_steps for s in engine.stats) == 1
 
 
-def test_a_stream_being_rescored_cannot_be_suspended():
+def test_a_stream_being_rescored_suspends_with_its_job(scored):
+    """Suspended between two budgeted ticks of its job, resumed in another engine: the same result."""
+    plain = make(decode_steps_per_tick=1)
+    sid = plain.add_stream()
+    plain.push(sid, features(64, seed=1))
+    plain.end_stream(sid)
+    plain.run()
+    want = summary({sid: plain.result(sid)})
     engine = make(decode_steps_per_tick=1)
-    sid = engine.add_stream()
+    engine.add_stream(sid)
     engine.push(sid, features(64, seed=1))
     engine.end_stream(sid)
     while engine.status(sid) != "rescoring":
         engine.step()
-    with pytest.raises(ValueError, match="is being rescored"):
-        engine.suspend(sid)
-    assert engine.status(sid) == "rescoring"
     with pytest.raises(ValueError, match="rescoring, not finished"):
         engine.result(sid)
-    engine.run()
-    assert engine.status(sid) == "finished" and engine.result(sid).tokens is not None
+    data = engine.suspend(sid)
+    assert sid not in engine.stream_ids and not engine._rescoring
+    other = make(decode_steps_per_tick=1)
+    assert other.resume(data) == sid and other.status(sid) == "rescoring"
+    other.run()
+    assert summary({sid: other.result(sid)}) == want
+    assert scored[0] == scored[1]  # the same combined scores, bit for bit
 
 
 @pytest.mark.parametrize("kwargs,match", [

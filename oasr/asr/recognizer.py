@@ -163,14 +163,15 @@ class Recognizer:
         The bytes hold the front end's unconsumed samples, the stream's counters, text and partials, and
         either the engine's session (a stream that has been admitted: ``StreamingEngine.suspend``) or,
         for one still waiting for its first admission, the feature frames it has buffered. A stream
-        being rescored or finished cannot be suspended (``ValueError``, as the engine says); ``KeyError``
-        for an unknown id. Nothing changes on an error. Per-chunk latencies already measured stay with
-        the caller's copy of the stream; arrival times do not travel (they are this process's clock)."""
+        being rescored travels with its rescoring job (the engine's session carries it); a finished one
+        cannot be suspended (``ValueError``, as the engine says); ``KeyError`` for an unknown id. Nothing
+        changes on an error. Per-chunk latencies already measured stay with the caller's copy of the
+        stream; arrival times do not travel (they are this process's clock)."""
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
         stream = self.streams[stream_id]
         if self.engine.admitted(stream_id) or self.engine.status(stream_id) != "waiting":
-            kind, payload = "session", self.engine.suspend(stream_id)  # raises for rescoring / finished
+            kind, payload = "session", self.engine.suspend(stream_id)  # raises for a finished stream
             ended = None
         else:
             feats = self.engine.buffered_input(stream_id).float().contiguous()

@@ -27,6 +27,7 @@ SECTIONS = {
     "shared_pages": ("oasr.bench.shared_pages", "section", True),
     "accuracy": ("oasr.bench.accuracy", "section", True),  # WER per cache choice (the trained model)
     "speech": ("oasr.bench.speech", "section", True),  # RTF and latency at 1/8/64 live streams, training speed
+    "serve": ("oasr.bench.serve", "section", True),  # python -m oasr serve under the openai client and live clients
 }
 
 

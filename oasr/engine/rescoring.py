@@ -96,6 +96,28 @@ class RescoreJob:
             self.kv = None  # the group's buffers go back now, not when the job is dropped
         return self.done
 
+    @classmethod
+    def resume(cls, decoder, nbest, ctc_weight: float, ops, steps: int, scores: torch.Tensor, enc=None,
+               rows=None) -> RescoreJob:
+        """A job that goes on from a session (``oasr.session.RescoreProgress``): before its first step
+        from the encoder output ``enc``; after it from its dense decoder rows ``rows``
+        (``oasr.decoder_session.DecoderRows``: every row ``steps`` tokens over the same cross K/V). It
+        then runs the steps left exactly as the saved job would have (``SessionError`` if the rows do
+        not fit this decoder)."""
+        from oasr.decoder_session import restore_dense
+
+        if steps == 0:
+            job = cls(decoder, enc, nbest, ctc_weight, ops)
+        else:
+            frames = rows.rows[0].cross_length if rows.rows else 0
+            job = cls(decoder, torch.zeros(frames, decoder.config.encoder_dim), nbest, ctc_weight, ops)
+            job.kv, job._enc = restore_dense(rows, job.kv.config, ops), None
+        if not 0 <= steps < job.total_steps or tuple(scores.shape) != (len(job.hyps),):
+            raise ValueError(f"RescoreJob.resume: step {steps} of {job.total_steps}, {tuple(scores.shape)} scores for "
+                             f"{len(job.hyps)} rows")
+        job.steps, job.scores = steps, scores.detach().to(torch.float32).clone()
+        return job
+
     def result(self) -> tuple[list, list]:
         """``(tokens of the best hypothesis, combined score per hypothesis)``; only when done."""
         if not self.done:

@@ -67,8 +67,10 @@ from oasr.errors import StreamCapacityError
 from oasr.models.twins import twin_module, twin_name
 from oasr.session import (
     EngineStream,
+    RescoreProgress,
     SessionError,
     SessionGeometry,
+    StreamSession,
     capture_stream,
     check_session,
     encode_session,
@@ -745,12 +747,13 @@ class StreamingEngine:
         same ``rescore`` setting, either twin, continues it exactly. An active stream, or a resumed
         one still waiting for admission, can be suspended; a stream never admitted holds no
         state yet and a finished one has nothing to continue (``ValueError``; nothing changes).
+        A stream being rescored (``"rescoring"``) leaves with its job: the n-best, the scores and
+        step so far, and the job's decoder K/V rows (before its first step, the encoder output).
         """
         self._check_open()
         s = self._stream(stream_id)
         if s.state == RESCORING:
-            raise ValueError(f"stream {stream_id!r} is being rescored (its first pass ended and its caches are "
-                             f"freed); it finishes within a few ticks: take its result then")
+            return self._suspend_rescoring(s)
         if s.state == FINISHED or (s.state == WAITING and s.session is None):
             why = "has finished" if s.state == FINISHED else "was never admitted (it holds no cache state yet)"
             raise ValueError(f"stream {stream_id!r} {why}: only an admitted stream can be suspended")
@@ -801,6 +804,8 @@ class StreamingEngine:
         if e is None:
             raise SessionError("session has no engine stream section: it was saved from caches, not an engine "
                                "(use oasr.session.load_stream)")
+        if session.rescoring:
+            return self._resume_rescoring(session, stream_id)
         rescoring = self._rescoring_difference(session)  # first: it also explains a differing n-best size
         if rescoring:
             raise SessionError(f"foreign session for this engine: {rescoring}")
@@ -895,6 +900,78 @@ class StreamingEngine:
         if s.encoder_out:
             return torch.cat(s.encoder_out)
         return torch.zeros(0, self.model.config.hidden_dim)
+
+    @property
+    def rescorer_digest(self) -> bytes:
+        """blake2b-256 of the rescorer's weights: a job's decoder rows only resume on the same rescorer."""
+        if getattr(self, "_rescorer_digest", None) is None:
+            self._rescorer_digest = model_digest(self.rescorer)
+        return self._rescorer_digest
+
+    def _engine_stream(self, s: _Stream, pending: torch.Tensor) -> EngineStream:
+        log_probs = None
+        if self.keep_log_probs:
+            log_probs = torch.cat(s.log_probs) if s.log_probs else torch.zeros(0, self.model.config.vocab_size)
+        return EngineStream(s.stream_id, self.model_digest, self.input_dim, self.model.config.vocab_size,
+                            self.decoder, s.ended, s.offset, s.input_frames, s.max_extent, list(s.partial), pending,
+                            log_probs)
+
+    def _suspend_rescoring(self, s: _Stream) -> bytes:
+        """``suspend`` of a stream whose rescoring job runs: the job's state, no caches (they are freed)."""
+        from oasr.decoder_session import capture_dense
+
+        i, job = next((i, job) for i, (sid, job) in enumerate(self._rescoring) if sid == s.stream_id)
+        e = self._engine_stream(s, torch.zeros(0, self.input_dim, dtype=self.config.dtype))
+        e.rescoring = RescoreProgress(s.finish_reason, list(s.first_pass), self.rescorer_digest, job.steps,
+                                      list(s.nbest), job.scores.clone())
+        session = StreamSession(SessionGeometry.of(self.config), None, [], engine=e)
+        if job.steps:
+            session.decoder_rows = capture_dense(job.kv)
+        else:
+            session.encoder_out = job._enc.float().cpu()
+        data = encode_session(session)
+        self._rescoring.pop(i)
+        del self._streams[s.stream_id]
+        return data
+
+    def _resume_rescoring(self, session, stream_id):
+        """``resume`` of a stream saved mid-rescoring: its job goes on here, after the jobs queued already."""
+        e, job = session.engine, session.engine.rescoring
+        wrong = []
+        if not self.rescore:
+            wrong.append("rescoring: the stream was suspended mid-rescoring, this engine does not rescore "
+                         "(rescore=False)")
+        else:
+            if job.rescorer_digest != self.rescorer_digest:
+                wrong.append("rescorer weights: the job ran on another attention decoder (digest differs)")
+            if e.model_digest != self.model_digest:
+                wrong.append("model weights: the session ran on another model (digest differs)")
+            mcfg = self.model.config
+            for name, a, b in (("decoder", e.decoder, self.decoder), ("input_dim", e.input_dim, self.input_dim),
+                               ("vocab_size", e.vocab_size, mcfg.vocab_size)):
+                if a != b:
+                    wrong.append(f"{name}: session {a!r}, here {b!r}")
+            if self.keep_log_probs and e.log_probs is None:
+                wrong.append("log-probs: this engine keeps them, the session carries none")
+            if session.encoder_out is not None and session.encoder_out.shape[0] != e.offset:
+                wrong.append(f"encoder output: {session.encoder_out.shape[0]} frames for offset {e.offset}")
+        if wrong:
+            raise SessionError("foreign session for this engine: " + "; ".join(wrong))
+        enc = None if session.encoder_out is None else session.encoder_out
+        try:
+            rescore = RescoreJob.resume(self.rescorer, job.nbest, self.ctc_weight, self.ops, job.steps, job.scores,
+                                        enc=enc, rows=session.decoder_rows)
+        except ValueError as exc:
+            raise SessionError(f"foreign session for this engine: the rescoring job does not fit: {exc}") from None
+        stream_id = self._claim_id(e.stream_id if stream_id is None else stream_id)
+        s = _Stream(stream_id, None, state=RESCORING, partial=list(e.partial), ended=True, offset=e.offset,
+                    input_frames=e.input_frames, max_extent=e.max_extent, finish_reason=job.finish_reason,
+                    arrival_tick=self.tick, first_pass=list(job.first_pass), nbest=list(job.nbest))
+        if self.keep_log_probs and e.log_probs.shape[0]:
+            s.log_probs = [e.log_probs]
+        self._streams[stream_id] = s
+        self._rescoring.append((stream_id, rescore))
+        return stream_id
 
     def _rescoring_difference(self, session) -> str:
         """Why ``session``'s rescoring state does not fit this engine ("" if it does)."""

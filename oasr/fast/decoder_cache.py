@@ -52,10 +52,11 @@ from oasr.decoder_common import (
     check_step_kv,
     cow_writes,
     judge,
+    judge_restore,
     plan_select,
     reserved_pages,
 )
-from oasr.decoder_config import DecoderCacheConfig
+from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
 from oasr.fast.backend import resolve_backend
 from oasr.fast.block_pool import BlockPool
@@ -473,6 +474,47 @@ class DecoderKVCacheManager:
             append_kv(view, k[layer][:, None], v[layer][:, None], backend=self.backend)
         self._length[ids] += 1
         self._meta[0].index_add_(0, rows_d, self._ones[: ids.size])
+
+    # ---- sessions (see the reference) ---------------------------------------------------------
+    def request(self, row: int) -> DecoderRequest:
+        """The ``DecoderRequest`` an admitted row declared (``KeyError`` otherwise)."""
+        return self._requests[self._row(row, "request")]
+
+    def can_restore(self, requests, self_pages, cross_pages, lengths, num_pages: int, published=()) -> Admission:
+        """See the reference: would ``restore_rows`` succeed? Never mutates."""
+        return judge_restore(self.config, check_requests(requests), self_pages, cross_pages, lengths, num_pages,
+                             list(published), self.num_free_rows, self.pool.num_free_blocks, self.reserved_blocks)
+
+    def restore_rows(self, requests, self_pages, cross_pages, lengths, cross_lengths, num_pages: int,
+                     published=()) -> tuple[list[int], list[int]]:
+        """See the reference: rows carrying saved pages, shared names bound as shared references."""
+        reqs = check_requests(requests)
+        published = list(published)
+        answer = self.can_restore(reqs, self_pages, cross_pages, lengths, num_pages, [p for p, _ in published])
+        if not answer:
+            raise AdmissionError(answer.reason)
+        blocks = self._take(num_pages)
+        rows = np.flatnonzero(~self._admitted)[: len(reqs)]
+        named = np.zeros(num_pages, dtype=bool)
+        for row, req, s, c in zip(rows.tolist(), reqs, self_pages, cross_pages, strict=True):
+            for table, names in ((self._self_table, s), (self._cross_table, c)):
+                for col, p in enumerate(names):
+                    self._bind(table, np.array([row]), np.array([col]), blocks[[p]], share=bool(named[p]))
+                    named[p] = True
+            self._requests[row] = req
+        self._held[rows] = [len(s) for s in self_pages]
+        self._cross_held[rows] = [len(c) for c in cross_pages]
+        self._length[rows] = list(lengths)
+        self._cross_length[rows] = list(cross_lengths)
+        self._ceiling[rows] = [r.self_tokens for r in reqs]
+        self._cross_ceiling[rows] = [r.cross_len for r in reqs]
+        self._admitted[rows] = True
+        for p, (scope, tokens) in published:
+            key = self._prefix.adopt(self.pool, int(blocks[p]), tokens, scope)
+            if key is not None:
+                self.pool.publish([int(blocks[p])], [key], self._owner)
+        self._sync(rows)
+        return rows.tolist(), blocks.tolist()
 
     # ---- prefix caching (see the reference) ---------------------------------------------------
     def admit_prompt(self, row: int, tokens, scope=0) -> int:

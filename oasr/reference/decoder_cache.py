@@ -60,6 +60,7 @@ from oasr.decoder_common import (
     check_step_kv,
     cow_writes,
     judge,
+    judge_restore,
     plan_select,
     reserved_pages,
 )
@@ -380,6 +381,44 @@ class DecoderKVCacheManager:
         for layer, view in enumerate(self.self_caches(ids)):
             append_kv(view, k[layer][:, None], v[layer][:, None])
         self.commit_step(ids)
+
+    # ---- sessions (oasr.decoder_session: a row's pages saved once, shared again on load) ----------------
+    def request(self, row: int) -> DecoderRequest:
+        """The ``DecoderRequest`` an admitted row declared (``KeyError`` otherwise)."""
+        return self._row(row, "request")[1].request
+
+    def can_restore(self, requests, self_pages, cross_pages, lengths, num_pages: int, published=()) -> Admission:
+        """Would ``restore_rows`` succeed? Never mutates (``oasr.decoder_common.judge_restore``)."""
+        return judge_restore(self.config, check_requests(requests), self_pages, cross_pages, lengths, num_pages,
+                             list(published), len(self._free_rows), self.pool.num_free_blocks, self.reserved_blocks)
+
+    def restore_rows(self, requests, self_pages, cross_pages, lengths, cross_lengths, num_pages: int,
+                     published=()) -> tuple[list[int], list[int]]:
+        """Admit rows that carry saved pages: ``num_pages`` blocks in one allocation, row ``i``'s columns
+        bound to the blocks its page indices name (the first name takes the allocation's reference, each
+        further name shares it: a count per name, as the saved rows held them). ``published``: ``(page,
+        (scope, tokens))`` pairs published again in the prefix index. Returns ``(rows, block of each
+        page)``; the caller writes the pages' contents. All or nothing (``AdmissionError``, ``ValueError``)."""
+        reqs = check_requests(requests)
+        published = list(published)
+        answer = self.can_restore(reqs, self_pages, cross_pages, lengths, num_pages, [p for p, _ in published])
+        if not answer:
+            raise AdmissionError(answer.reason)
+        blocks, named, rows = self._take(num_pages), set(), []
+        for req, s, c, n, cn in zip(reqs, self_pages, cross_pages, lengths, cross_lengths, strict=True):
+            record = _Row(req, length=n, cross_length=cn)
+            for table, names in ((record.self_blocks, s), (record.cross_blocks, c)):
+                for p in names:
+                    self._bind(table, [blocks[p]], share=p in named)
+                    named.add(p)
+            row = self._free_rows.pop(0)
+            self._rows[row] = record
+            rows.append(row)
+        for p, (scope, tokens) in published:
+            key = self._prefix.adopt(self.pool, blocks[p], tokens, scope)
+            if key is not None:
+                self.pool.publish([blocks[p]], [key], self._owner)
+        return rows, blocks
 
     # ---- prefix caching (oasr.prefix_cache: publish, hit, retire, evict) ------------------------------
     def admit_prompt(self, row: int, tokens, scope=0) -> int:

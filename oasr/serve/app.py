@@ -1,0 +1,423 @@
+"""The ASGI app of ``python -m oasr serve`` (FastAPI on uvicorn) and the server that runs it.
+
+Endpoints (docs/serving.md has the full protocol):
+
+* ``POST /v1/audio/transcriptions``: OpenAI's transcription API (multipart ``file``, ``model``,
+  ``response_format`` json / text / verbose_json, ``stream=true`` for server-sent events);
+* ``WebSocket /v1/realtime``: live 16-bit PCM in, partial and final transcripts out
+  (``oasr.serve.protocol``);
+* ``GET /health``: JSON, the streams, the pool, whether the server takes new streams;
+* ``GET /metrics``: Prometheus text (``oasr.serve.metrics``).
+
+Handlers never call the recognizer: they talk to the ``EngineWorker`` (``oasr.serve.worker``),
+the one thread that owns it. A request that finds every slot taken waits up to the worker's
+``admit_timeout`` and then gets 503 with ``Retry-After``.
+
+``OasrServer`` is ``uvicorn.Server`` with one more shutdown step, taken before uvicorn closes
+the connections: the worker suspends every live WebSocket stream into the state directory and
+each of those sessions is told so (``transcription_session.suspended``, close code 1012).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import UploadFile
+from starlette.websockets import WebSocketDisconnect
+
+from oasr.asr.audio import AudioError, check_pcm
+from oasr.asr.features import SAMPLE_RATE
+from oasr.serve import protocol as p
+from oasr.serve.metrics import CONTENT_TYPE, ServeMetrics
+from oasr.serve.worker import Busy, EngineWorker, NoSession
+
+logger = logging.getLogger("oasr.serve")
+
+
+@dataclass
+class ServeOptions:
+    """What the app accepts: the model name it reports, the longest stream, the largest upload."""
+
+    model_name: str = "oasr"
+    max_audio_seconds: float = 300.0
+    max_upload_bytes: int = 64 << 20
+    drain_timeout: float = 10.0  # seconds shutdown waits for suspended sessions to be told
+
+
+class ServeState:
+    """What the handlers share: the worker, the metrics, the options, the live WebSocket sessions."""
+
+    def __init__(self, worker: EngineWorker, options: ServeOptions, metrics: ServeMetrics):
+        self.worker, self.options, self.metrics = worker, options, metrics
+        self.live_sockets = 0
+        self.sockets_closed = asyncio.Event()
+        self.sockets_closed.set()
+
+    def socket_opened(self) -> None:
+        """A WebSocket session holds a stream."""
+        self.live_sockets += 1
+        self.sockets_closed.clear()
+
+    def socket_closed(self) -> None:
+        """A WebSocket session ended."""
+        self.live_sockets -= 1
+        if not self.live_sockets:
+            self.sockets_closed.set()
+
+    async def drain(self) -> int:
+        """Shutdown: suspend the live streams, wait (``drain_timeout``) until their sessions were told."""
+        saved = await self.worker.suspend_live()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.sockets_closed.wait(), self.options.drain_timeout)
+        logger.info("shutdown: %d live stream(s) suspended to %s", saved, self.worker.state_dir)
+        return saved
+
+
+def error_response(exc: p.RequestError, headers: dict | None = None) -> JSONResponse:
+    """An OpenAI-shaped error body with the refusal's status."""
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def busy_response(exc: Busy) -> JSONResponse:
+    """503 with ``Retry-After`` (seconds) for a request that found no free slot in time."""
+    return error_response(p.RequestError(503, "server_busy", str(exc)), {"Retry-After": str(exc.retry_after)})
+
+
+def create_app(worker: EngineWorker, options: ServeOptions | None = None) -> FastAPI:
+    """The FastAPI app serving ``worker``'s recognizer (the worker thread starts with the app)."""
+    options = options or ServeOptions()
+    metrics = ServeMetrics()
+    metrics.watch(worker)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.serve = ServeState(worker, options, metrics)
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="oasr", summary="streaming speech recognition", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness and load: streams, pool usage, suspended sessions, whether new streams are taken."""
+        s = worker.stats
+        ok = worker.error is None
+        return {"status": "ok" if ok and s.accepting else ("error" if not ok else "draining"),
+                "model": options.model_name, "streams_active": s.streams_active,
+                "streams_waiting": s.streams_waiting, "max_streams": worker.max_streams, "pool": s.pool,
+                "suspended_sessions": s.suspended_on_disk, "real_time_factor": s.real_time_factor,
+                "ticks": s.ticks, "streams_ended": s.ended}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        """Prometheus text exposition (see ``oasr.serve.metrics``)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post(p.TRANSCRIPTION_PATH)
+    async def transcriptions(request: Request) -> Response:
+        """OpenAI's ``audio.transcriptions.create``: one uploaded file, one transcript (or its SSE stream)."""
+        state: ServeState = request.app.state.serve
+        try:
+            form = await _read_form(request)
+            return await _transcribe(request, state, form)
+        except p.RequestError as exc:
+            metrics.count("transcriptions", exc.status)
+            return error_response(exc)
+        except Busy as exc:
+            metrics.count("transcriptions", 503)
+            return busy_response(exc)
+
+    @app.websocket(p.REALTIME_PATH)
+    async def realtime(websocket: WebSocket) -> None:
+        """Live audio in, partial and final transcripts out (``oasr.serve.protocol``)."""
+        await _realtime(websocket, websocket.app.state.serve)
+
+    return app
+
+
+# ---- uploads ---------------------------------------------------------------------------------
+async def _read_form(request: Request) -> dict:
+    """The multipart fields, checked: a ``file``, a known ``response_format``, ``stream`` as a bool."""
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise p.RequestError(400, "invalid_request", f"expected a multipart/form-data body with a 'file' field, "
+                             f"got content type {request.headers.get('content-type')!r}")
+    try:
+        form = await request.form(max_files=1, max_fields=32)
+    except Exception as exc:  # starlette: MultiPartException / HTTPException for a malformed body
+        raise p.RequestError(400, "invalid_request", f"unreadable multipart body: {exc}") from None
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise p.RequestError(400, "missing_file", "the form has no 'file' field with an audio file", "file")
+    response_format = str(form.get("response_format") or "json")
+    if response_format not in p.RESPONSE_FORMATS:
+        raise p.RequestError(400, "unsupported_response_format", f"response_format must be one of "
+                             f"{', '.join(p.RESPONSE_FORMATS)}, got {response_format!r}", "response_format")
+    stream = str(form.get("stream") or "false").lower()
+    if stream not in ("true", "false"):
+        raise p.RequestError(400, "invalid_request", f"stream must be true or false, got {stream!r}", "stream")
+    return {"file": upload, "response_format": response_format, "stream": stream == "true",
+            "model": str(form.get("model") or "")}
+
+
+async def _transcribe(request: Request, state: ServeState, form: dict) -> Response:
+    upload: UploadFile = form["file"]
+    options, worker = state.options, state.worker
+    if upload.size is not None and upload.size > options.max_upload_bytes:
+        raise p.RequestError(413, "file_too_large", f"{upload.filename}: {upload.size} bytes, this server takes "
+                             f"files up to {options.max_upload_bytes} bytes", "file")
+    data = await upload.read()
+    pcm = await asyncio.to_thread(p.decode_upload, data, upload.filename or "file", options.max_audio_seconds)
+    handle = await worker.open(f"upload-{uuid.uuid4().hex[:16]}", kind="upload")
+    worker.audio(handle, pcm)
+    worker.end(handle)
+    model = form["model"] or options.model_name
+    if form["stream"]:
+        state.metrics.count("transcriptions", 200)
+        return StreamingResponse(_sse_events(worker, handle), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    transcript = await _final_unless_disconnected(request, worker, handle)
+    if transcript is None:
+        state.metrics.count("transcriptions", 499)
+        return Response(status_code=499)
+    state.metrics.count("transcriptions", 200)
+    body = p.transcription_body(transcript, form["response_format"], model,
+                                worker.rec.tokenizer.encode(transcript.text))
+    if form["response_format"] == "text":
+        return PlainTextResponse(body)
+    return JSONResponse(body)
+
+
+async def _final_unless_disconnected(request: Request, worker: EngineWorker, handle):
+    """The stream's final ``Transcript``, or None (the stream cancelled) if the client went away first."""
+
+    async def final():
+        while True:
+            event = await handle.events.get()
+            if event[0] == "final":
+                return event[1]
+            if event[0] == "gone":
+                raise p.RequestError(503, "server_error", event[1])
+
+    async def disconnected():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.2)
+
+    result, gone = asyncio.ensure_future(final()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (result, gone):
+            task.cancel()
+    if result.done() and not result.cancelled():
+        return result.result()
+    worker.cancel(handle)
+    return None
+
+
+async def _sse_events(worker: EngineWorker, handle):
+    """Server-sent events of one upload: a ``transcript.text.delta`` per change, then ``transcript.text.done``."""
+    delta_text, last, finished = p.DeltaText(), None, False
+    try:
+        while True:
+            event = await handle.events.get()
+            if event[0] == "partial" and event[1] != last:
+                last = event[1]
+                yield p.sse(p.upload_event_delta(delta_text.update(last), last, int(round(event[2] * 1000))))
+            elif event[0] == "final":
+                transcript = event[1]
+                delta = delta_text.update(transcript.text, final=True)
+                if delta:
+                    yield p.sse(p.upload_event_delta(delta, transcript.text, int(round(transcript.audio_seconds
+                                                                                         * 1000))))
+                yield p.sse(p.upload_event_done(transcript.text, transcript.audio_seconds))
+                finished = True
+                return
+            elif event[0] == "gone":
+                finished = True
+                yield p.sse({"type": "error", "error": {"type": "server_error", "message": event[1]}})
+                return
+    finally:
+        if not finished:
+            worker.cancel(handle)  # the client went away mid-stream
+
+
+# ---- live audio --------------------------------------------------------------------------------
+async def _deny(websocket: WebSocket, state: ServeState, exc: p.RequestError, headers: dict | None = None):
+    """Refuse the WebSocket handshake with an HTTP status and an OpenAI-shaped body."""
+    state.metrics.count("realtime", exc.status)
+    await websocket.send_denial_response(error_response(exc, headers))
+
+
+async def _realtime(websocket: WebSocket, state: ServeState) -> None:
+    worker, options = state.worker, state.options
+    query = websocket.query_params
+    try:
+        rate = int(query.get("sample_rate", SAMPLE_RATE))
+    except ValueError:
+        rate = -1
+    if not 8000 <= rate <= 192000:
+        return await _deny(websocket, state, p.RequestError(
+            400, "invalid_sample_rate", f"sample_rate must be an int in [8000, 192000] Hz, got "
+            f"{query.get('sample_rate')!r}", "sample_rate"))
+    resume_id = query.get("stream_id")
+    if resume_id is not None and not p.SESSION_ID_PATTERN.fullmatch(resume_id):
+        return await _deny(websocket, state, p.RequestError(
+            400, "invalid_stream_id", f"stream_id must be 1-64 of [A-Za-z0-9_-], got {resume_id[:80]!r}",
+            "stream_id"))
+    try:
+        handle = await worker.open(resume_id or f"live-{uuid.uuid4().hex[:16]}", kind="live",
+                                   resume=resume_id is not None)
+    except Busy as exc:
+        return await _deny(websocket, state, p.RequestError(503, "server_busy", str(exc)),
+                           {"Retry-After": str(exc.retry_after)})
+    except NoSession as exc:
+        return await _deny(websocket, state, p.RequestError(404, "no_such_session", exc.args[0], "stream_id"))
+    except ValueError as exc:
+        return await _deny(websocket, state, p.RequestError(409, "session_refused", str(exc), "stream_id"))
+    state.socket_opened()
+    outcome = "disconnected"
+    try:
+        await websocket.accept()
+        await websocket.send_json(p.ws_session_created(handle.id, handle.resumed, handle.samples))
+        reader = asyncio.ensure_future(_read_audio(websocket, worker, handle, rate, options, handle.samples))
+        writer = asyncio.ensure_future(_write_events(websocket, handle))
+        done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+        if writer in done and not writer.cancelled() and writer.exception() is None:
+            outcome = writer.result()
+        reader.cancel()
+        writer.cancel()
+    except (WebSocketDisconnect, RuntimeError):
+        pass  # the socket went away while the session was being set up
+    finally:
+        if outcome == "disconnected":
+            worker.cancel(handle)  # blocks and slot back at once
+        state.metrics.count("realtime", outcome)
+        state.socket_closed()
+
+
+async def _read_audio(websocket: WebSocket, worker: EngineWorker, handle, rate: int, options: ServeOptions,
+                      samples: int) -> None:
+    """Client -> worker until the client disconnects (returns) or commits and the writer finishes."""
+    committed = False
+    while True:
+        message = await websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+        try:
+            if message.get("bytes") is not None:
+                data = message["bytes"]
+            else:
+                kind, data = p.parse_client_message(message.get("text") or "")
+                if kind == "input_audio_buffer.commit":
+                    if not committed:
+                        committed = True
+                        worker.end(handle)
+                    continue
+            if committed:
+                raise p.RequestError(400, "audio_after_commit", "the audio was committed (ended); this stream takes "
+                                     "no more audio")
+            if not data:
+                continue
+            pcm = p.pcm16_to_float(data)
+            if rate != SAMPLE_RATE:
+                try:
+                    pcm = check_pcm(pcm, rate, f"stream {handle.id}")
+                except AudioError as exc:
+                    raise p.RequestError(400, "invalid_audio", str(exc)) from None
+            p.check_duration(samples + len(pcm), options.max_audio_seconds, f"stream {handle.id}")
+        except p.RequestError as exc:
+            await websocket.send_json(p.ws_error(exc.code, str(exc)))
+            continue
+        samples += len(pcm)
+        worker.audio(handle, np.ascontiguousarray(pcm))
+
+
+async def _write_events(websocket: WebSocket, handle) -> str:
+    """Worker -> client until the stream completes, is suspended or is gone; returns the outcome."""
+    delta_text = p.DeltaText()
+    while True:
+        event = await handle.events.get()
+        kind = event[0]
+        if kind == "partial":
+            text = event[1]
+            await websocket.send_json(p.ws_delta(handle.id, delta_text.update(text), text,
+                                                 int(round(event[2] * 1000))))
+        elif kind == "error":
+            await websocket.send_json(p.ws_error("invalid_audio", event[1]))
+        elif kind == "final":
+            transcript = event[1]
+            delta = delta_text.update(transcript.text, final=True)
+            if delta:
+                await websocket.send_json(p.ws_delta(handle.id, delta, transcript.text,
+                                                     int(round(transcript.audio_seconds * 1000))))
+            await websocket.send_json(p.ws_completed(handle.id, transcript.text, transcript.audio_seconds))
+            await websocket.close(p.CLOSE_NORMAL)
+            return "completed"
+        elif kind == "suspended":
+            await websocket.send_json(p.ws_suspended(handle.id, event[1]))
+            await websocket.close(p.CLOSE_SERVICE_RESTART, "server restarting: reconnect with stream_id")
+            return "suspended"
+        elif kind == "gone":
+            await websocket.send_json(p.ws_error("server_error", event[1]))
+            await websocket.close(1011)
+            return "gone"
+
+
+# ---- running it -------------------------------------------------------------------------------
+class OasrServer(uvicorn.Server):
+    """``uvicorn.Server`` that suspends live streams before it closes connections; prints where it listens."""
+
+    def __init__(self, config: uvicorn.Config, announce: bool = False):
+        super().__init__(config)
+        self.announce = announce
+        self.port: int | None = None
+
+    async def startup(self, sockets=None) -> None:
+        """Start listening; record (and with ``announce`` print) the bound port."""
+        await super().startup(sockets)
+        if self.servers and self.servers[0].sockets:
+            self.port = self.servers[0].sockets[0].getsockname()[1]
+            if self.announce:
+                print(f"oasr serve: listening on http://{self.config.host}:{self.port}", flush=True)
+
+    async def shutdown(self, sockets=None) -> None:
+        """Suspend the live streams (each session is told), then uvicorn's own shutdown."""
+        state = getattr(self.config.app.state, "serve", None) if hasattr(self.config.app, "state") else None
+        if state is not None:
+            await state.drain()
+        await super().shutdown(sockets)
+
+
+class ServerThread:
+    """An ``OasrServer`` on a background thread of this process (tests, benches): ``url``, ``stop()``."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 60.0):
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", ws="websockets-sansio",
+                                timeout_graceful_shutdown=30)
+        self.server = OasrServer(config)
+        self.thread = threading.Thread(target=self.server.run, name="oasr-serve", daemon=True)
+        self.thread.start()
+        deadline = startup_timeout
+        while not self.server.started and self.thread.is_alive() and deadline > 0:
+            threading.Event().wait(0.02)
+            deadline -= 0.02
+        if not self.server.started:
+            raise RuntimeError("the server did not start")
+        self.url = f"http://{host}:{self.server.port}"
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Shut down as on SIGTERM (live streams suspended) and wait for the thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
