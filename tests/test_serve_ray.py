@@ -229,7 +229,7 @@ class FakeEngine:
     """An engine handle stand-in: a stream is the list of audio pieces it got; a move carries that list."""
 
     def __init__(self, name):
-        self.name, self.streams, self.refuse, self.busy = name, {}, False, {}
+        self.name, self.streams, self.refuse = name, {}, False
         for method in ("open", "accept", "end", "poll", "pop_result", "cancel", "suspend", "resume", "load"):
             setattr(self, method, _Call(getattr(self, "_" + method)))
 
@@ -253,9 +253,6 @@ class FakeEngine:
         del self.streams[sid]
 
     async def _suspend(self, sid):
-        if self.busy.get(sid):
-            self.busy[sid] -= 1
-            return {"busy": True}
         pieces = self.streams.pop(sid)
         return {"session": " ".join(pieces).encode(), "pieces": pieces}
 
@@ -332,28 +329,6 @@ def test_router_refused_resume_puts_the_stream_back_on_its_source():
 
     run(scenario())
     assert r.homes == {"a": "engine0"} and engines[0].streams == {"a": ["one", "two"]} and engines[1].streams == {}
-
-
-def test_router_waits_out_a_stream_being_rescored():
-    r, engines = router(2)
-    engines[0].busy["a"] = 3
-
-    async def scenario():
-        await r.open_stream("a", engine="engine0")
-        return await r.migrate("a")
-
-    assert run(scenario())["to"] == "engine1" and engines[0].busy["a"] == 0
-    r2, engines2 = router(2)
-    r2.busy_timeout_s = 0.05
-    engines2[0].busy["a"] = 10**6
-
-    async def stuck():
-        await r2.open_stream("a", engine="engine0")
-        with pytest.raises(TimeoutError, match="rescoring"):
-            await r2.migrate("a")
-
-    run(stuck())
-    assert r2.homes == {"a": "engine0"}
 
 
 def test_router_drain_spreads_streams_over_the_open_engines_then_rebalance_evens_them():

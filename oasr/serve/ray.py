@@ -34,8 +34,8 @@ Migration (``StreamRouter.migrate``, and ``drain`` / ``rebalance``, which use it
 session bytes: ``Recognizer.suspend`` on the source (the stream leaves it, its blocks and slot are freed), the
 bytes through Ray, ``Recognizer.resume`` on the target under the same id. The router holds the stream's lock
 for the whole move, so the stream's calls wait and then go to the new engine; the client sees one stream. A
-stream that has already finished moves as its transcript; one whose second pass (rescoring) is running is
-moved as its transcript once that is done. What a session restores is the stream exactly (K/V
+stream that has already finished moves as its transcript; one whose second pass (rescoring) is running moves
+with its rescoring job. What a session restores is the stream exactly (K/V
 window, conv and CTC state, unconsumed audio features, partial text); the resumed stream then computes in
 the target engine's cohorts, so its transcript equals one that never moved (the tests check it against
 ``Recognizer.transcribe`` on shipped clips) and is bit-identical only where the cohort widths also match.
@@ -113,8 +113,8 @@ class EngineReplica:
         return await self._command(lambda: self._cancel(stream_id))
 
     async def suspend(self, stream_id) -> dict:
-        """Take a stream out of this engine to move it: ``{"session": bytes}`` (live) or ``{"result": dict}``
-        (finished); ``{"busy": True}`` and nothing taken while its second pass (rescoring) runs."""
+        """Take a stream out of this engine to move it: ``{"session": bytes}`` (live, also while its second
+        pass, rescoring, runs) or ``{"result": dict}`` (finished)."""
         return await self._command(lambda: self._suspend(stream_id))
 
     async def resume(self, moved: dict, stream_id) -> None:
@@ -217,9 +217,7 @@ class EngineReplica:
         if stream_id in self.finished:
             return {"result": self.finished.pop(stream_id)}
         self._live(stream_id)
-        if self.recognizer.engine.status(stream_id) == "rescoring":
-            return {"busy": True}  # its audio is all in; the transcript follows in a tick or two
-        return {"session": self.recognizer.suspend(stream_id)}
+        return {"session": self.recognizer.suspend(stream_id)}  # one being rescored travels with its job
 
     def _resume(self, moved: dict, stream_id) -> None:
         if stream_id in self.finished or stream_id in self.recognizer.streams:
@@ -257,7 +255,6 @@ class StreamRouter:
         self.closed: set = set()  # drained engines
         self._locks: dict = {}
         self._turn = itertools.count()
-        self.busy_timeout_s = 30.0  # how long a move waits for a stream's rescoring to finish
 
     # -- streams --
     async def open_stream(self, stream_id=None, engine: str | None = None) -> object:
@@ -322,8 +319,7 @@ class StreamRouter:
         Returns ``{"id", "from", "to", "bytes"}`` (``bytes``: the session's size, 0 for a finished stream).
         Refused (``ValueError``, nothing moved) for an unknown or closed target or the stream's own engine.
         If the target refuses the session the stream goes back to its source, so it is never lost. A stream
-        being rescored is waited for (at most ``busy_timeout_s``, then ``TimeoutError``, nothing moved) and
-        moves as its transcript.
+        being rescored moves with its rescoring job.
         """
         async with self._lock(stream_id):
             source = self.homes[stream_id]
@@ -331,13 +327,6 @@ class StreamRouter:
             if target == source:
                 raise ValueError(f"StreamRouter: stream {stream_id!r} is already on {source}")
             moved = await self.engines[source].suspend.remote(stream_id)
-            deadline = asyncio.get_running_loop().time() + self.busy_timeout_s
-            while moved.get("busy"):  # being rescored: move its transcript once it is there
-                if asyncio.get_running_loop().time() >= deadline:
-                    raise TimeoutError(f"StreamRouter: stream {stream_id!r} still rescoring after "
-                                       f"{self.busy_timeout_s} s; not moved")
-                await asyncio.sleep(0.02)
-                moved = await self.engines[source].suspend.remote(stream_id)
             try:
                 await self.engines[target].resume.remote(moved, stream_id)
             except BaseException:
