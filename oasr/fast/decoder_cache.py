@@ -53,8 +53,7 @@ from oasr.decoder_common import (
     cow_writes,
     judge,
     judge_restore,
-    plan_select,
-    reserved_pages,
+    select_sources,
 )
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
@@ -107,6 +106,7 @@ class DecoderKVCacheManager:
         self._stager = Stager([(R, _I64), (R * SW, _I32), (R * CW, _I32), (2 * R, _I32)], device)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
+        self._host_direct = device.type == "cpu"  # views from the host mirror (see self_caches)
 
     # ---- block ownership (the only places that touch the pool's free list or a table entry) ----
     def _take(self, n: int) -> np.ndarray:
@@ -191,7 +191,32 @@ class DecoderKVCacheManager:
     @property
     def reserved_blocks(self) -> int:
         """See the reference: ceilings minus pages held, plus copy-on-write copies owed."""
-        return reserved_pages(self.config, [self.row_pages(r) for r in self.rows], self.pinned_blocks())
+        return self._reserved(np.flatnonzero(self._admitted), self.pinned_blocks())
+
+    def _blocks_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(self blocks, cross blocks, written blocks)`` the rows ``ids`` hold (repeats count again),
+        from one mask per table: the written blocks are the self pages from ``length // page`` on."""
+        cols = np.arange(self._self_table.shape[1])[None, :]
+        held = cols < self._held[ids][:, None]
+        written = held & (cols >= (self._length[ids] // self.config.page_size)[:, None])
+        table = self._self_table[ids]
+        cross = np.arange(self._cross_table.shape[1])[None, :] < self._cross_held[ids][:, None]
+        return table[held], self._cross_table[ids][cross], table[written]
+
+    def _reserved(self, ids: np.ndarray, pinned) -> int:
+        """``reserved_pages`` of rows ``ids`` (repeats allowed: a planned fork) in a few numpy operations:
+        the growth to every ceiling, plus per written block its writers minus one if they are all its
+        holders (pinned blocks count one more holder)."""
+        own, cross, written = self._blocks_of(ids)
+        n = self.pool.num_blocks
+        ceilings = -(-self._ceiling[ids] // self.config.page_size)
+        growth = int((ceilings - self._held[ids]).sum())
+        if not written.size:
+            return growth
+        holders = np.bincount(np.concatenate([own, cross, np.asarray(pinned, dtype=np.int64)]), minlength=n)
+        writers = np.bincount(written, minlength=n)
+        hit = writers > 0
+        return growth + int((writers[hit] - (writers[hit] == holders[hit])).sum())
 
     @property
     def available_blocks(self) -> int:
@@ -275,6 +300,26 @@ class DecoderKVCacheManager:
             for layer, ((k, v), (ks, vs)) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
         ]
 
+    def _stage_like_cuda(self) -> None:
+        """Read views through the staged device tables, as a CUDA device does (the capture-safety
+        checks run the CUDA code path on the CPU); see ``self_caches``."""
+        self._host_direct = False
+
+    def _host_views(self, ids: np.ndarray, cross: bool) -> list:
+        """CPU device: the views' table rows and lengths taken from the host mirror (fresh tensors
+        sharing numpy's copies): no staged copy, no device gather. The same numbers as the staged path."""
+        if cross:
+            lens = self._cross_length[ids]
+            longest = int(lens.max()) if ids.size else 0
+            return self._views(torch.from_numpy(self._cross_table[ids]),
+                               torch.from_numpy(np.maximum(lens - 1, 0).astype(np.int32)),
+                               max(longest - 1, 0), longest, lens > 0)
+        lens = self._length[ids]
+        longest = int(lens.max()) if ids.size else 0
+        prepared = self._held[ids] * self.config.page_size - lens
+        return self._views(torch.from_numpy(self._self_table[ids]), torch.from_numpy(lens.astype(np.int32)),
+                           longest, longest, prepared)
+
     def _self_views(self, ids: np.ndarray, rows_d: torch.Tensor) -> list:
         lens = self._length[ids]
         longest = int(lens.max()) if ids.size else 0
@@ -283,12 +328,21 @@ class DecoderKVCacheManager:
                            longest, longest, prepared)
 
     def self_caches(self, rows) -> list[PagedKVCache]:
-        """Per layer, the paged view of ``rows``' self-attention K/V (after ``prepare_step``)."""
+        """Per layer, the paged view of ``rows``' self-attention K/V (after ``prepare_step``).
+
+        On a CPU device the table rows come straight from the host mirror (``_host_views``); else one
+        staged copy of the stale rows and a gather of the persistent device tables."""
+        if self._host_direct:
+            return self._host_views(np.array(check_rows(rows, self._is_admitted, "self_caches"), dtype=np.int64),
+                                    cross=False)
         ids, rows_d = self._rows_index(rows, "self_caches")
         return self._self_views(ids, rows_d)
 
     def cross_caches(self, rows) -> list[PagedKVCache]:
         """See the reference: ``cache_seqlens`` is ``cross_length - 1``; read with ``cross_query_lens``."""
+        if self._host_direct:
+            return self._host_views(np.array(check_rows(rows, self._is_admitted, "cross_caches"), dtype=np.int64),
+                                    cross=True)
         ids, rows_d = self._rows_index(rows, "cross_caches")
         lens = self._cross_length[ids]
         longest = int(lens.max()) if ids.size else 0
@@ -426,15 +480,20 @@ class DecoderKVCacheManager:
         if shared.any():  # the rare path (a step right after a fork): the reference's rule, row by row
             copy[shared] = cow_writes(landing[shared].tolist(), lambda b: int(refs[b]) + int(keyed[b]))
         src = landing[copy]
-        new = self._take(int(src.size + needs.sum()))  # inside the rows' reservations: cannot run dry
-        self.pool.copy_blocks(src, new[: src.size])
-        self._rebind(self._self_table, ids[copy], col[copy], new[: src.size])
+        total = int(src.size + needs.sum())
+        if not total:  # (most steps: every row writes into a page it owns alone)
+            return
+        new = self._take(total)  # inside the rows' reservations: cannot run dry
+        if src.size:
+            self.pool.copy_blocks(src, new[: src.size])
+            self._rebind(self._self_table, ids[copy], col[copy], new[: src.size])
         grow = new[src.size :]
         owners = np.repeat(ids, needs)
         cols = self._held[owners] + (np.arange(grow.size) - np.repeat(np.cumsum(needs) - needs, needs))
         self._bind(self._self_table, owners, cols, grow)
         self._held[ids] += needs
-        self._drop(src)
+        if src.size:
+            self._drop(src)
 
     def prepare_step(self, rows) -> None:
         """Make room for one more token in each of ``rows`` (a page where a row crosses a boundary)."""
@@ -582,7 +641,7 @@ class DecoderKVCacheManager:
     def select(self, rows, idx) -> list[int]:
         """See the reference: keep and reorder rows, finish the rest, fork repeats onto shared pages."""
         ids = check_rows(rows, self._is_admitted, "select")
-        sources, dropped = plan_select(self.config, self, ids, idx)
+        sources, dropped = self._plan_select(ids, idx)
         for row in dropped:
             self.finish(row)
         out, seen, forks, parents = [], set(), [], []
@@ -598,6 +657,33 @@ class DecoderKVCacheManager:
         if forks:
             self._fork(np.array(parents, dtype=np.int64), np.array(forks, dtype=np.int64))
         return out
+
+    def _plan_select(self, ids: list[int], idx) -> tuple[list[int], list[int]]:
+        """``plan_select`` (the same checks, order and messages) with the reservation in numpy:
+        ``(sources, dropped)``, nothing changed."""
+        sources = select_sources(ids, idx)
+        kept = set(sources)
+        dropped = [r for r in ids if r not in kept]
+        forks = len(sources) - len(kept)
+        if forks > self.num_free_rows + len(dropped):
+            raise ValueError(f"select: {forks} forked rows need {forks} free rows, only "
+                             f"{self.num_free_rows + len(dropped)} are free after the dropped rows finish")
+        given = np.zeros(self.config.max_rows, dtype=bool)
+        given[ids] = True
+        after = np.concatenate([np.array(sources, dtype=np.int64), np.flatnonzero(self._admitted & ~given)])
+        need = self._reserved(after, self.pinned_blocks())
+        freed = 0
+        if dropped:  # pages only dropped rows hold go back (or park: parked pages count as free)
+            n = self.pool.num_blocks
+            before = np.concatenate(self._blocks_of(np.array(dropped, dtype=np.int64))[:2])
+            still = np.zeros(n, dtype=bool)
+            still[np.concatenate(self._blocks_of(after)[:2])] = True
+            freed = int(np.unique(before[~still[before]]).size)
+        have = self.pool.num_free_blocks + freed
+        if need > have:
+            raise ValueError(f"select: the selected rows reserve {need} blocks (ceilings and copy-on-write copies "
+                             f"owed), only {have} are free after the dropped rows' pages return")
+        return sources, dropped
 
     def _fork(self, parents: np.ndarray, forks: np.ndarray) -> None:
         """Fresh rows ``forks`` mapping their ``parents``' pages (a shared bind per region: counts up)."""
