@@ -206,9 +206,9 @@ def attend_decode_batch(q: torch.Tensor, cache: PagedKVCache, lens: list[int], s
     G = H // Hkv
     seqlens, starts = cache.cache_seqlens.tolist(), cache.cache_seqstarts.tolist()
     ends = [s + n if n else 0 for s, n in zip(seqlens, lens, strict=True)]  # a row without its query: no keys
-    L = max(ends)
-    if L <= 0:
-        return torch.zeros_like(q)
+    # (no key anywhere still reads one masked column: the same tensors are read whatever the lengths,
+    # as a kernel reads its arguments, which a stand-in for graph capture checks on the CPU)
+    L = max(max(ends), 1)
     slots = _slots(cache, L)[:, :L]  # (B, L) physical slots; columns past a row's table are masked below
     heads = _HEADS.get(Hkv)
     if heads is None:
@@ -220,9 +220,7 @@ def attend_decode_batch(q: torch.Tensor, cache: PagedKVCache, lens: list[int], s
         k, v = k.float(), v.float()
     hidden = None  # (B, L) padding keys, when a row has fewer than L keys
     if min(ends) < L or any(starts):
-        key = _KEYS.get(L)
-        if key is None:
-            key = _KEYS[L] = torch.arange(L)
+        key = torch.arange(L)  # fresh, not cached per L: a stand-in capture must see the same storages
         hidden = key[None, :] >= torch.tensor(ends)[:, None]
         if any(starts):
             hidden |= key[None, :] < cache.cache_seqstarts.long()[:, None]
@@ -239,4 +237,3 @@ def attend_decode_batch(q: torch.Tensor, cache: PagedKVCache, lens: list[int], s
 
 
 _HEADS: dict[int, torch.Tensor] = {}  # n_kv_head -> arange, shaped (1, Hkv, 1) (made once, read only)
-_KEYS: dict[int, torch.Tensor] = {}  # key count -> arange (made once, read only)

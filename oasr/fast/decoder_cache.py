@@ -44,6 +44,7 @@ from oasr.decoder_common import (
     RowPages,
     check_cross_fill,
     check_kv,
+    check_pad_to,
     check_pool,
     check_requests,
     check_rewind,
@@ -107,6 +108,7 @@ class DecoderKVCacheManager:
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
         self._host_direct = device.type == "cpu"  # views from the host mirror (see self_caches)
+        self._widths: dict[tuple, tuple] = {}  # (width, cross) -> persistent view buffers (pad_to views)
 
     # ---- block ownership (the only places that touch the pool's free list or a table entry) ----
     def _take(self, n: int) -> np.ndarray:
@@ -191,7 +193,8 @@ class DecoderKVCacheManager:
     @property
     def reserved_blocks(self) -> int:
         """See the reference: ceilings minus pages held, plus copy-on-write copies owed."""
-        return self._reserved(np.flatnonzero(self._admitted), self.pinned_blocks())
+        ids = np.flatnonzero(self._admitted)
+        return self._reserved(ids, self.pinned_blocks) if ids.size else 0
 
     def _blocks_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(self blocks, cross blocks, written blocks)`` the rows ``ids`` hold (repeats count again),
@@ -206,14 +209,14 @@ class DecoderKVCacheManager:
     def _reserved(self, ids: np.ndarray, pinned) -> int:
         """``reserved_pages`` of rows ``ids`` (repeats allowed: a planned fork) in a few numpy operations:
         the growth to every ceiling, plus per written block its writers minus one if they are all its
-        holders (pinned blocks count one more holder)."""
+        holders (pinned blocks count one more holder; ``pinned()`` lists them, asked only if needed)."""
         own, cross, written = self._blocks_of(ids)
         n = self.pool.num_blocks
         ceilings = -(-self._ceiling[ids] // self.config.page_size)
         growth = int((ceilings - self._held[ids]).sum())
         if not written.size:
             return growth
-        holders = np.bincount(np.concatenate([own, cross, np.asarray(pinned, dtype=np.int64)]), minlength=n)
+        holders = np.bincount(np.concatenate([own, cross, np.asarray(pinned(), dtype=np.int64)]), minlength=n)
         writers = np.bincount(written, minlength=n)
         hit = writers > 0
         return growth + int((writers[hit] - (writers[hit] == holders[hit])).sum())
@@ -291,8 +294,9 @@ class DecoderKVCacheManager:
         ids = np.array(check_rows(rows, self._is_admitted, op), dtype=np.int64)
         return ids, self._flush(ids)
 
-    def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int, prepared) -> list:
-        starts = self._zeros[: table.shape[0]]
+    def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int, prepared,
+               starts: torch.Tensor | None = None) -> list:
+        starts = self._zeros[: table.shape[0]] if starts is None else starts
         prepared = tuple(int(n) for n in prepared)
         return [
             PagedKVCache(k, v, table, seqlens, starts, self.config.page_size, max_len, max_span, layer, ks, vs,
@@ -327,19 +331,68 @@ class DecoderKVCacheManager:
         return self._views(self.self_table.index_select(0, rows_d), self._meta[0].index_select(0, rows_d),
                            longest, longest, prepared)
 
-    def self_caches(self, rows) -> list[PagedKVCache]:
+    def _width_buffers(self, width: int, cross: bool) -> tuple:
+        """The persistent ``(table (w, pages), seqlens (w,), starts (w,))`` of one width and region
+        (allocated on first use; a captured decode step reads these addresses on every replay)."""
+        key = (width, cross)
+        buffers = self._widths.get(key)
+        if buffers is None:
+            device, table = self.config.device, self.cross_table if cross else self.self_table
+            buffers = self._widths[key] = (torch.empty((width, table.shape[1]), dtype=_I32, device=device),
+                                           torch.empty(width, dtype=_I32, device=device),
+                                           torch.zeros(width, dtype=_I32, device=device))
+        return buffers
+
+    def _padded_views(self, ids: np.ndarray, pad: int, cross: bool) -> list:
+        """``self_caches`` / ``cross_caches`` with ``pad_to``: the rows then ``pad`` padding rows in the
+        width's persistent buffers (on a CPU device through numpy views of them, else one staged copy and
+        an ``index_select`` into them; padding rows filled with scalars). A snapshot: the next padded
+        call of the same width and region rewrites it."""
+        B = ids.size
+        table, seqlens, starts = self._width_buffers(B + pad, cross)
+        host_table, host_lens = (self._cross_table, self._cross_length) if cross else (self._self_table, self._length)
+        lens = np.maximum(host_lens[ids] - 1, 0) if cross else host_lens[ids]
+        if self._host_direct:
+            np.take(host_table, ids, axis=0, out=table.numpy()[:B])
+            seqlens.numpy()[:B] = lens
+            table.numpy()[B:] = self.pool.null_block
+            seqlens.numpy()[B:] = 0
+        else:
+            rows_d = self._flush(ids)
+            torch.index_select(self.cross_table if cross else self.self_table, 0, rows_d, out=table[:B])
+            torch.index_select(self._meta[1 if cross else 0], 0, rows_d, out=seqlens[:B])
+            table[B:].fill_(self.pool.null_block)
+            seqlens[B:].fill_(0)
+        if cross:
+            spans = self._cross_length[ids]
+            longest = int(spans.max()) if B else 0
+            reads = np.concatenate([spans > 0, np.zeros(pad, dtype=bool)])
+            return self._views(table, seqlens, max(longest - 1, 0), longest, reads, starts)
+        longest = int(lens.max()) if B else 0
+        prepared = np.concatenate([self._held[ids] * self.config.page_size - lens, np.ones(pad, dtype=np.int64)])
+        return self._views(table, seqlens, longest, longest, prepared, starts)
+
+    def self_caches(self, rows, pad_to: int | None = None) -> list[PagedKVCache]:
         """Per layer, the paged view of ``rows``' self-attention K/V (after ``prepare_step``).
 
         On a CPU device the table rows come straight from the host mirror (``_host_views``); else one
-        staged copy of the stale rows and a gather of the persistent device tables."""
+        staged copy of the stale rows and a gather of the persistent device tables. With ``pad_to``
+        (see the reference) the views are over the width's persistent buffers (``_padded_views``)."""
+        if pad_to is not None:
+            ids = np.array(check_rows(rows, self._is_admitted, "self_caches"), dtype=np.int64)
+            return self._padded_views(ids, check_pad_to(pad_to, ids.size, "self_caches"), cross=False)
         if self._host_direct:
             return self._host_views(np.array(check_rows(rows, self._is_admitted, "self_caches"), dtype=np.int64),
                                     cross=False)
         ids, rows_d = self._rows_index(rows, "self_caches")
         return self._self_views(ids, rows_d)
 
-    def cross_caches(self, rows) -> list[PagedKVCache]:
-        """See the reference: ``cache_seqlens`` is ``cross_length - 1``; read with ``cross_query_lens``."""
+    def cross_caches(self, rows, pad_to: int | None = None) -> list[PagedKVCache]:
+        """See the reference: ``cache_seqlens`` is ``cross_length - 1``; read with ``cross_query_lens``.
+        ``pad_to`` as for ``self_caches``."""
+        if pad_to is not None:
+            ids = np.array(check_rows(rows, self._is_admitted, "cross_caches"), dtype=np.int64)
+            return self._padded_views(ids, check_pad_to(pad_to, ids.size, "cross_caches"), cross=True)
         if self._host_direct:
             return self._host_views(np.array(check_rows(rows, self._is_admitted, "cross_caches"), dtype=np.int64),
                                     cross=True)
@@ -349,10 +402,12 @@ class DecoderKVCacheManager:
         return self._views(self.cross_table.index_select(0, rows_d), self._meta[1].index_select(0, rows_d),
                            max(longest - 1, 0), longest, lens > 0)
 
-    def cross_query_lens(self, rows) -> list[int]:
-        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths)."""
+    def cross_query_lens(self, rows, pad_to: int | None = None) -> list[int]:
+        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths); a padding
+        row (``pad_to``) 0."""
         ids = np.array(check_rows(rows, self._is_admitted, "cross_query_lens"), dtype=np.int64)
-        return (self._cross_length[ids] > 0).astype(np.int64).tolist()
+        pad = check_pad_to(pad_to, ids.size, "cross_query_lens")
+        return (self._cross_length[ids] > 0).astype(np.int64).tolist() + [0] * pad
 
     def gather_self(self, row: int) -> torch.Tensor:
         """The row's self-attention K/V, all layers, as one dense tensor (for checks)."""
@@ -671,7 +726,7 @@ class DecoderKVCacheManager:
         given = np.zeros(self.config.max_rows, dtype=bool)
         given[ids] = True
         after = np.concatenate([np.array(sources, dtype=np.int64), np.flatnonzero(self._admitted & ~given)])
-        need = self._reserved(after, self.pinned_blocks())
+        need = self._reserved(after, self.pinned_blocks)
         freed = 0
         if dropped:  # pages only dropped rows hold go back (or park: parked pages count as free)
             n = self.pool.num_blocks
