@@ -253,6 +253,8 @@ class DecoderKVCacheManager:
         if not answer:
             raise AdmissionError(answer.reason)
         cfg = self.config
+        if len(reqs) == 1:  # one request (dispatch by size): the same steps in scalars
+            return [self._admit_one(reqs[0])]
         rows = np.flatnonzero(~self._admitted)[: len(reqs)]
         pages = np.array([cfg.pages_for(r.cross_len) for r in reqs], dtype=np.int64)
         total = int(pages.sum())
@@ -272,6 +274,21 @@ class DecoderKVCacheManager:
             self._requests[row] = req
         self._sync(rows)
         return rows.tolist()
+
+    def _admit_one(self, req) -> int:
+        """``admit`` of one checked request that fits: the lowest free row, its cross pages in one allocation."""
+        row = int(np.argmin(self._admitted))  # the first False: the lowest free row
+        pages = self.config.pages_for(req.cross_len)
+        if pages:
+            self._bind(self._cross_table, np.full(pages, row), np.arange(pages), self._take(pages))
+        self._cross_held[row] = pages
+        self._ceiling[row] = req.self_tokens
+        self._cross_ceiling[row] = req.cross_len
+        self._held[row] = self._length[row] = self._cross_length[row] = 0
+        self._admitted[row] = True
+        self._requests[row] = req
+        self._sync(row)
+        return row
 
     def finish(self, row: int) -> None:
         """Release the row: its pages go back to the pool (``KeyError`` unless admitted)."""
@@ -642,7 +659,8 @@ class DecoderKVCacheManager:
             raise ValueError(f"admit_prompt: row {r} declared {int(self._ceiling[r])} tokens, got a prompt "
                              f"of {len(ids)}")
         hits = np.array(self._prefix.lookup(self.pool, ids, scope), dtype=np.int64)
-        self._bind(self._self_table, np.full(hits.size, r), np.arange(hits.size), hits, share=True)
+        if hits.size:
+            self._bind(self._self_table, np.full(hits.size, r), np.arange(hits.size), hits, share=True)
         self._held[r] = hits.size
         self._length[r] = hits.size * self.config.page_size
         self._sync(r)
