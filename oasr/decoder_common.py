@@ -140,6 +140,18 @@ def check_rows(rows, admitted, op: str, unique: bool = True) -> list[int]:
     return ids
 
 
+def check_pad_to(pad_to, rows: int, op: str) -> int:
+    """Padding rows a view call adds after ``rows`` real ones to reach ``pad_to`` (None: none). A padding
+    row maps only the scratch block at length 0: a step writes its token there and reads nothing else;
+    its cross read has no query. ``ValueError`` for a non-integer or a ``pad_to`` below ``rows``."""
+    if pad_to is None:
+        return 0
+    pad_to = as_index(pad_to, "pad_to", op)
+    if pad_to < rows:
+        raise ValueError(f"{op}: pad_to={pad_to} is smaller than the {rows} rows")
+    return pad_to - rows
+
+
 def check_kv(config: DecoderCacheConfig, k: torch.Tensor, v: torch.Tensor, op: str, lead: tuple,
              convert: bool) -> int:
     """``k, v`` must be ``(L, *lead, T, H, D)`` (``T`` free when ``lead`` ends with None) on the pool's device.

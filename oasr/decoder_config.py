@@ -17,7 +17,9 @@ may still take: a row stepped to its ceiling never finds the pool dry.
 
 Storage (``kv_storage``): ``"paged"`` (this pool, graph-stable addresses),
 ``"dense"`` (per-group ``(B, H, cap, D)`` buffers; beams may repeat rows), or
-``"auto"``: paged when the decode steps are graph-captured, dense otherwise.
+``"auto"``: paged when the decode steps are graph-captured (``graph_captured=True``:
+the steps run through ``oasr.engine.decode_step.FastDecodeStep(graphs=True)``, which
+refuses a config that resolves to dense), dense otherwise.
 
 With ``kv_cache_dtype="fp8_e4m3"`` every (token, KV head) vector is stored as
 e4m3 plus one fp32 power-of-two scale, ``2 * L * H * (D + 4)`` bytes per token.

@@ -318,6 +318,7 @@ class PagedDecoderKV:
         views, lens = self._cross
         B, nH, T, D = q.shape
         packed = q.reshape(B, nH * T, 1, D)
+        lens = None if all(lens) else lens  # None: every row presents its query (nothing to check)
         out = self.ops.paged_attention(packed, views[layer], chunk_lens=lens, **self._kw())
         return out.reshape(B, nH, T, D)
 

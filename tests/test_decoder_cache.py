@@ -457,6 +457,7 @@ def test_fast_device_tables_follow_the_host_at_the_next_read():
     """Host ops only mark rows stale; the next read copies every stale row in one staged copy, and
     then the device tables equal the host mirror (a row that came and went costs nothing extra)."""
     m = fast.DecoderKVCacheManager(dcfg())
+    m._stage_like_cuda()  # a CPU manager reads views from the host mirror; this is the path CUDA runs
     copies = m._stager.copies
     rows = m.admit([DecoderRequest(3, 4, 2)] * 3)
     for r in rows:
@@ -474,3 +475,32 @@ def test_fast_device_tables_follow_the_host_at_the_next_read():
     assert torch.equal(m._meta, torch.from_numpy(want))
     m.self_caches([rows[0], again])
     assert m._stager.copies == copies + 2  # a read with nothing stale still stages its rows (once)
+
+
+def _view_numbers(views):
+    return [(v.block_table.tolist(), v.cache_seqlens.tolist(), v.cache_seqstarts.tolist(), v.max_seqlen,
+             v.max_span, v.prepared_frames) for v in views]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+def test_fast_host_views_equal_the_staged_device_views(kv_cache_dtype):
+    """On a CPU device the views come from the host mirror; a manager on the staged (CUDA) path, driven
+    by the same ops (admit, prefill, steps, a copy-on-write fork, finish), hands out the same numbers."""
+    managers = [fast.DecoderKVCacheManager(dcfg(kv_cache_dtype=kv_cache_dtype)) for _ in range(2)]
+    managers[1]._stage_like_cuda()
+    seen = []
+    for m in managers:
+        rows = m.admit([DecoderRequest(3, 6, 2)] * 2)
+        for r in rows:
+            m.prefill(r, *kv(2, 3, 2, 8, seed=r))
+            m.fill_cross(r, *kv(2, 2, 2, 8, seed=10 + r))
+        rows = m.select(rows, [1, 1, 0])  # a fork: row 1 twice
+        got = []
+        for _ in range(4):
+            m.prepare_step(rows)
+            got.append(_view_numbers(m.self_caches(rows)) + _view_numbers(m.cross_caches(rows[::-1])))
+            m.commit_step(rows)
+        m.finish(rows[0])
+        got.append(_view_numbers(m.self_caches(rows[1:])))
+        seen.append(got)
+    assert seen[0] == seen[1]

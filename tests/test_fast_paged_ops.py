@@ -91,6 +91,47 @@ def test_attention_matches_reference(geo, seed, causal, lens_as):
     assert ((out.float() - ref32).abs() <= bound).all()
 
 
+decode_geometries = st.fixed_dictionaries(
+    dict(
+        batch=st.integers(2, 9),
+        n_kv_head=st.integers(1, 3),
+        group=st.sampled_from([1, 2, 4]),
+        num_frames=st.just(1),
+        head_dim=st.sampled_from([8, 16, 64]),
+        block_size=st.sampled_from([1, 4, 16]),
+        max_history=st.integers(0, 100),
+        dtype=st.sampled_from(DTYPES),
+    )
+)
+
+
+@SETTINGS
+@given(geo=decode_geometries, seed=st.integers(0, 2**16), causal=st.booleans(), starts=st.booleans(),
+       full=st.booleans())
+def test_decode_steps_match_reference(geo, seed, causal, starts, full):
+    """One query per row over short spans (the decoder's steps, ``cpu_rows.attend_decode_batch`` and the
+    one-gather write): shuffled tables, NaN-poisoned pools, rows without a query, starts past 0."""
+    s = make_scenario(seed, with_seqstarts=starts, **geo)
+    if full:
+        s.chunk_lens.fill_(1)
+    assert cpu_rows.use_decode_batch(s.cache, geo["batch"], 1)
+    want = s.clone()
+    lens = None if full else s.chunk_lens
+    ref.append_kv(want.cache, s.k, s.v, lens)
+    fast.append_kv(s.cache, s.k, s.v, lens, backend="torch")
+    assert torch.equal(bits(s.cache.k_cache), bits(want.cache.k_cache))
+    assert torch.equal(bits(s.cache.v_cache), bits(want.cache.v_cache))
+    out = fast.paged_attention(s.q, s.cache, lens, causal=causal, backend="torch")
+    s32 = s.to(torch.float32)
+    ref32 = ref.paged_attention(s32.q, s32.cache, lens, causal=causal)
+    assert out.dtype == s.q.dtype and not out.isnan().any()
+    if out.dtype == torch.float32:
+        bound = FP32_FLOOR * (1 + ref32.abs())
+    else:
+        bound = low_precision_bound(ref32, ref.paged_attention(s.q, s.cache, lens, causal=causal), FP32_FLOOR)
+    assert ((out.float() - ref32).abs() <= bound).all()
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(geo=geometries, seed=st.integers(0, 2**16), causal=st.booleans(), group_bytes=st.sampled_from([1, 3000]))
 def test_attention_in_row_tiles_equals_one_pass(geo, seed, causal, group_bytes):

@@ -113,9 +113,12 @@ def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: 
     if k.dtype != k_flat.dtype:
         k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
     if all(n == T for n in lens):
-        dest = slots[0, seqlens[0] : seqlens[0] + T]
-        if B > 1:
-            dest = torch.cat([slots[b, seqlens[b] : seqlens[b] + T] for b in range(B)])
+        if T == 1 and B > 1:  # a decode step: one slot per row, one gather
+            dest = slots.gather(1, cache.cache_seqlens.long()[:, None]).view(B)
+        else:
+            dest = slots[0, seqlens[0] : seqlens[0] + T]
+            if B > 1:
+                dest = torch.cat([slots[b, seqlens[b] : seqlens[b] + T] for b in range(B)])
         k_flat.index_copy_(0, dest, k.reshape(B * T, *k.shape[2:]))
         v_flat.index_copy_(0, dest, v.reshape(B * T, *v.shape[2:]))
         return
@@ -190,38 +193,47 @@ def attend_decode_batch(q: torch.Tensor, cache: PagedKVCache, lens: list[int], s
                         causal: bool) -> torch.Tensor:
     """``attend_rows`` for one query frame per row (``T == 1``), all rows in one pass.
 
-    Every row's keys ``[seqstart, seqlen + 1)`` are gathered into a padded ``(B, L, Hkv, D)`` (one
-    ``index_select`` each for K and V, slots from one broadcast); padding keys are masked out of the
-    scores and zeroed in V (the pool may hold NaN there, and 0 * NaN is NaN); a row with no key (its
-    length 0, or nothing in range) gets zeros, like the reference. With one query at position
-    ``seqlen``, causal and non-causal read the same keys.
+    Every row's keys ``[seqstart, seqlen + 1)`` are gathered into a padded ``(B, Hkv, L, D)``: one
+    ``index_select`` each for K and V over the pool's ``(slot, kv head)`` vectors, so they land in
+    the layout the batched matmuls read (no transposing copy); padding keys are masked out of the
+    scores and zeroed in V (the pool may hold NaN there, and 0 * NaN is NaN); a row with no key
+    (its length 0, or nothing in range) gets zeros, like the reference. With one query at position
+    ``seqlen``, causal and non-causal read the same keys. The row bounds are host numbers (the
+    view's lengths read once), so no other value is read back.
     """
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
     G = H // Hkv
     seqlens, starts = cache.cache_seqlens.tolist(), cache.cache_seqstarts.tolist()
     ends = [s + n if n else 0 for s, n in zip(seqlens, lens, strict=True)]  # a row without its query: no keys
-    L = max(ends)
-    out_dtype = q.dtype
-    if L <= 0:
-        return torch.zeros_like(q)
+    # (no key anywhere still reads one masked column: the same tensors are read whatever the lengths,
+    # as a kernel reads its arguments, which a stand-in for graph capture checks on the CPU)
+    L = max(max(ends), 1)
     slots = _slots(cache, L)[:, :L]  # (B, L) physical slots; columns past a row's table are masked below
-    k_flat, v_flat = cache.k_cache.view(-1, Hkv, D), cache.v_cache.view(-1, Hkv, D)
-    k = k_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D)
-    v = v_flat.index_select(0, slots.reshape(-1)).view(B, L, Hkv, D)
-    key = torch.arange(L)
-    ok = (key[None, :] < torch.tensor(ends)[:, None]) & (key[None, :] >= torch.tensor(starts)[:, None])  # (B, L)
+    heads = _HEADS.get(Hkv)
+    if heads is None:
+        heads = _HEADS[Hkv] = torch.arange(Hkv, dtype=torch.int64)[None, :, None]
+    vector = torch.add(heads, slots[:, None, :], alpha=Hkv).view(-1)  # (B, Hkv, L) pool vectors
+    k = cache.k_cache.view(-1, D).index_select(0, vector).view(B * Hkv, L, D)
+    v = cache.v_cache.view(-1, D).index_select(0, vector).view(B * Hkv, L, D)
     if k.dtype != torch.float32:
         k, v = k.float(), v.float()
-    v = v.masked_fill_(~ok[:, :, None, None], 0.0)
-    k = k.transpose(1, 2).reshape(B * Hkv, L, D)  # one small copy: (B * Hkv, L, D) for the batched matmuls
-    v = v.transpose(1, 2).reshape(B * Hkv, L, D)
+    hidden = None  # (B, L) padding keys, when a row has fewer than L keys
+    if min(ends) < L or any(starts):
+        key = torch.arange(L)  # fresh, not cached per L: a stand-in capture must see the same storages
+        hidden = key[None, :] >= torch.tensor(ends)[:, None]
+        if any(starts):
+            hidden |= key[None, :] < cache.cache_seqstarts.long()[:, None]
+        v.view(B, Hkv, L, D).masked_fill_(hidden[:, None, :, None], 0.0)  # NaN-safe: zeros, not 0 * NaN
     qf = q.float().reshape(B * Hkv, G, D)  # query head h = kv_head * G + g
     scores = torch.bmm(qf, k.transpose(1, 2)).mul_(scale).view(B, Hkv, G, L)
-    scores = scores.masked_fill_(~ok[:, None, None, :], float("-inf"))
+    if hidden is not None:
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1)
-    empty = ~ok.any(dim=1)  # (B,) rows with no key
-    if bool(empty.any()):
-        probs = probs.masked_fill_(empty[:, None, None, None], 0.0)
+    if hidden is not None and any(e <= s for e, s in zip(ends, starts, strict=True)):  # no key: zeros
+        probs.masked_fill_(hidden.all(dim=1)[:, None, None, None], 0.0)
     out = torch.bmm(probs.view(B * Hkv, G, L), v)  # (B * Hkv, G, D)
-    return out.view(B, H, 1, D).to(out_dtype)
+    return out.view(B, H, 1, D).to(q.dtype)
+
+
+_HEADS: dict[int, torch.Tensor] = {}  # n_kv_head -> arange, shaped (1, Hkv, 1) (made once, read only)

@@ -44,6 +44,7 @@ from oasr.decoder_common import (
     RowPages,
     check_cross_fill,
     check_kv,
+    check_pad_to,
     check_pool,
     check_requests,
     check_rewind,
@@ -53,8 +54,7 @@ from oasr.decoder_common import (
     cow_writes,
     judge,
     judge_restore,
-    plan_select,
-    reserved_pages,
+    select_sources,
 )
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
@@ -107,6 +107,8 @@ class DecoderKVCacheManager:
         self._stager = Stager([(R, _I64), (R * SW, _I32), (R * CW, _I32), (2 * R, _I32)], device)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
+        self._host_direct = device.type == "cpu"  # views from the host mirror (see self_caches)
+        self._widths: dict[tuple, tuple] = {}  # (width, cross) -> persistent view buffers (pad_to views)
 
     # ---- block ownership (the only places that touch the pool's free list or a table entry) ----
     def _take(self, n: int) -> np.ndarray:
@@ -191,7 +193,33 @@ class DecoderKVCacheManager:
     @property
     def reserved_blocks(self) -> int:
         """See the reference: ceilings minus pages held, plus copy-on-write copies owed."""
-        return reserved_pages(self.config, [self.row_pages(r) for r in self.rows], self.pinned_blocks())
+        ids = np.flatnonzero(self._admitted)
+        return self._reserved(ids, self.pinned_blocks) if ids.size else 0
+
+    def _blocks_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(self blocks, cross blocks, written blocks)`` the rows ``ids`` hold (repeats count again),
+        from one mask per table: the written blocks are the self pages from ``length // page`` on."""
+        cols = np.arange(self._self_table.shape[1])[None, :]
+        held = cols < self._held[ids][:, None]
+        written = held & (cols >= (self._length[ids] // self.config.page_size)[:, None])
+        table = self._self_table[ids]
+        cross = np.arange(self._cross_table.shape[1])[None, :] < self._cross_held[ids][:, None]
+        return table[held], self._cross_table[ids][cross], table[written]
+
+    def _reserved(self, ids: np.ndarray, pinned) -> int:
+        """``reserved_pages`` of rows ``ids`` (repeats allowed: a planned fork) in a few numpy operations:
+        the growth to every ceiling, plus per written block its writers minus one if they are all its
+        holders (pinned blocks count one more holder; ``pinned()`` lists them, asked only if needed)."""
+        own, cross, written = self._blocks_of(ids)
+        n = self.pool.num_blocks
+        ceilings = -(-self._ceiling[ids] // self.config.page_size)
+        growth = int((ceilings - self._held[ids]).sum())
+        if not written.size:
+            return growth
+        holders = np.bincount(np.concatenate([own, cross, np.asarray(pinned(), dtype=np.int64)]), minlength=n)
+        writers = np.bincount(written, minlength=n)
+        hit = writers > 0
+        return growth + int((writers[hit] - (writers[hit] == holders[hit])).sum())
 
     @property
     def available_blocks(self) -> int:
@@ -225,6 +253,8 @@ class DecoderKVCacheManager:
         if not answer:
             raise AdmissionError(answer.reason)
         cfg = self.config
+        if len(reqs) == 1:  # one request (dispatch by size): the same steps in scalars
+            return [self._admit_one(reqs[0])]
         rows = np.flatnonzero(~self._admitted)[: len(reqs)]
         pages = np.array([cfg.pages_for(r.cross_len) for r in reqs], dtype=np.int64)
         total = int(pages.sum())
@@ -244,6 +274,21 @@ class DecoderKVCacheManager:
             self._requests[row] = req
         self._sync(rows)
         return rows.tolist()
+
+    def _admit_one(self, req) -> int:
+        """``admit`` of one checked request that fits: the lowest free row, its cross pages in one allocation."""
+        row = int(np.argmin(self._admitted))  # the first False: the lowest free row
+        pages = self.config.pages_for(req.cross_len)
+        if pages:
+            self._bind(self._cross_table, np.full(pages, row), np.arange(pages), self._take(pages))
+        self._cross_held[row] = pages
+        self._ceiling[row] = req.self_tokens
+        self._cross_ceiling[row] = req.cross_len
+        self._held[row] = self._length[row] = self._cross_length[row] = 0
+        self._admitted[row] = True
+        self._requests[row] = req
+        self._sync(row)
+        return row
 
     def finish(self, row: int) -> None:
         """Release the row: its pages go back to the pool (``KeyError`` unless admitted)."""
@@ -266,14 +311,35 @@ class DecoderKVCacheManager:
         ids = np.array(check_rows(rows, self._is_admitted, op), dtype=np.int64)
         return ids, self._flush(ids)
 
-    def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int, prepared) -> list:
-        starts = self._zeros[: table.shape[0]]
+    def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int, prepared,
+               starts: torch.Tensor | None = None) -> list:
+        starts = self._zeros[: table.shape[0]] if starts is None else starts
         prepared = tuple(int(n) for n in prepared)
         return [
             PagedKVCache(k, v, table, seqlens, starts, self.config.page_size, max_len, max_span, layer, ks, vs,
                          prepared, self.config.dtype, self.config.kv_cache_dtype)
             for layer, ((k, v), (ks, vs)) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
         ]
+
+    def _stage_like_cuda(self) -> None:
+        """Read views through the staged device tables, as a CUDA device does (the capture-safety
+        checks run the CUDA code path on the CPU); see ``self_caches``."""
+        self._host_direct = False
+
+    def _host_views(self, ids: np.ndarray, cross: bool) -> list:
+        """CPU device: the views' table rows and lengths taken from the host mirror (fresh tensors
+        sharing numpy's copies): no staged copy, no device gather. The same numbers as the staged path."""
+        if cross:
+            lens = self._cross_length[ids]
+            longest = int(lens.max()) if ids.size else 0
+            return self._views(torch.from_numpy(self._cross_table[ids]),
+                               torch.from_numpy(np.maximum(lens - 1, 0).astype(np.int32)),
+                               max(longest - 1, 0), longest, lens > 0)
+        lens = self._length[ids]
+        longest = int(lens.max()) if ids.size else 0
+        prepared = self._held[ids] * self.config.page_size - lens
+        return self._views(torch.from_numpy(self._self_table[ids]), torch.from_numpy(lens.astype(np.int32)),
+                           longest, longest, prepared)
 
     def _self_views(self, ids: np.ndarray, rows_d: torch.Tensor) -> list:
         lens = self._length[ids]
@@ -282,23 +348,83 @@ class DecoderKVCacheManager:
         return self._views(self.self_table.index_select(0, rows_d), self._meta[0].index_select(0, rows_d),
                            longest, longest, prepared)
 
-    def self_caches(self, rows) -> list[PagedKVCache]:
-        """Per layer, the paged view of ``rows``' self-attention K/V (after ``prepare_step``)."""
+    def _width_buffers(self, width: int, cross: bool) -> tuple:
+        """The persistent ``(table (w, pages), seqlens (w,), starts (w,))`` of one width and region
+        (allocated on first use; a captured decode step reads these addresses on every replay)."""
+        key = (width, cross)
+        buffers = self._widths.get(key)
+        if buffers is None:
+            device, table = self.config.device, self.cross_table if cross else self.self_table
+            buffers = self._widths[key] = (torch.empty((width, table.shape[1]), dtype=_I32, device=device),
+                                           torch.empty(width, dtype=_I32, device=device),
+                                           torch.zeros(width, dtype=_I32, device=device))
+        return buffers
+
+    def _padded_views(self, ids: np.ndarray, pad: int, cross: bool) -> list:
+        """``self_caches`` / ``cross_caches`` with ``pad_to``: the rows then ``pad`` padding rows in the
+        width's persistent buffers (on a CPU device through numpy views of them, else one staged copy and
+        an ``index_select`` into them; padding rows filled with scalars). A snapshot: the next padded
+        call of the same width and region rewrites it."""
+        B = ids.size
+        table, seqlens, starts = self._width_buffers(B + pad, cross)
+        host_table, host_lens = (self._cross_table, self._cross_length) if cross else (self._self_table, self._length)
+        lens = np.maximum(host_lens[ids] - 1, 0) if cross else host_lens[ids]
+        if self._host_direct:
+            np.take(host_table, ids, axis=0, out=table.numpy()[:B])
+            seqlens.numpy()[:B] = lens
+            table.numpy()[B:] = self.pool.null_block
+            seqlens.numpy()[B:] = 0
+        else:
+            rows_d = self._flush(ids)
+            torch.index_select(self.cross_table if cross else self.self_table, 0, rows_d, out=table[:B])
+            torch.index_select(self._meta[1 if cross else 0], 0, rows_d, out=seqlens[:B])
+            table[B:].fill_(self.pool.null_block)
+            seqlens[B:].fill_(0)
+        if cross:
+            spans = self._cross_length[ids]
+            longest = int(spans.max()) if B else 0
+            reads = np.concatenate([spans > 0, np.zeros(pad, dtype=bool)])
+            return self._views(table, seqlens, max(longest - 1, 0), longest, reads, starts)
+        longest = int(lens.max()) if B else 0
+        prepared = np.concatenate([self._held[ids] * self.config.page_size - lens, np.ones(pad, dtype=np.int64)])
+        return self._views(table, seqlens, longest, longest, prepared, starts)
+
+    def self_caches(self, rows, pad_to: int | None = None) -> list[PagedKVCache]:
+        """Per layer, the paged view of ``rows``' self-attention K/V (after ``prepare_step``).
+
+        On a CPU device the table rows come straight from the host mirror (``_host_views``); else one
+        staged copy of the stale rows and a gather of the persistent device tables. With ``pad_to``
+        (see the reference) the views are over the width's persistent buffers (``_padded_views``)."""
+        if pad_to is not None:
+            ids = np.array(check_rows(rows, self._is_admitted, "self_caches"), dtype=np.int64)
+            return self._padded_views(ids, check_pad_to(pad_to, ids.size, "self_caches"), cross=False)
+        if self._host_direct:
+            return self._host_views(np.array(check_rows(rows, self._is_admitted, "self_caches"), dtype=np.int64),
+                                    cross=False)
         ids, rows_d = self._rows_index(rows, "self_caches")
         return self._self_views(ids, rows_d)
 
-    def cross_caches(self, rows) -> list[PagedKVCache]:
-        """See the reference: ``cache_seqlens`` is ``cross_length - 1``; read with ``cross_query_lens``."""
+    def cross_caches(self, rows, pad_to: int | None = None) -> list[PagedKVCache]:
+        """See the reference: ``cache_seqlens`` is ``cross_length - 1``; read with ``cross_query_lens``.
+        ``pad_to`` as for ``self_caches``."""
+        if pad_to is not None:
+            ids = np.array(check_rows(rows, self._is_admitted, "cross_caches"), dtype=np.int64)
+            return self._padded_views(ids, check_pad_to(pad_to, ids.size, "cross_caches"), cross=True)
+        if self._host_direct:
+            return self._host_views(np.array(check_rows(rows, self._is_admitted, "cross_caches"), dtype=np.int64),
+                                    cross=True)
         ids, rows_d = self._rows_index(rows, "cross_caches")
         lens = self._cross_length[ids]
         longest = int(lens.max()) if ids.size else 0
         return self._views(self.cross_table.index_select(0, rows_d), self._meta[1].index_select(0, rows_d),
                            max(longest - 1, 0), longest, lens > 0)
 
-    def cross_query_lens(self, rows) -> list[int]:
-        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths)."""
+    def cross_query_lens(self, rows, pad_to: int | None = None) -> list[int]:
+        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths); a padding
+        row (``pad_to``) 0."""
         ids = np.array(check_rows(rows, self._is_admitted, "cross_query_lens"), dtype=np.int64)
-        return (self._cross_length[ids] > 0).astype(np.int64).tolist()
+        pad = check_pad_to(pad_to, ids.size, "cross_query_lens")
+        return (self._cross_length[ids] > 0).astype(np.int64).tolist() + [0] * pad
 
     def gather_self(self, row: int) -> torch.Tensor:
         """The row's self-attention K/V, all layers, as one dense tensor (for checks)."""
@@ -426,15 +552,20 @@ class DecoderKVCacheManager:
         if shared.any():  # the rare path (a step right after a fork): the reference's rule, row by row
             copy[shared] = cow_writes(landing[shared].tolist(), lambda b: int(refs[b]) + int(keyed[b]))
         src = landing[copy]
-        new = self._take(int(src.size + needs.sum()))  # inside the rows' reservations: cannot run dry
-        self.pool.copy_blocks(src, new[: src.size])
-        self._rebind(self._self_table, ids[copy], col[copy], new[: src.size])
+        total = int(src.size + needs.sum())
+        if not total:  # (most steps: every row writes into a page it owns alone)
+            return
+        new = self._take(total)  # inside the rows' reservations: cannot run dry
+        if src.size:
+            self.pool.copy_blocks(src, new[: src.size])
+            self._rebind(self._self_table, ids[copy], col[copy], new[: src.size])
         grow = new[src.size :]
         owners = np.repeat(ids, needs)
         cols = self._held[owners] + (np.arange(grow.size) - np.repeat(np.cumsum(needs) - needs, needs))
         self._bind(self._self_table, owners, cols, grow)
         self._held[ids] += needs
-        self._drop(src)
+        if src.size:
+            self._drop(src)
 
     def prepare_step(self, rows) -> None:
         """Make room for one more token in each of ``rows`` (a page where a row crosses a boundary)."""
@@ -528,7 +659,8 @@ class DecoderKVCacheManager:
             raise ValueError(f"admit_prompt: row {r} declared {int(self._ceiling[r])} tokens, got a prompt "
                              f"of {len(ids)}")
         hits = np.array(self._prefix.lookup(self.pool, ids, scope), dtype=np.int64)
-        self._bind(self._self_table, np.full(hits.size, r), np.arange(hits.size), hits, share=True)
+        if hits.size:
+            self._bind(self._self_table, np.full(hits.size, r), np.arange(hits.size), hits, share=True)
         self._held[r] = hits.size
         self._length[r] = hits.size * self.config.page_size
         self._sync(r)
@@ -582,7 +714,7 @@ class DecoderKVCacheManager:
     def select(self, rows, idx) -> list[int]:
         """See the reference: keep and reorder rows, finish the rest, fork repeats onto shared pages."""
         ids = check_rows(rows, self._is_admitted, "select")
-        sources, dropped = plan_select(self.config, self, ids, idx)
+        sources, dropped = self._plan_select(ids, idx)
         for row in dropped:
             self.finish(row)
         out, seen, forks, parents = [], set(), [], []
@@ -598,6 +730,33 @@ class DecoderKVCacheManager:
         if forks:
             self._fork(np.array(parents, dtype=np.int64), np.array(forks, dtype=np.int64))
         return out
+
+    def _plan_select(self, ids: list[int], idx) -> tuple[list[int], list[int]]:
+        """``plan_select`` (the same checks, order and messages) with the reservation in numpy:
+        ``(sources, dropped)``, nothing changed."""
+        sources = select_sources(ids, idx)
+        kept = set(sources)
+        dropped = [r for r in ids if r not in kept]
+        forks = len(sources) - len(kept)
+        if forks > self.num_free_rows + len(dropped):
+            raise ValueError(f"select: {forks} forked rows need {forks} free rows, only "
+                             f"{self.num_free_rows + len(dropped)} are free after the dropped rows finish")
+        given = np.zeros(self.config.max_rows, dtype=bool)
+        given[ids] = True
+        after = np.concatenate([np.array(sources, dtype=np.int64), np.flatnonzero(self._admitted & ~given)])
+        need = self._reserved(after, self.pinned_blocks)
+        freed = 0
+        if dropped:  # pages only dropped rows hold go back (or park: parked pages count as free)
+            n = self.pool.num_blocks
+            before = np.concatenate(self._blocks_of(np.array(dropped, dtype=np.int64))[:2])
+            still = np.zeros(n, dtype=bool)
+            still[np.concatenate(self._blocks_of(after)[:2])] = True
+            freed = int(np.unique(before[~still[before]]).size)
+        have = self.pool.num_free_blocks + freed
+        if need > have:
+            raise ValueError(f"select: the selected rows reserve {need} blocks (ceilings and copy-on-write copies "
+                             f"owed), only {have} are free after the dropped rows' pages return")
+        return sources, dropped
 
     def _fork(self, parents: np.ndarray, forks: np.ndarray) -> None:
         """Fresh rows ``forks`` mapping their ``parents``' pages (a shared bind per region: counts up)."""
@@ -626,15 +785,19 @@ class DenseDecoderKV(DenseDecoderKVBase):
 
     @staticmethod
     def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """q (B, nH, T, D), k/v (B, Hkv, S, D) fp32, allowed (B, T, S) -> (B, nH, T, D) in q's dtype."""
+        """q (B, nH, T, D), k/v (B, Hkv, S, D) fp32, allowed (B, T, S) -> (B, nH, T, D) in q's dtype.
+        ``allowed=None``: every query sees every key (no mask to build or apply)."""
         B, nH, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         G = nH // Hkv
         qf = q.float().reshape(B * Hkv, G * T, D)  # head h = kv_head * G + g, rows (g, t)
         scores = torch.bmm(qf, k.reshape(B * Hkv, S, D).transpose(1, 2)).mul_(1.0 / math.sqrt(D))
-        mask = ~allowed[:, None, None]  # (B, 1, 1, T, S)
-        scores = scores.view(B, Hkv, G, T, S).masked_fill_(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).masked_fill_(mask, 0.0)
+        if allowed is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            mask = ~allowed[:, None, None]  # (B, 1, 1, T, S)
+            scores = scores.view(B, Hkv, G, T, S).masked_fill_(mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).masked_fill_(mask, 0.0)
         out = torch.bmm(probs.view(B * Hkv, G * T, S), v.reshape(B * Hkv, S, D))
         return out.view(B, nH, T, D).to(q.dtype)
 
@@ -644,6 +807,8 @@ class DenseDecoderKV(DenseDecoderKVBase):
         end = max(self.lengths) + T
         k = self._load(self.k, self.k_scale, layer, end)
         v = self._load(self.v, self.v_scale, layer, end)
+        if T == 1 and self.lengths.count(end - 1) == len(self.lengths):  # one query each, all at the end
+            return self._grouped(q, k, v, None)
         query = torch.tensor(self.lengths)[:, None] + torch.arange(T)[None, :]
         allowed = torch.arange(end)[None, None, :] <= query[:, :, None]
         return self._grouped(q, k, v, allowed.to(q.device))
@@ -654,5 +819,7 @@ class DenseDecoderKV(DenseDecoderKVBase):
         end = max(self.cross_lengths, default=0)
         k = self._load(self.cross_k, self.cross_k_scale, layer, end)
         v = self._load(self.cross_v, self.cross_v_scale, layer, end)
+        if end and self.cross_lengths.count(end) == len(self.cross_lengths):  # every row holds the same extent
+            return self._grouped(q, k, v, None)
         allowed = (torch.arange(end)[None, :] < torch.tensor(self.cross_lengths)[:, None])[:, None, :]
         return self._grouped(q, k, v, allowed.expand(-1, T, -1).to(q.device))

@@ -303,7 +303,9 @@ def _attend_rows(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causa
     seqlens = cache.cache_seqlens.long()
     starts = cache.cache_seqstarts.long()
     spans = torch.where(lens > 0, (seqlens + lens - starts).clamp(min=0), 0)  # keys per row
-    L = int(spans.max()) if B else 0
+    # no key anywhere still takes one masked column: the same tensors are read whatever the lengths,
+    # as a kernel reads its arguments (a stand-in for graph capture checks that on the CPU)
+    L = max(int(spans.max()), 1) if B else 0
     if L == 0:
         return torch.zeros_like(q)
 

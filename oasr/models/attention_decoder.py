@@ -224,10 +224,18 @@ class AttentionDecoder(nn.Module):
 
     def step(self, kv, tokens: torch.Tensor) -> torch.Tensor:
         """One token per row, ``tokens (B,)`` at each row's length; returns logits ``(B, V)``."""
-        B = tokens.shape[0]
-        positions = torch.tensor(kv.lengths, device=tokens.device)[:, None]
-        x = self._embed(tokens[:, None], positions)
+        positions = torch.tensor(kv.lengths, device=tokens.device)
         kv.begin_step()
+        logits = self.step_at(kv, tokens, positions)
+        kv.end_step()
+        return logits
+
+    def step_at(self, kv, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The device half of ``step``: ``tokens (B,)`` at ``positions (B,)``, between the group's
+        ``begin_step`` and ``end_step`` (which the caller runs). Reads no host value, so a group whose
+        verbs launch over fixed addresses (``oasr.engine.decode_step``) can capture it in a graph."""
+        B = tokens.shape[0]
+        x = self._embed(tokens[:, None], positions[:, None])
         for i, layer in enumerate(self.layers):
             sa, ca = layer.self_attn, layer.cross_attn
             h = sa.norm(x)
@@ -237,7 +245,6 @@ class AttentionDecoder(nn.Module):
             x = x + sa.out(_merge_heads(kv.attend_self(i, _heads_first(q))))
             x = x + ca.out(_merge_heads(kv.attend_cross(i, _heads_first(ca.query(ca.norm(x))))))
             x = x + layer.ffn(x)
-        kv.end_step()
         return self._logits(x[:, 0]).view(B, -1)
 
     # ---- search ---------------------------------------------------------------------------

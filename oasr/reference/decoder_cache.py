@@ -52,6 +52,7 @@ from oasr.decoder_common import (
     RowPages,
     check_cross_fill,
     check_kv,
+    check_pad_to,
     check_pool,
     check_requests,
     check_rewind,
@@ -217,32 +218,43 @@ class DecoderKVCacheManager:
                                       self.config.kv_cache_dtype))
         return views
 
-    def self_caches(self, rows) -> list[PagedKVCache]:
-        """One view per layer of the rows' self regions; ``cache_seqlens`` = tokens written so far."""
+    def self_caches(self, rows, pad_to: int | None = None) -> list[PagedKVCache]:
+        """One view per layer of the rows' self regions; ``cache_seqlens`` = tokens written so far.
+
+        ``pad_to``: padding rows after the real ones up to that many (``check_pad_to``): only the
+        scratch block, length 0, one prepared slot (a step writes its token into the scratch block)."""
         ids = check_rows(rows, self._admitted, "self_caches")
+        pad = check_pad_to(pad_to, len(ids), "self_caches")
         width = max(self.config.self_pages, 1)
         lens = [self._rows[r].length for r in ids]
         prepared = [len(self._rows[r].self_blocks) * self.config.page_size - n for r, n in zip(ids, lens, strict=True)]
-        return self._views([self._table(self._rows[r].self_blocks, width) for r in ids], lens, width, lens, prepared)
+        tables = [self._table(self._rows[r].self_blocks, width) for r in ids] + [self._table([], width)] * pad
+        lens += [0] * pad
+        return self._views(tables, lens, width, lens, prepared + [1] * pad)
 
-    def cross_caches(self, rows) -> list[PagedKVCache]:
+    def cross_caches(self, rows, pad_to: int | None = None) -> list[PagedKVCache]:
         """One view per layer of the rows' cross regions, read by ``paged_attention`` with one query per row
         and ``chunk_lens=cross_query_lens(rows)``.
 
         A query attends to ``[0, cache_seqlens + chunk_len)``, so the view reports ``cross_length - 1``
         and the query length 1: the query sees exactly the cross extent (an unfilled row: 0 and 0, zeros).
+        ``pad_to`` as for ``self_caches``: padding rows map the scratch block and present no query.
         """
         ids = check_rows(rows, self._admitted, "cross_caches")
+        pad = check_pad_to(pad_to, len(ids), "cross_caches")
         width = max(self.config.cross_pages, 1)
-        lens = [max(self._rows[r].cross_length - 1, 0) for r in ids]
-        spans = [self._rows[r].cross_length for r in ids]
+        lens = [max(self._rows[r].cross_length - 1, 0) for r in ids] + [0] * pad
+        spans = [self._rows[r].cross_length for r in ids] + [0] * pad
         reads = [1 if n else 0 for n in spans]  # the one query each filled row presents
-        return self._views([self._table(self._rows[r].cross_blocks, width) for r in ids], lens, width, spans, reads)
+        tables = [self._table(self._rows[r].cross_blocks, width) for r in ids] + [self._table([], width)] * pad
+        return self._views(tables, lens, width, spans, reads)
 
-    def cross_query_lens(self, rows) -> list[int]:
-        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths)."""
+    def cross_query_lens(self, rows, pad_to: int | None = None) -> list[int]:
+        """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths); a padding
+        row (``pad_to``) 0."""
         ids = check_rows(rows, self._admitted, "cross_query_lens")
-        return [1 if self._rows[r].cross_length else 0 for r in ids]
+        pad = check_pad_to(pad_to, len(ids), "cross_query_lens")
+        return [1 if self._rows[r].cross_length else 0 for r in ids] + [0] * pad
 
     def gather_self(self, row: int) -> torch.Tensor:
         """The row's self K/V as packed ``(L, H, length, 2D)`` in the model dtype (dequantized for fp8)."""
