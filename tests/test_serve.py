@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -322,22 +321,11 @@ STOPPED = (0, -signal.SIGTERM)  # after its graceful shutdown uvicorn re-raises 
 
 
 def start_process(state_dir) -> tuple[subprocess.Popen, str]:
-    """``python -m oasr serve --port 0`` as a child process; returns it and its URL (read from its stdout)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "oasr", "serve", "--port", "0", "--max-streams", "4",
-                             "--state-dir", str(state_dir), "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    deadline = time.monotonic() + TIMEOUT
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if "listening on" in line:
-            return proc, line.split("listening on ")[1].strip()
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError("the server did not start:\n" + "".join(lines))
+    """``python -m oasr serve --port 0`` as a child process with its state in ``state_dir``; returns it and its URL."""
+    from oasr.bench.serve import start_server
+
+    return start_server(4, "cpu", TIMEOUT, extra_args=("--state-dir", str(state_dir)),
+                        env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
 
 
 def test_killed_server_suspends_live_streams_and_a_restart_resumes_them(tmp_path, clips):

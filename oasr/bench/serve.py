@@ -29,12 +29,15 @@ NOTES = ("latency: client clock, piece that completed a chunk sent -> its delta 
          "compute seconds per second of audio; mismatches: transcripts unlike the offline run (0 expected)")
 
 
-def start_server(max_streams: int, device: str, timeout: float = 180.0) -> tuple[subprocess.Popen, str]:
-    """``python -m oasr serve --port 0`` as a child process (1 torch thread); returns it and its URL."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def start_server(max_streams: int, device: str, timeout: float = 180.0, extra_args=(), env=None,
+                 cwd=None) -> tuple[subprocess.Popen, str]:
+    """``python -m oasr serve --port 0`` as a child process (1 torch thread; ``extra_args`` appended, ``env``
+    added to this process's environment); returns it and its URL, read from its stdout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "oasr", "serve", "--port", "0", "--max-streams", str(max_streams),
-                             "--device", device, "--threads", "1", "--log-level", "warning", "--admit-timeout", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                             "--device", device, "--threads", "1", "--log-level", "warning", "--admit-timeout", "60",
+                             *extra_args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     deadline, lines = time.monotonic() + timeout, []
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
