@@ -155,6 +155,9 @@ def test_websocket_clients_concurrently_get_the_offline_transcripts(server, clip
         assert "".join(d["delta"] for d in r.deltas) == r.transcript
         assert len(r.latencies) == len(r.deltas)
     assert wait_for(lambda: health(server)["streams_active"] == 0)
+    server_side = health(server)["chunk_latency_ms"]  # the worker's own clock, one entry per encoded chunk
+    assert server_side["chunks"] > 0
+    assert 0 <= server_side["p50"] <= server_side["p95"] <= server_side["p99"]
 
 
 def test_disconnect_mid_stream_frees_blocks_and_slot(server, clips):

@@ -118,7 +118,7 @@ def create_app(worker: EngineWorker, options: ServeOptions | None = None) -> Fas
                 "model": options.model_name, "streams_active": s.streams_active,
                 "streams_waiting": s.streams_waiting, "max_streams": worker.max_streams, "pool": s.pool,
                 "suspended_sessions": s.suspended_on_disk, "real_time_factor": s.real_time_factor,
-                "ticks": s.ticks, "streams_ended": s.ended}
+                "ticks": s.ticks, "streams_ended": s.ended, "chunk_latency_ms": s.chunk_latency_ms}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

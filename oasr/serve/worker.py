@@ -35,6 +35,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,18 @@ from oasr.errors import StreamCapacityError
 
 logger = logging.getLogger("oasr.serve")
 STATS_KEPT = 1024  # engine TickStats kept (the newest); older ones are dropped as the server runs
+CHUNK_LATENCIES_KEPT = 4096  # server-side chunk latencies kept for /health's percentiles
+
+
+def latency_percentiles(seconds) -> dict:
+    """``{"p50", "p95", "p99", "chunks"}`` in ms of ``seconds`` (empty: ``{"chunks": 0}``)."""
+    import numpy as np
+
+    if not seconds:
+        return {"chunks": 0}
+    p50, p95, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 95, 99])
+    return {"p50": round(float(p50), 1), "p95": round(float(p95), 1), "p99": round(float(p99), 1),
+            "chunks": len(seconds)}
 
 
 class Busy(RuntimeError):
@@ -105,6 +118,7 @@ class WorkerStats:
     suspended_on_disk: int = 0
     accepting: bool = True
     ended: dict = field(default_factory=dict)  # streams ended since start: completed / cancelled / suspended
+    chunk_latency_ms: dict = field(default_factory=dict)  # p50/p95/p99 of the last CHUNK_LATENCIES_KEPT chunks
 
     @property
     def real_time_factor(self) -> float:
@@ -129,6 +143,7 @@ class EngineWorker:
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         self.on_tick = on_tick
+        self.chunk_latencies: deque = deque(maxlen=CHUNK_LATENCIES_KEPT)  # seconds, server side
         self.max_streams = recognizer.cache_config.max_batch_size
         self._on_disk = len(self.saved_sessions())
         self._ended = {"completed": 0, "cancelled": 0, "suspended": 0}
@@ -356,6 +371,7 @@ class EngineWorker:
         if not self.rec.streams:
             return False
         before = {sid: s.frames_done for sid, s in self.rec.streams.items()}
+        timed = {sid: len(s.latencies) for sid, s in self.rec.streams.items()}
         t0 = time.perf_counter()
         finished = self.rec.step()
         seconds = time.perf_counter() - t0
@@ -366,6 +382,8 @@ class EngineWorker:
         for sid, frames in before.items():
             stream = self.rec.streams.get(sid)
             handle = self._handles.get(sid)
+            if stream is not None:  # the recognizer's own clock: audio accepted here -> this tick returned
+                self.chunk_latencies.extend(stream.latencies[timed[sid]:])
             if stream is not None and handle is not None and stream.frames_done > frames:
                 covered = min(stream.frames_done * FRAME_SHIFT, stream.samples)  # the last chunk is padded
                 handle.post(("partial", stream.text, covered / SAMPLE_RATE))
@@ -385,4 +403,5 @@ class EngineWorker:
             streams_active=len(self._handles), streams_waiting=len(self._opens), engine_active=engine.num_active,
             engine_waiting=engine.num_waiting, pool=self.rec.pool_usage(), ticks=engine.tick,
             audio_seconds=self._audio_seconds, busy_seconds=self.rec.busy_seconds,
-            suspended_on_disk=self._on_disk, accepting=self._accepting, ended=dict(self._ended))
+            suspended_on_disk=self._on_disk, accepting=self._accepting, ended=dict(self._ended),
+            chunk_latency_ms=latency_percentiles(self.chunk_latencies))
