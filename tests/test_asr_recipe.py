@@ -39,6 +39,24 @@ def test_recipe_lowers_the_loss_and_resumes(tmp_path):
     assert sum(line.startswith("step ") for line in more) == 2
 
 
+def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
+    """Stopped at step 5 (mid-epoch, between saves) and resumed, the run ends where an uninterrupted one does:
+    same batches, same chunkings, same SpecAugment masks and dropout, bit for bit."""
+    torch.set_num_threads(1)
+    _tiny_shards(tmp_path / "a" / "train")
+    _tiny_shards(tmp_path / "b" / "train")
+    kw = dict(steps=9, seed=3, max_frames=2500, lr=3e-3, warmup=2, save_every=4, spec=TINY, serving_share=0.3,
+              log=lambda s: None)
+    straight = train(tmp_path / "a", **kw)
+    first = train(tmp_path / "b", stop_at=5, **kw)
+    assert first["step"] == 5
+    resumed = train(tmp_path / "b", **kw)
+    assert resumed["step"] == 9
+    for m in ("encoder", "decoder"):
+        for (name, p), q in zip(straight[m].named_parameters(), resumed[m].parameters(), strict=True):
+            assert torch.equal(p, q), name
+
+
 def test_batches_and_schedule():
     import random
 

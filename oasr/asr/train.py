@@ -11,8 +11,12 @@ instead (a later phase of the shipped model's schedule: it closes the gap betwee
 pass and full context at the default chunk, and the other chunkings stay in the mix).
 
 Everything is seeded; ``DIR/state.pt`` (tensors only, read back with ``weights_only=True``) is written
-every ``--save-every`` steps and a rerun resumes from it. The weights shipped with the package are the
-exponential moving average of the trained weights (``--ema``), exported with ``oasr.asr.checkpoint``.
+every ``--save-every`` steps and a rerun resumes from it exactly: the state holds the batches of the
+current epoch already done and the random generators (dropout, SpecAugment), and the epoch's chunking
+draws are replayed, so an interrupted run and an uninterrupted one with the same options end with the
+same weights (a state saved before this was recorded restarts its epoch's batch order). The weights
+shipped with the package are the exponential moving average of the trained weights (``--ema``),
+exported with ``oasr.asr.checkpoint``.
 """
 
 from __future__ import annotations
@@ -127,11 +131,12 @@ def greedy_wer(encoder, tokenizer, cmvn, shards: ShardSet, count: int, chunk: in
 def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: float = 2e-3,
           warmup: int = 400, ema_decay: float = 0.999, save_every: int = 200, log_every: int = 25,
           dev_dir: Path | None = None, spec: AsrSpec | None = None, serving_share: float = 0.0,
-          log=print) -> dict:
+          stop_at: int | None = None, log=print) -> dict:
     """Train for ``steps`` optimizer steps on the shards in ``work/train`` (resuming ``work/state.pt``).
 
     ``serving_share`` (0 <= share < 1) is the share of batches drawn at the serving chunking
-    (``draw_chunking``)."""
+    (``draw_chunking``). ``stop_at`` ends this call at that step with the state saved, as an interruption
+    would (the learning-rate schedule still runs to ``steps``)."""
     if not 0.0 <= serving_share < 1.0:
         raise ValueError(f"serving_share must be in [0, 1), got {serving_share}")
     work = Path(work)
@@ -144,7 +149,8 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
     params = list(encoder.parameters()) + list(decoder.parameters())
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=1e-3)
     ema = [p.detach().clone() for p in params]
-    step, epoch, cmvn = 0, 0, None
+    step, epoch, cmvn, skip = 0, 0, None, 0
+    g = torch.Generator().manual_seed(seed)
     state_path = work / "state.pt"
     if state_path.exists():
         state = torch.load(state_path, weights_only=True)
@@ -155,32 +161,41 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
         opt.load_state_dict(state["opt"])
         step, epoch = int(state["step"]), int(state["epoch"])
         cmvn = GlobalCmvn(state["cmvn_mean"], state["cmvn_istd"])
-        log(f"resumed at step {step} (epoch {epoch})")
+        if "epoch_batch" in state:  # exact resumption (older states restart their epoch's batch order)
+            skip = int(state["epoch_batch"])
+            torch.set_rng_state(state["torch_rng"])
+            g.set_state(state["augment_rng"])
+        log(f"resumed at step {step} (epoch {epoch}, batch {skip})")
     n_params = sum(p.numel() for p in params)
     n_enc = sum(p.numel() for p in encoder.parameters())
     log(f"encoder {n_enc:,} + decoder {n_params - n_enc:,} = {n_params:,} parameters, "
         f"{torch.get_num_threads()} threads")
     dev = ShardSet(dev_dir) if dev_dir is not None and Path(dev_dir).exists() else None
-    g = torch.Generator().manual_seed(seed)
     serving = (spec.encoder["chunk_size"], spec.encoder["num_left_chunks"])
     t_start, seen, seen_frames = time.time(), 0, 0
     losses = []
+    end = steps if stop_at is None else min(steps, stop_at)
+    done_in_epoch = skip
 
     def save():
         torch.save({"params": [p.detach() for p in params], "ema": ema, "opt": opt.state_dict(),
                     "step": torch.tensor(step), "epoch": torch.tensor(epoch), "cmvn_mean": cmvn.mean,
-                    "cmvn_istd": cmvn.istd}, work / "state.tmp")
+                    "cmvn_istd": cmvn.istd, "epoch_batch": torch.tensor(done_in_epoch),
+                    "torch_rng": torch.get_rng_state(), "augment_rng": g.get_state()}, work / "state.tmp")
         (work / "state.tmp").replace(state_path)
 
-    while step < steps:
+    while step < end:
         data = ShardSet(work / "train")  # shards still being synthesized join at the next epoch
         if cmvn is None:
             cmvn = GlobalCmvn.from_stats(*data.stats)
         rng = random.Random(f"{seed}/{epoch}")
         plan = batches(data.lens, max_frames, rng)
         log(f"epoch {epoch}: {len(data)} utterances, {len(plan)} batches")
-        for idx in plan:
-            if step >= steps:
+        for k, idx in enumerate(plan):
+            if k < skip:  # done before the interruption: replay its chunking draw, nothing else
+                draw_chunking(rng, serving, serving_share)
+                continue
+            if step >= end:
                 break
             lens = torch.tensor([int(data.lens[i]) for i in idx])
             x = torch.zeros(len(idx), int(lens.max()), 80)
@@ -197,6 +212,7 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
             torch.nn.utils.clip_grad_norm_(params, 5.0)
             opt.step()
             step += 1
+            done_in_epoch = k + 1
             with torch.no_grad():
                 d = min(ema_decay, (1 + step) / (10 + step))
                 for e, p in zip(ema, params, strict=True):
@@ -227,6 +243,8 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
                     log(f"step {step}: dev greedy streaming WER (EMA weights) {100 * w:.1f}%")
         else:
             epoch += 1
+            done_in_epoch = 0
+        skip = 0
     save()
     with torch.no_grad():
         for p, e in zip(params, ema, strict=True):
