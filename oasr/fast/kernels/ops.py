@@ -385,6 +385,22 @@ def paged_attention(
     return out
 
 
+def _launch_scaled_gather(executor, kernel: str, targs: tuple, what: str, k_pool, v_pool, k_scale, v_scale, out,
+                          block_ids, start: int, num_frames: int, D: int) -> torch.Tensor:
+    """The dequantizing gathers (fp8, int8 / q8_0 / affine4): one launch over ``out`` in 16-byte units."""
+    L, NB, bs, Hkv = k_pool.shape[:4]
+    if out.data_ptr() % 16:
+        raise ValueError(f"gather_kv_blocks: out must be 16-byte aligned for the {what} kernel")
+    block_ids = block_ids.to(torch.int32).contiguous()
+    args = (
+        _ptr(k_pool), _ptr(v_pool), _ptr(k_scale), _ptr(v_scale), _ptr(out), _ptr(block_ids), int(start),
+        int(num_frames), L, NB, bs, Hkv, D,
+    )  # fmt: skip
+    grid = (_grid_1d(out.numel() * out.element_size() // 16, executor), 1, 1)
+    executor.launch(registry.BY_NAME[kernel], targs, grid, (THREADS, 1, 1), args)
+    return out
+
+
 def gather_kv_blocks(
     executor,
     k_pool: torch.Tensor,
@@ -411,36 +427,17 @@ def gather_kv_blocks(
         check_fp8_geometry(D, out.dtype, executor.kind)
         if out.shape[2] == 0 or L == 0 or Hkv == 0:
             return out
-        if out.data_ptr() % 16:
-            raise ValueError(f"gather_kv_blocks: out must be 16-byte aligned for the {fmt.name} kernel")
-        block_ids = block_ids.to(torch.int32).contiguous()
-        args = (
-            _ptr(k_pool), _ptr(v_pool), _ptr(k_scale), _ptr(v_scale), _ptr(out), _ptr(block_ids), int(start),
-            int(num_frames), L, NB, bs, Hkv, D,
-        )  # fmt: skip
-        grid = (_grid_1d(out.numel() * out.element_size() // 16, executor), 1, 1)
         targs = (registry.DTYPE_ARG[out.dtype], _page_arg(fmt, out.dtype))
-        executor.launch(registry.BY_NAME["gather_kv_blocks_quant_kernel"], targs, grid, (THREADS, 1, 1), args)
-        return out
+        return _launch_scaled_gather(executor, "gather_kv_blocks_quant_kernel", targs, fmt.name, k_pool, v_pool,
+                                     k_scale, v_scale, out, block_ids, start, num_frames, D)
     if k_scale is not None or v_scale is not None:
         _check_scales(k_pool, v_pool, k_scale, v_scale)
         check_fp8_geometry(D, out.dtype, executor.kind)
     if out.shape[2] == 0 or L == 0 or Hkv == 0:
         return out
     if k_scale is not None:
-        if out.data_ptr() % 16:
-            raise ValueError("gather_kv_blocks: out must be 16-byte aligned for the fp8 kernel")
-        block_ids = block_ids.to(torch.int32).contiguous()
-        args = (
-            _ptr(k_pool), _ptr(v_pool), _ptr(k_scale), _ptr(v_scale), _ptr(out), _ptr(block_ids), int(start),
-            int(num_frames), L, NB, bs, Hkv, D,
-        )  # fmt: skip
-        grid = (_grid_1d(out.numel() * out.element_size() // 16, executor), 1, 1)
-        executor.launch(
-            registry.BY_NAME["gather_kv_blocks_fp8_kernel"], (registry.DTYPE_ARG[out.dtype],), grid,
-            (THREADS, 1, 1), args,
-        )  # fmt: skip
-        return out
+        return _launch_scaled_gather(executor, "gather_kv_blocks_fp8_kernel", (registry.DTYPE_ARG[out.dtype],),
+                                     "fp8", k_pool, v_pool, k_scale, v_scale, out, block_ids, start, num_frames, D)
     row_bytes = D * k_pool.element_size()
     unit = _copy_unit(row_bytes, k_pool, v_pool, out)
     block_ids = block_ids.to(torch.int32).contiguous()
