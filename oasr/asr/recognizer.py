@@ -170,13 +170,12 @@ class Recognizer:
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
         stream = self.streams[stream_id]
-        if self.engine.admitted(stream_id) or self.engine.status(stream_id) != "waiting":
-            kind, payload = "session", self.engine.suspend(stream_id)  # raises for a finished stream
-            ended = None
-        else:
+        if self.engine.status(stream_id) == "waiting" and not self.engine.admitted(stream_id):
             feats = self.engine.buffered_input(stream_id).float().contiguous()
             kind, payload, ended = "features", feats.numpy().tobytes(), self.engine.input_ended(stream_id)
             self.engine.cancel(stream_id)
+        else:
+            kind, payload, ended = "session", self.engine.suspend(stream_id), None  # raises for a finished one
         del self.streams[stream_id]
         meta = {"version": 1, "kind": kind, "stream_id": stream_id, "samples": stream.samples,
                 "frames_pushed": stream.frames_pushed, "frames_done": stream.frames_done, "text": stream.text,

@@ -38,7 +38,7 @@ from oasr.asr.audio import AudioError, check_pcm
 from oasr.asr.features import SAMPLE_RATE
 from oasr.serve import protocol as p
 from oasr.serve.metrics import CONTENT_TYPE, ServeMetrics
-from oasr.serve.worker import Busy, EngineWorker, NoSession
+from oasr.serve.worker import Busy, EngineWorker, NoSession, latency_percentiles
 
 logger = logging.getLogger("oasr.serve")
 
@@ -118,7 +118,8 @@ def create_app(worker: EngineWorker, options: ServeOptions | None = None) -> Fas
                 "model": options.model_name, "streams_active": s.streams_active,
                 "streams_waiting": s.streams_waiting, "max_streams": worker.max_streams, "pool": s.pool,
                 "suspended_sessions": s.suspended_on_disk, "real_time_factor": s.real_time_factor,
-                "ticks": s.ticks, "streams_ended": s.ended, "chunk_latency_ms": s.chunk_latency_ms}
+                "ticks": s.ticks, "streams_ended": s.ended,
+                "chunk_latency_ms": latency_percentiles(tuple(worker.chunk_latencies))}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

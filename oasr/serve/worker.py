@@ -118,7 +118,6 @@ class WorkerStats:
     suspended_on_disk: int = 0
     accepting: bool = True
     ended: dict = field(default_factory=dict)  # streams ended since start: completed / cancelled / suspended
-    chunk_latency_ms: dict = field(default_factory=dict)  # p50/p95/p99 of the last CHUNK_LATENCIES_KEPT chunks
 
     @property
     def real_time_factor(self) -> float:
@@ -143,7 +142,9 @@ class EngineWorker:
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         self.on_tick = on_tick
-        self.chunk_latencies: deque = deque(maxlen=CHUNK_LATENCIES_KEPT)  # seconds, server side
+        # seconds, server side; read by /health as tuple(...) (one C-level copy under the GIL), the
+        # percentiles computed there, not on the worker's loop
+        self.chunk_latencies: deque = deque(maxlen=CHUNK_LATENCIES_KEPT)
         self.max_streams = recognizer.cache_config.max_batch_size
         self._on_disk = len(self.saved_sessions())
         self._ended = {"completed": 0, "cancelled": 0, "suspended": 0}
@@ -370,8 +371,7 @@ class EngineWorker:
         """One engine tick if any stream is open; True if it encoded or finished something."""
         if not self.rec.streams:
             return False
-        before = {sid: s.frames_done for sid, s in self.rec.streams.items()}
-        timed = {sid: len(s.latencies) for sid, s in self.rec.streams.items()}
+        before = {sid: (s.frames_done, len(s.latencies)) for sid, s in self.rec.streams.items()}
         t0 = time.perf_counter()
         finished = self.rec.step()
         seconds = time.perf_counter() - t0
@@ -379,11 +379,11 @@ class EngineWorker:
         progressed = bool(finished) or bool(stats and (stats.cohort or stats.decode_steps))
         if progressed and self.on_tick is not None:
             self.on_tick(seconds)
-        for sid, frames in before.items():
+        for sid, (frames, timed) in before.items():
             stream = self.rec.streams.get(sid)
             handle = self._handles.get(sid)
             if stream is not None:  # the recognizer's own clock: audio accepted here -> this tick returned
-                self.chunk_latencies.extend(stream.latencies[timed[sid]:])
+                self.chunk_latencies.extend(stream.latencies[timed:])
             if stream is not None and handle is not None and stream.frames_done > frames:
                 covered = min(stream.frames_done * FRAME_SHIFT, stream.samples)  # the last chunk is padded
                 handle.post(("partial", stream.text, covered / SAMPLE_RATE))
@@ -403,5 +403,4 @@ class EngineWorker:
             streams_active=len(self._handles), streams_waiting=len(self._opens), engine_active=engine.num_active,
             engine_waiting=engine.num_waiting, pool=self.rec.pool_usage(), ticks=engine.tick,
             audio_seconds=self._audio_seconds, busy_seconds=self.rec.busy_seconds,
-            suspended_on_disk=self._on_disk, accepting=self._accepting, ended=dict(self._ended),
-            chunk_latency_ms=latency_percentiles(self.chunk_latencies))
+            suspended_on_disk=self._on_disk, accepting=self._accepting, ended=dict(self._ended))
