@@ -38,6 +38,28 @@ def test_round_trip(saved):
     assert (enc3.config.chunk_size, enc3.config.num_left_chunks) == (2, -1)
 
 
+def test_float16_storage_halves_the_file_and_loads_the_rounded_weights(saved, tmp_path):
+    path, enc, dec, cmvn = saved
+    half = tmp_path / "half.safetensors"
+    save_checkpoint(half, enc, dec, TINY, cmvn, {"steps": 3}, weights="float16")
+    assert read_header(half)["weights"] == "float16"
+    assert half.stat().st_size < 0.6 * path.stat().st_size
+    enc2, dec2, _, cmvn2, _ = load_checkpoint(half)
+    for a, b in zip(list(enc.state_dict().values()) + list(dec.state_dict().values()),
+                    list(enc2.state_dict().values()) + list(dec2.state_dict().values()), strict=True):
+        assert b.dtype == a.dtype and torch.equal(b, a.half().to(a.dtype) if a.is_floating_point() else a)
+    assert torch.equal(cmvn.mean, cmvn2.mean)  # CMVN stays float32
+    meta = read_header(half)
+    _rewrite(half, meta={**meta, "weights": "float32"})  # the header no longer says what the tensors are
+    with pytest.raises(ValueError, match="the model needs torch.float32"):
+        load_checkpoint(half)
+    _rewrite(half, meta={**meta, "weights": "int4"})
+    with pytest.raises(ValueError, match="weights stored as 'int4'"):
+        load_checkpoint(half)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        save_checkpoint(tmp_path / "x.safetensors", enc, dec, TINY, cmvn, weights="bfloat16")
+
+
 def _rewrite(path, tensors=None, meta=None):
     old_t, old_m = load_file(str(path)), read_header(path)
     save_file(tensors if tensors is not None else old_t, str(path), metadata=meta if meta is not None else old_m)

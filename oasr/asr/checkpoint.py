@@ -3,7 +3,9 @@
 Layout: tensors ``encoder.*`` (the ``StreamingConformer``), ``decoder.*`` (the ``AttentionDecoder``),
 ``cmvn.mean`` and ``cmvn.istd``; the header's string metadata holds ``format`` (``FORMAT``),
 ``spec`` (``AsrSpec`` as JSON: geometry, alphabet, rescoring weight), ``info`` (JSON: how it was
-trained) and ``sha256``, a digest of every tensor's name, dtype, shape and bytes.
+trained), ``weights`` (the dtype the floating-point weights are stored in: ``float32``, or ``float16``
+to halve the file; they are loaded into the model's float32 parameters either way; absent means
+``float32``) and ``sha256``, a digest of every tensor's name, dtype, shape and bytes.
 
 ``load_checkpoint`` refuses, with one ``ValueError`` naming what is wrong, a file that is not
 safetensors, a foreign safetensors file (no or another ``format``), a spec this code cannot build,
@@ -23,6 +25,7 @@ from oasr.asr.features import GlobalCmvn
 from oasr.asr.model import AsrSpec, build
 
 FORMAT = "oasr-asr-1"
+WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16}  # what ``weights`` may say
 
 
 def _digest(tensors: dict) -> str:
@@ -34,22 +37,33 @@ def _digest(tensors: dict) -> str:
     return h.hexdigest()
 
 
-def checkpoint_tensors(encoder, decoder, cmvn: GlobalCmvn) -> dict:
-    """Every tensor a checkpoint holds, on the CPU: ``encoder.*``, ``decoder.*`` and the CMVN statistics."""
-    tensors = {f"encoder.{k}": v.detach().cpu().contiguous() for k, v in encoder.state_dict().items()}
-    tensors.update({f"decoder.{k}": v.detach().cpu().contiguous() for k, v in decoder.state_dict().items()})
+def checkpoint_tensors(encoder, decoder, cmvn: GlobalCmvn, weights: str = "float32") -> dict:
+    """Every tensor a checkpoint holds, on the CPU: ``encoder.*``, ``decoder.*`` (floating-point ones in
+    ``weights``, a ``WEIGHT_DTYPES`` name) and the CMVN statistics (float32)."""
+    dtype = WEIGHT_DTYPES[weights]
+
+    def stored(v):
+        v = v.detach().cpu()
+        return (v.to(dtype) if v.is_floating_point() else v).contiguous()
+
+    tensors = {f"encoder.{k}": stored(v) for k, v in encoder.state_dict().items()}
+    tensors.update({f"decoder.{k}": stored(v) for k, v in decoder.state_dict().items()})
     tensors["cmvn.mean"] = cmvn.mean.detach().cpu().float().contiguous()
     tensors["cmvn.istd"] = cmvn.istd.detach().cpu().float().contiguous()
     return tensors
 
 
-def save_checkpoint(path, encoder, decoder, spec: AsrSpec, cmvn: GlobalCmvn, info: dict | None = None) -> None:
-    """Write the model, its spec, the CMVN statistics and ``info`` as one checksummed safetensors file."""
+def save_checkpoint(path, encoder, decoder, spec: AsrSpec, cmvn: GlobalCmvn, info: dict | None = None,
+                    weights: str = "float32") -> None:
+    """Write the model, its spec, the CMVN statistics and ``info`` as one checksummed safetensors file,
+    the floating-point weights stored as ``weights`` (``"float32"``, or ``"float16"``: half the bytes)."""
     from safetensors.torch import save_file
 
-    tensors = checkpoint_tensors(encoder, decoder, cmvn)
+    if weights not in WEIGHT_DTYPES:
+        raise ValueError(f"save_checkpoint: weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
+    tensors = checkpoint_tensors(encoder, decoder, cmvn, weights)
     meta = {"format": FORMAT, "spec": json.dumps(spec.to_dict(), sort_keys=True),
-            "info": json.dumps(info or {}, sort_keys=True), "sha256": _digest(tensors)}
+            "info": json.dumps(info or {}, sort_keys=True), "weights": weights, "sha256": _digest(tensors)}
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -75,6 +89,9 @@ def load_checkpoint(path, **encoder_overrides):
     meta = read_header(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not an oasr speech model (format {meta.get('format')!r}, expected {FORMAT!r})")
+    weights = meta.get("weights", "float32")
+    if weights not in WEIGHT_DTYPES:
+        raise ValueError(f"{path}: weights stored as {weights!r}, this code reads {sorted(WEIGHT_DTYPES)}")
     try:
         spec = AsrSpec.from_dict(json.loads(meta["spec"]))
         info = json.loads(meta.get("info", "{}"))
@@ -87,7 +104,7 @@ def load_checkpoint(path, **encoder_overrides):
         raise ValueError(f"{path}: the tensor data cannot be read ({exc})") from None
     if _digest(tensors) != meta.get("sha256"):
         raise ValueError(f"{path}: checksum mismatch: the file is corrupted or was edited")
-    expected = checkpoint_tensors(encoder, decoder, GlobalCmvn(torch.zeros(80), torch.ones(80)))
+    expected = checkpoint_tensors(encoder, decoder, GlobalCmvn(torch.zeros(80), torch.ones(80)), weights)
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or extra:
         raise ValueError(f"{path}: tensors do not match the model (missing {missing[:5]}, unexpected {extra[:5]})")
