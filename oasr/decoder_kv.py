@@ -53,6 +53,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return (probs @ vh).to(q.dtype)
 
 
+def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (B, nH, T, D) of rows that all read one region, k/v (Hkv, S, D) fp32 -> (B, nH, T, D) in q's
+    dtype. The rows ride as queries of each KV head's group, ordered (query head in the group, row, t):
+    one batched matmul each way for every row at once. No key (S = 0): zeros."""
+    B, nH, T, D = q.shape
+    Hkv, S = k.shape[0], k.shape[1]
+    if S == 0:
+        return torch.zeros_like(q)
+    G = nH // Hkv
+    qf = q.float().reshape(B, Hkv, G, T, D).permute(1, 2, 0, 3, 4).reshape(Hkv, G * B * T, D)
+    probs = torch.bmm(qf, k.transpose(1, 2)).mul_(1.0 / math.sqrt(D)).softmax(-1)
+    out = torch.bmm(probs, v).view(Hkv, G, B, T, D).permute(2, 0, 1, 3, 4)
+    return out.reshape(B, nH, T, D).to(q.dtype)
+
+
 def group_row(b, batch: int, op: str) -> int:
     """Position ``b`` in a group of ``batch`` rows, as an int: an int or a numpy integer (never a bool,
     which would read as 0 or 1), ValueError otherwise; KeyError outside ``[0, batch)``."""
@@ -260,10 +275,17 @@ class DenseDecoderKV:
 class PagedDecoderKV:
     """A group of rows of a ``DecoderKVCacheManager`` (module docstring); ``ops`` is the twin module."""
 
-    def __init__(self, manager, rows: list[int], ops, backend: str | None = None):
+    def __init__(self, manager, rows: list[int], ops, backend: str | None = None, *,
+                 shared_cross: bool | None = None, cross_kv: list | None = None):
         self.manager, self.rows, self.ops, self.backend = manager, list(rows), ops, backend
         self.config = manager.config
         self._self = self._cross = None
+        # True: every row maps the same cross pages (``manager.shares_cross``); None: not asked yet.
+        # ``select`` hands True on (forks and kept rows of sharing rows still share); the manager is
+        # asked at the group's first cross read otherwise.
+        self._shared_cross = shared_cross
+        # The shared region read once, per layer (K, V) fp32 (Hkv, S, D) (``attend_cross``), or None.
+        self._cross_kv = cross_kv
 
     @classmethod
     def admit(cls, manager, requests: list[DecoderRequest], ops, backend: str | None = None) -> PagedDecoderKV:
@@ -290,7 +312,7 @@ class PagedDecoderKV:
     def fill_cross(self, b: int, k, v) -> None:
         """Write row ``b``'s cross-attention K/V through the manager; the cached cross views are rebuilt."""
         self.manager.fill_cross(self.rows[group_row(b, self.batch_size, "fill_cross")], k, v)
-        self._cross = None
+        self._cross = self._shared_cross = self._cross_kv = None
 
     def begin_step(self) -> None:
         """Start a decode step: the manager prepares a page for each row's next token and hands out the views."""
@@ -312,15 +334,36 @@ class PagedDecoderKV:
 
     def attend_cross(self, layer: int, q):
         """q (B, nH, T, D): the T queries ride as extra heads (head h*T + t still reads KV head h // G),
-        so each row presents one query and the paged kernel attends it to exactly the cross extent."""
-        if self._cross is None:
-            self._cross = (self.manager.cross_caches(self.rows), self.manager.cross_query_lens(self.rows))
-        views, lens = self._cross
+        so each row presents one query and the paged kernel attends it to exactly the cross extent.
+
+        When every row maps the same cross pages (the beams of one utterance) and the manager's twin
+        reads shared regions once (``SHARED_CROSS_READ``: the fast twin), the region is read once.
+        Pages in the model dtype: ``manager.gather_cross`` of the first row, kept for the group and
+        handed on by ``select`` (the pages cannot change while rows share them: ``fill_cross`` refuses
+        shared pages), then one grouped attention for all rows (``_attend_shared``). Quantized pages:
+        a view of the first row only, all rows' queries riding as its heads, ordered (KV head, query
+        head in its group, row, t) so that each still reads its own KV head. Either way the same dot
+        products as row by row, one read instead of ``B``."""
         B, nH, T, D = q.shape
-        packed = q.reshape(B, nH * T, 1, D)
+        if B > 1 and self._shared_cross is None:
+            self._shared_cross = self.manager.SHARED_CROSS_READ and self.manager.shares_cross(self.rows)
+        if B > 1 and self._shared_cross and not self.config.kv_quantized:
+            if self._cross_kv is None:
+                packed = self.manager.gather_cross(self.rows[0])  # (L, Hkv, S, 2D), K then V
+                self._cross_kv = [(x[..., :D].float(), x[..., D:].float()) for x in packed]
+            return _attend_shared(q, *self._cross_kv[layer])
+        if self._cross is None:
+            rows = self.rows[:1] if B > 1 and self._shared_cross else self.rows
+            self._cross = (self.manager.cross_caches(rows), self.manager.cross_query_lens(rows))
+        views, lens = self._cross
         lens = None if all(lens) else lens  # None: every row presents its query (nothing to check)
+        if not self._shared_cross or B == 1:
+            out = self.ops.paged_attention(q.reshape(B, nH * T, 1, D), views[layer], chunk_lens=lens, **self._kw())
+            return out.reshape(B, nH, T, D)
+        Hkv = self.config.n_kv_head
+        packed = q.reshape(B, Hkv, nH // Hkv, T, D).permute(1, 2, 0, 3, 4).reshape(1, nH * B * T, 1, D)
         out = self.ops.paged_attention(packed, views[layer], chunk_lens=lens, **self._kw())
-        return out.reshape(B, nH, T, D)
+        return out.reshape(Hkv, nH // Hkv, B, T, D).permute(2, 0, 1, 3, 4).reshape(B, nH, T, D)
 
     def gather_self(self, b: int) -> torch.Tensor:
         """Row ``b``'s self-attention K/V, all layers, as one dense tensor (for checks)."""
@@ -329,7 +372,11 @@ class PagedDecoderKV:
     def select(self, idx) -> PagedDecoderKV:
         """Keep and reorder rows (the others finish); a repeated index forks a row onto shared,
         copy-on-write pages (``DecoderKVCacheManager.select``)."""
-        return PagedDecoderKV(self.manager, self.manager.select(self.rows, idx), self.ops, self.backend)
+        rows = self.manager.select(self.rows, idx)
+        # the gathered cross region goes on while rows keep sharing it (a lone row's pages may be refilled)
+        keep = self._cross_kv if self._shared_cross and len(rows) > 1 else None
+        return PagedDecoderKV(self.manager, rows, self.ops, self.backend, shared_cross=self._shared_cross or None,
+                              cross_kv=keep)
 
     def merge(self, other: PagedDecoderKV) -> PagedDecoderKV:
         """One group of both groups' rows (``ValueError`` unless they share the manager)."""

@@ -49,11 +49,19 @@ Tensor arguments of the ops (checked by ``oasr.validate``; the same in both twin
 
 The view is a plain record: it owns nothing, and ``append_kv`` writes through
 it into the pool but never moves ``cache_seqlens`` (the manager's commit does).
+
+``host`` (optional, a ``HostPlan``): the rows' lengths and starts as host ints,
+shared by the views one manager call builds for every layer, with a memo of the
+index tensors an op derives from them (physical slots, gather indices). The
+fast twin's CPU ops then compute those once per cohort instead of once per
+layer. A plan describes the very tensors it was built with, unchanged
+(``HostPlan.describes``); a view built by ``dataclasses.replace`` with other
+tables, or whose index tensors were written in place, is read without it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +69,37 @@ from oasr.kv_formats import KVFormat, get_format
 
 # The argument checks live in oasr.validate (one place for both twins); re-exported for old callers.
 from oasr.validate import check_chunk_lens, check_kv_chunk, check_query  # noqa: F401
+
+
+class HostPlan:
+    """Host facts of one cohort's index tensors (see the module docstring): ``seqlens`` and ``seqstarts``
+    as lists of ints, and ``memo(key, make)``, ``make()``'s result kept under ``key`` for the next layer.
+
+    Built by a manager from its host bookkeeping (the same numbers it copied into the tensors); it
+    records the tensors' identities and version counters, so ``describes(view)`` is False once a view
+    holds other tensors or one of them was written in place."""
+
+    __slots__ = ("seqlens", "seqstarts", "_tensors", "_versions", "_memo")
+
+    def __init__(self, block_table: torch.Tensor, cache_seqlens: torch.Tensor, cache_seqstarts: torch.Tensor,
+                 seqlens: list[int], seqstarts: list[int]):
+        self.seqlens, self.seqstarts = seqlens, seqstarts
+        self._tensors = (block_table, cache_seqlens, cache_seqstarts)
+        self._versions = tuple(t._version for t in self._tensors)
+        self._memo: dict = {}
+
+    def describes(self, view: PagedKVCache) -> bool:
+        """Whether ``view``'s table, lengths and starts are the tensors this plan was built with, unwritten."""
+        a, b, c = self._tensors
+        return (view.block_table is a and view.cache_seqlens is b and view.cache_seqstarts is c
+                and (a._version, b._version, c._version) == self._versions)
+
+    def memo(self, key, make):
+        """``make()`` the first time ``key`` is asked, the kept result afterwards."""
+        value = self._memo.get(key)
+        if value is None:
+            value = self._memo[key] = make()
+        return value
 
 
 @dataclass(frozen=True)
@@ -79,6 +118,7 @@ class PagedKVCache:
     prepared_frames: tuple[int, ...] | None = None
     model_dtype: torch.dtype | None = None
     kv_format: str | None = None
+    host: HostPlan | None = field(default=None, compare=False, repr=False)
 
     @property
     def quantized(self) -> bool:

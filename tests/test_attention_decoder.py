@@ -124,14 +124,19 @@ def test_beam_search_on_dense_beams(decoder, twin):
 @torch.no_grad()
 def test_beam_search_on_copy_on_write_paged_beams_equals_dense(decoder, twin, beam, seed):
     """Paged beams fork onto shared pages (select with repeated parents); the search is the dense one,
-    token for token and score for score, and every page comes back when the beams finish."""
+    token for token and score for score (the oracle bit for bit; the fast twin reads the beams' shared
+    cross region once, one grouped matmul for all of them, so its fp32 sums run in another order), and
+    every page comes back when the beams finish."""
     ops = TWINS[twin]
     enc = encoder_outputs((6,), seed=seed)[0]
     want = decoder.beam_search(make_group(decoder, ops, "dense", [enc], 12), enc, beam=beam, max_new_tokens=12)
     paged = make_group(decoder, ops, "paged", [enc], 12)
     got = decoder.beam_search(paged, enc, beam=beam, max_new_tokens=12)
     assert got[0] == want[0]
-    assert got[1] == want[1]
+    if twin == "reference":
+        assert got[1] == want[1]
+    else:
+        assert abs(got[1] - want[1]) <= 1e-5 * max(1.0, abs(want[1]))
     manager = paged.manager
     counts = manager.pool.ref_counts()
     assert max(counts) > 1  # the final beams still share their prompt page and cross pages

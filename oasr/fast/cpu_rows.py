@@ -91,9 +91,34 @@ def workspace_storages() -> set[int]:
 _OFFSETS: dict[int, torch.Tensor] = {}  # block size -> arange(block_size), int64 (made once, read only)
 
 
+def _plan(cache: PagedKVCache):
+    """The view's ``HostPlan`` when it still describes the view's tensors, else None (``oasr.paged``)."""
+    plan = cache.host
+    return plan if plan is not None and plan.describes(cache) else None
+
+
+def _host_rows(cache: PagedKVCache) -> tuple[list[int], list[int]]:
+    """``(cache_seqlens, cache_seqstarts)`` as lists of ints: the plan's, else read from the tensors."""
+    plan = _plan(cache)
+    if plan is not None:
+        return plan.seqlens, plan.seqstarts
+    return cache.cache_seqlens.tolist(), cache.cache_seqstarts.tolist()
+
+
+def _memo(cache: PagedKVCache, key, make):
+    """``make()``, kept in the view's plan under ``key`` for the cohort's other layers (if it has one)."""
+    plan = _plan(cache)
+    return make() if plan is None else plan.memo(key, make)
+
+
 def _slots(cache: PagedKVCache, end: int) -> torch.Tensor:
     """(B, ceil(end / block_size) * block_size) int64: the physical slot of every table position
-    below ``end`` (rounded up to whole blocks) of every row, in one broadcast."""
+    below ``end`` (rounded up to whole blocks) of every row, in one broadcast (once per cohort when
+    the view has a plan)."""
+    return _memo(cache, ("slots", -(-end // cache.block_size)), lambda: _table_slots(cache, end))
+
+
+def _table_slots(cache: PagedKVCache, end: int) -> torch.Tensor:
     bs = cache.block_size
     offsets = _OFFSETS.get(bs)
     if offsets is None:
@@ -106,7 +131,7 @@ def _slots(cache: PagedKVCache, end: int) -> torch.Tensor:
 def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> None:
     """Write row ``b``'s first ``lens[b]`` frames at table positions ``cache_seqlens[b] + t``."""
     B, T = k.shape[:2]
-    seqlens = cache.cache_seqlens.tolist()
+    seqlens = _host_rows(cache)[0]
     slots = _slots(cache, max(s + n for s, n in zip(seqlens, lens, strict=True)))
     k_flat = cache.k_cache.view(-1, *cache.k_cache.shape[2:])
     v_flat = cache.v_cache.view(-1, *cache.v_cache.shape[2:])
@@ -114,7 +139,7 @@ def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: 
         k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
     if all(n == T for n in lens):
         if T == 1 and B > 1:  # a decode step: one slot per row, one gather
-            dest = slots.gather(1, cache.cache_seqlens.long()[:, None]).view(B)
+            dest = _memo(cache, "step_slots", lambda: slots.gather(1, cache.cache_seqlens.long()[:, None]).view(B))
         else:
             dest = slots[0, seqlens[0] : seqlens[0] + T]
             if B > 1:
@@ -135,7 +160,7 @@ def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: fl
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
     G = H // Hkv
-    seqlens, starts = cache.cache_seqlens.tolist(), cache.cache_seqstarts.tolist()
+    seqlens, starts = _host_rows(cache)
     slots = _slots(cache, max(s + n for s, n in zip(seqlens, lens, strict=True)))
     k_flat, v_flat = cache.k_cache.view(-1, Hkv, D), cache.v_cache.view(-1, Hkv, D)
     full = all(n == T and seqlens[b] + n > starts[b] for b, n in enumerate(lens))
@@ -204,36 +229,49 @@ def attend_decode_batch(q: torch.Tensor, cache: PagedKVCache, lens: list[int], s
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
     G = H // Hkv
-    seqlens, starts = cache.cache_seqlens.tolist(), cache.cache_seqstarts.tolist()
-    ends = [s + n if n else 0 for s, n in zip(seqlens, lens, strict=True)]  # a row without its query: no keys
+    seqlens, starts = _host_rows(cache)
+    ends = tuple(s + n if n else 0 for s, n in zip(seqlens, lens, strict=True))  # a row without its query: no keys
     # (no key anywhere still reads one masked column: the same tensors are read whatever the lengths,
     # as a kernel reads its arguments, which a stand-in for graph capture checks on the CPU)
     L = max(max(ends), 1)
-    slots = _slots(cache, L)[:, :L]  # (B, L) physical slots; columns past a row's table are masked below
-    heads = _HEADS.get(Hkv)
-    if heads is None:
-        heads = _HEADS[Hkv] = torch.arange(Hkv, dtype=torch.int64)[None, :, None]
-    vector = torch.add(heads, slots[:, None, :], alpha=Hkv).view(-1)  # (B, Hkv, L) pool vectors
+    vector, hidden, keyless = _memo(cache, ("decode", ends), lambda: _decode_indices(cache, ends, starts, L))
     k = cache.k_cache.view(-1, D).index_select(0, vector).view(B * Hkv, L, D)
     v = cache.v_cache.view(-1, D).index_select(0, vector).view(B * Hkv, L, D)
     if k.dtype != torch.float32:
         k, v = k.float(), v.float()
-    hidden = None  # (B, L) padding keys, when a row has fewer than L keys
-    if min(ends) < L or any(starts):
-        key = torch.arange(L)  # fresh, not cached per L: a stand-in capture must see the same storages
-        hidden = key[None, :] >= torch.tensor(ends)[:, None]
-        if any(starts):
-            hidden |= key[None, :] < cache.cache_seqstarts.long()[:, None]
+    if hidden is not None:
         v.view(B, Hkv, L, D).masked_fill_(hidden[:, None, :, None], 0.0)  # NaN-safe: zeros, not 0 * NaN
     qf = q.float().reshape(B * Hkv, G, D)  # query head h = kv_head * G + g
     scores = torch.bmm(qf, k.transpose(1, 2)).mul_(scale).view(B, Hkv, G, L)
     if hidden is not None:
         scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1)
-    if hidden is not None and any(e <= s for e, s in zip(ends, starts, strict=True)):  # no key: zeros
-        probs.masked_fill_(hidden.all(dim=1)[:, None, None, None], 0.0)
+    if keyless is not None:  # no key: zeros
+        probs.masked_fill_(keyless, 0.0)
     out = torch.bmm(probs.view(B * Hkv, G, L), v)  # (B * Hkv, G, D)
     return out.view(B, H, 1, D).to(q.dtype)
+
+
+def _decode_indices(cache: PagedKVCache, ends: tuple, starts: list[int], L: int) -> tuple:
+    """``attend_decode_batch``'s index tensors, a function of the table and the rows' key ranges alone
+    (so the cohort's layers share them): the ``(B * Hkv * L,)`` pool vectors to gather, the ``(B, L)``
+    padding keys (None when every row has ``L`` keys from 0) and the ``(B, 1, 1, 1)`` rows with no key
+    (None when every row has one)."""
+    Hkv = cache.n_kv_head
+    slots = _slots(cache, L)[:, :L]  # (B, L) physical slots; columns past a row's table are masked below
+    heads = _HEADS.get(Hkv)
+    if heads is None:
+        heads = _HEADS[Hkv] = torch.arange(Hkv, dtype=torch.int64)[None, :, None]
+    vector = torch.add(heads, slots[:, None, :], alpha=Hkv).view(-1)  # (B, Hkv, L) pool vectors
+    hidden = keyless = None  # (B, L) padding keys, when a row has fewer than L keys
+    if min(ends) < L or any(starts):
+        key = torch.arange(L)  # fresh, not cached per L: a stand-in capture must see the same storages
+        hidden = key[None, :] >= torch.tensor(ends)[:, None]
+        if any(starts):
+            hidden |= key[None, :] < cache.cache_seqstarts.long()[:, None]
+        if any(e <= s for e, s in zip(ends, starts, strict=True)):
+            keyless = hidden.all(dim=1)[:, None, None, None]
+    return vector, hidden, keyless
 
 
 _HEADS: dict[int, torch.Tensor] = {}  # n_kv_head -> arange, shaped (1, Hkv, 1) (made once, read only)

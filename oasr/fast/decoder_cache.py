@@ -65,13 +65,15 @@ from oasr.fast.kv_formats import dequantize as _dequantize
 from oasr.fast.kv_formats import quantize as _quantize
 from oasr.fast.paged_ops import append_kv
 from oasr.fast.staging import Stager
-from oasr.paged import PagedKVCache
+from oasr.paged import HostPlan, PagedKVCache
 from oasr.prefix_cache import PrefixIndex, check_tokens
 
 _I32, _I64 = torch.int32, torch.int64
 
 
 class DecoderKVCacheManager:
+    SHARED_CROSS_READ = True  # see the reference: decode groups read a shared cross region once
+
     def __init__(self, config: DecoderCacheConfig, pool: BlockPool | None = None, *, backend: str | None = None):
         if not isinstance(config, DecoderCacheConfig):
             check_pool(config, None)  # raises: not a DecoderCacheConfig
@@ -296,15 +298,21 @@ class DecoderKVCacheManager:
         self._release(r)
         self._sync(r)
 
-    def _release(self, r: int) -> None:
-        """The host half of ``finish``: references dropped, the row's record cleared (no device work)."""
-        ids = np.concatenate([self._unbind(self._self_table, r, int(self._held[r])),
-                              self._unbind(self._cross_table, r, int(self._cross_held[r]))])
-        self._drop(ids)
-        self._held[r] = self._cross_held[r] = self._length[r] = self._cross_length[r] = 0
-        self._ceiling[r] = self._cross_ceiling[r] = 0
-        self._admitted[r] = False
-        self._requests[r] = None
+    def _release(self, r) -> None:
+        """The host half of ``finish`` for one row or an int64 array of distinct rows: every reference
+        they hold dropped in one ``_drop``, their records cleared (no device work)."""
+        rows = np.atleast_1d(np.asarray(r, dtype=np.int64))
+        # row by row, its self pages then its cross pages: the order the reference frees them in
+        tables = np.concatenate([self._self_table[rows], self._cross_table[rows]], axis=1)
+        held = np.concatenate([np.arange(self._self_table.shape[1]) < self._held[rows][:, None],
+                               np.arange(self._cross_table.shape[1]) < self._cross_held[rows][:, None]], axis=1)
+        self._self_table[rows] = self._cross_table[rows] = self.pool.null_block
+        self._drop(tables[held].astype(np.int64))
+        for name in ("_held", "_cross_held", "_length", "_cross_length", "_ceiling", "_cross_ceiling"):
+            getattr(self, name)[rows] = 0
+        self._admitted[rows] = False
+        for row in rows.tolist():
+            self._requests[row] = None
 
     # ---- views ------------------------------------------------------------------
     def _rows_index(self, rows, op: str) -> tuple[np.ndarray, torch.Tensor]:
@@ -312,12 +320,15 @@ class DecoderKVCacheManager:
         return ids, self._flush(ids)
 
     def _views(self, table: torch.Tensor, seqlens: torch.Tensor, max_len: int, max_span: int, prepared,
-               starts: torch.Tensor | None = None) -> list:
+               starts: torch.Tensor | None = None, host_lens: list[int] | None = None) -> list:
+        """One view per layer over ``table``; with ``host_lens`` (the lengths ``seqlens`` holds, as ints;
+        the starts are zeros) the views share one ``HostPlan``."""
         starts = self._zeros[: table.shape[0]] if starts is None else starts
         prepared = tuple(int(n) for n in prepared)
+        plan = None if host_lens is None else HostPlan(table, seqlens, starts, host_lens, [0] * len(host_lens))
         return [
             PagedKVCache(k, v, table, seqlens, starts, self.config.page_size, max_len, max_span, layer, ks, vs,
-                         prepared, self.config.dtype, self.config.kv_cache_dtype)
+                         prepared, self.config.dtype, self.config.kv_cache_dtype, host=plan)
             for layer, ((k, v), (ks, vs)) in enumerate(zip(self._layer_kv, self._layer_scales, strict=True))
         ]
 
@@ -332,14 +343,15 @@ class DecoderKVCacheManager:
         if cross:
             lens = self._cross_length[ids]
             longest = int(lens.max()) if ids.size else 0
-            return self._views(torch.from_numpy(self._cross_table[ids]),
-                               torch.from_numpy(np.maximum(lens - 1, 0).astype(np.int32)),
-                               max(longest - 1, 0), longest, lens > 0)
+            seqlens = np.maximum(lens - 1, 0).astype(np.int32)
+            return self._views(torch.from_numpy(self._cross_table[ids]), torch.from_numpy(seqlens),
+                               max(longest - 1, 0), longest, lens > 0, host_lens=seqlens.tolist())
         lens = self._length[ids]
         longest = int(lens.max()) if ids.size else 0
         prepared = self._held[ids] * self.config.page_size - lens
-        return self._views(torch.from_numpy(self._self_table[ids]), torch.from_numpy(lens.astype(np.int32)),
-                           longest, longest, prepared)
+        seqlens = lens.astype(np.int32)
+        return self._views(torch.from_numpy(self._self_table[ids]), torch.from_numpy(seqlens),
+                           longest, longest, prepared, host_lens=seqlens.tolist())
 
     def _self_views(self, ids: np.ndarray, rows_d: torch.Tensor) -> list:
         lens = self._length[ids]
@@ -418,6 +430,17 @@ class DecoderKVCacheManager:
         longest = int(lens.max()) if ids.size else 0
         return self._views(self.cross_table.index_select(0, rows_d), self._meta[1].index_select(0, rows_d),
                            max(longest - 1, 0), longest, lens > 0)
+
+    def shares_cross(self, rows) -> bool:
+        """See the reference: every row maps the same cross pages over the same extent (three numpy
+        comparisons)."""
+        ids = np.array(check_rows(rows, self._is_admitted, "shares_cross"), dtype=np.int64)
+        if not ids.size:
+            return False
+        first = ids[0]
+        return bool((self._cross_length[ids] == self._cross_length[first]).all()
+                    and (self._cross_held[ids] == self._cross_held[first]).all()
+                    and (self._cross_table[ids] == self._cross_table[first]).all())
 
     def cross_query_lens(self, rows, pad_to: int | None = None) -> list[int]:
         """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths); a padding
@@ -715,8 +738,10 @@ class DecoderKVCacheManager:
         """See the reference: keep and reorder rows, finish the rest, fork repeats onto shared pages."""
         ids = check_rows(rows, self._is_admitted, "select")
         sources, dropped = self._plan_select(ids, idx)
-        for row in dropped:
-            self.finish(row)
+        if dropped:  # finished together: one release of all their pages
+            gone = np.array(dropped, dtype=np.int64)
+            self._release(gone)
+            self._sync(gone)
         out, seen, forks, parents = [], set(), [], []
         free_rows = np.flatnonzero(~self._admitted).tolist()
         for src in sources:
@@ -760,9 +785,13 @@ class DecoderKVCacheManager:
 
     def _fork(self, parents: np.ndarray, forks: np.ndarray) -> None:
         """Fresh rows ``forks`` mapping their ``parents``' pages (a shared bind per region: counts up)."""
+        maps = []  # per region: (table, fork rows, columns, the parents' blocks there)
         for table, held in ((self._self_table, self._held), (self._cross_table, self._cross_held)):
             i, cols = np.nonzero(np.arange(table.shape[1])[None, :] < held[parents][:, None])
-            self._bind(table, forks[i], cols, table[parents[i], cols], share=True)
+            maps.append((table, forks[i], cols, table[parents[i], cols]))
+        self.pool.share(np.concatenate([ids for *_, ids in maps]), self._owner)  # one more holder each, at once
+        for table, rows, cols, ids in maps:
+            self._bind(table, rows, cols, ids)
         for name in ("_held", "_cross_held", "_length", "_cross_length", "_ceiling", "_cross_ceiling"):
             array = getattr(self, name)
             array[forks] = array[parents]

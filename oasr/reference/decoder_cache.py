@@ -84,6 +84,11 @@ class _Row:
 
 
 class DecoderKVCacheManager:
+    # Whether a decode group (``oasr.decoder_kv.PagedDecoderKV``) reads a cross region its rows share once
+    # for all of them. The oracle reads every row's cross pages itself, so its paged beams compute what
+    # dense beams compute, bit for bit; the fast twin reads shared regions once.
+    SHARED_CROSS_READ = False
+
     def __init__(self, config: DecoderCacheConfig, pool: BlockPool | None = None):
         if not isinstance(config, DecoderCacheConfig):
             check_pool(config, None)  # raises: not a DecoderCacheConfig
@@ -248,6 +253,17 @@ class DecoderKVCacheManager:
         reads = [1 if n else 0 for n in spans]  # the one query each filled row presents
         tables = [self._table(self._rows[r].cross_blocks, width) for r in ids] + [self._table([], width)] * pad
         return self._views(tables, lens, width, spans, reads)
+
+    def shares_cross(self, rows) -> bool:
+        """Whether ``rows`` (at least one) all map the same cross-attention pages over the same extent, as
+        the beams ``select`` forks from one row do: a reader may then attend that region once for all of
+        them. ``check_rows``' errors; never changes anything."""
+        ids = check_rows(rows, self._admitted, "shares_cross")
+        if not ids:
+            return False
+        first = self._rows[ids[0]]
+        return all(self._rows[r].cross_blocks == first.cross_blocks and self._rows[r].cross_length ==
+                   first.cross_length for r in ids)
 
     def cross_query_lens(self, rows, pad_to: int | None = None) -> list[int]:
         """Per row, 1 if it holds cross-attention K/V, else 0 (the cross read's query lengths); a padding
