@@ -62,6 +62,7 @@ tables, or whose index tensors were written in place, is read without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -125,9 +126,10 @@ class PagedKVCache:
         """True for quantized pages: ``k_scale``/``v_scale`` hold the format's scale plane."""
         return self.k_scale is not None
 
-    @property
+    @cached_property
     def format(self) -> KVFormat:
-        """The page format: ``kv_format``, else fp8_e4m3 with scales, else the model dtype."""
+        """The page format: ``kv_format``, else fp8_e4m3 with scales, else the model dtype (looked up once
+        per view)."""
         if self.kv_format is not None:
             return get_format(self.kv_format)
         return get_format("fp8_e4m3" if self.quantized else None)

@@ -124,12 +124,11 @@ def check_kv_chunk(cache, k: torch.Tensor, v: torch.Tensor) -> None:
     """Checks shared by both twins' ``append_kv``: ``k`` and ``v`` are ``(B, T, n_kv_head, head_dim)``
     (B the view's rows), of one shape, in the view's served dtype (the pool's; for fp8 pages the model
     dtype), on the pool's device. ``ValueError`` naming what was expected and what came."""
-    B = cache.batch_size
+    B, H, D = cache.batch_size, cache.n_kv_head, cache.head_dim
     for name, t in (("k", k), ("v", v)):
-        if t.dim() != 4 or t.shape[0] != B or tuple(t.shape[2:]) != (cache.n_kv_head, cache.head_dim):
+        if t.dim() != 4 or t.shape[0] != B or t.shape[2] != H or t.shape[3] != D:
             raise ValueError(
-                f"append_kv: {name} must be (B={B}, T, n_kv_head={cache.n_kv_head}, "
-                f"head_dim={cache.head_dim}), got {tuple(t.shape)}"
+                f"append_kv: {name} must be (B={B}, T, n_kv_head={H}, head_dim={D}), got {tuple(t.shape)}"
             )
     if k.shape != v.shape:
         raise ValueError(f"append_kv: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
@@ -146,14 +145,17 @@ def check_query(cache, q: torch.Tensor) -> None:
     """Checks shared by both twins' ``paged_attention``: ``q`` is ``(B, n_head, T, head_dim)`` (heads
     before frames, unlike K/V), ``n_head`` a multiple of ``n_kv_head``, in the view's served dtype, on
     the pool's device. ``ValueError`` naming what was expected and what came."""
-    B = cache.batch_size
-    layout = f"q must be (B={B}, n_head, T, head_dim={cache.head_dim}) (K/V are (B, T, n_kv_head, head_dim))"
-    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != cache.head_dim:
-        raise ValueError(f"paged_attention: {layout}, got {tuple(q.shape)}")
+    B, D = cache.batch_size, cache.head_dim
+
+    def layout() -> str:
+        return f"q must be (B={B}, n_head, T, head_dim={D}) (K/V are (B, T, n_kv_head, head_dim))"
+
+    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D:
+        raise ValueError(f"paged_attention: {layout()}, got {tuple(q.shape)}")
     if q.shape[1] % cache.n_kv_head != 0:
         raise ValueError(
             f"paged_attention: n_head={q.shape[1]} must be a multiple of "
-            f"n_kv_head={cache.n_kv_head}; {layout}, got {tuple(q.shape)}"
+            f"n_kv_head={cache.n_kv_head}; {layout()}, got {tuple(q.shape)}"
         )
     _check_dtype("paged_attention", "q", q, cache)
     if q.device != cache.k_cache.device:

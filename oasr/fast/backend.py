@@ -49,7 +49,8 @@ def _cpu_default() -> str:
 
 def choose_backend(device: torch.device, backend: str | None = None) -> str:
     """The backend that would serve tensors on ``device``; records and reports nothing."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type == "cuda":
         if backend not in (None, "cuda"):
             raise ValueError(f"backend={backend!r} is for CPU tensors; CUDA tensors always run the CUDA kernels")

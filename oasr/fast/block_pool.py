@@ -50,6 +50,9 @@ _FEW_IDS = 16  # free_array takes the element loop up to this many ids
 
 def _id_array(block_ids) -> tuple[list, np.ndarray]:
     """``block_ids`` as Python ints (for messages) and as int64 (an id past int64 becomes -1: out of range)."""
+    if isinstance(block_ids, np.ndarray) and block_ids.dtype.kind == "i" and block_ids.ndim == 1:
+        ids = block_ids.astype(np.int64)  # (the managers' arrays: no per-element conversion)
+        return ids.tolist(), ids
     ids = [int(i) for i in block_ids]
     try:
         return ids, np.array(ids, dtype=np.int64)
@@ -291,11 +294,13 @@ class BlockPool:
                 if k > 1:
                     ordered = np.sort(safe)
                     repeats = bool((ordered[1:] == ordered[:-1]).any())  # cheaper than unique when none repeat
-                if repeats:
-                    _, where, counts = np.unique(safe, return_inverse=True, return_counts=True)
-                    times = counts[where]
+                over = False  # some id given more often than it has holders
+                if repeats:  # runs of the sorted ids: each distinct id and how often it is given
+                    first = np.concatenate([[True], ordered[1:] != ordered[:-1]])
+                    counts = np.diff(np.append(np.flatnonzero(first), k))
+                    over = bool((counts > self._refs[ordered[first]]).any())
                 bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner) | (times > self._refs[safe])
-                if bad.any():
+                if over or bad.any():
                     self._raise_free_error(ids.tolist() if as_given is None else as_given, owner)
                 if repeats:
                     np.subtract.at(self._refs, ids, 1)
@@ -361,13 +366,16 @@ class BlockPool:
         if bad.any():
             i = int(both[int(np.argmax(bad))])
             raise ValueError(f"BlockPool.copy_blocks: block id {i} outside [0, {self.num_blocks})")
-        values, counts = np.unique(d, return_counts=True)
-        if (counts > 1).any():
+        if len(set(given)) < len(given):
+            values, counts = np.unique(d, return_counts=True)
             twice = int(values[int(np.argmax(counts > 1))])
             raise ValueError(f"BlockPool.copy_blocks: destination block {twice} given more than once")
         if not s.size:
             return
-        src_d, dst_d = self._copy_stager.stage(s, d)
+        if self.k_pool.device.type == "cpu":  # the host arrays are the index tensors: nothing to stage
+            src_d, dst_d = torch.from_numpy(s), torch.from_numpy(d)
+        else:
+            src_d, dst_d = self._copy_stager.stage(s, d)
         for pool in (self.k_pool, self.v_pool, self.k_scale, self.v_scale):
             if pool is not None:
                 data = pool.view(torch.uint8) if pool.dtype.itemsize == 1 else pool

@@ -208,11 +208,12 @@ class DecoderKVCacheManager:
         cross = np.arange(self._cross_table.shape[1])[None, :] < self._cross_held[ids][:, None]
         return table[held], self._cross_table[ids][cross], table[written]
 
-    def _reserved(self, ids: np.ndarray, pinned) -> int:
+    def _reserved(self, ids: np.ndarray, pinned, blocks: tuple | None = None) -> int:
         """``reserved_pages`` of rows ``ids`` (repeats allowed: a planned fork) in a few numpy operations:
         the growth to every ceiling, plus per written block its writers minus one if they are all its
-        holders (pinned blocks count one more holder; ``pinned()`` lists them, asked only if needed)."""
-        own, cross, written = self._blocks_of(ids)
+        holders (pinned blocks count one more holder; ``pinned()`` lists them, asked only if needed).
+        ``blocks``: ``_blocks_of(ids)`` when the caller has it."""
+        own, cross, written = self._blocks_of(ids) if blocks is None else blocks
         n = self.pool.num_blocks
         ceilings = -(-self._ceiling[ids] // self.config.page_size)
         growth = int((ceilings - self._held[ids]).sum())
@@ -551,42 +552,45 @@ class DecoderKVCacheManager:
         self._length[r] = length + T
         self._sync(r)
 
-    def _step_needs(self, ids: np.ndarray) -> np.ndarray:
-        full = self._length[ids] >= self._ceiling[ids]
+    def _step_needs(self, ids: np.ndarray, length: np.ndarray | None = None) -> np.ndarray:
+        """The pages each row needs for one more token, 0 or 1 (a row holds ``ceil(length / page)`` pages
+        or one more); ``ValueError`` for a row at its ceiling. ``length``: the rows' lengths if read."""
+        length = self._length[ids] if length is None else length
+        full = length >= self._ceiling[ids]
         if full.any():
             r = int(ids[np.argmax(full)])
             req = self._requests[r]
             raise ValueError(f"row {r} is at its ceiling of {int(self._ceiling[r])} tokens (prompt_len="
                              f"{req.prompt_len} + max_new_tokens={req.max_new_tokens})")
-        page = self.config.page_size
-        return np.maximum(0, -(-(self._length[ids] + 1) // page) - self._held[ids])
+        return np.maximum(0, length // self.config.page_size + 1 - self._held[ids])
 
     def _prepare(self, ids: np.ndarray) -> None:
         """Copies of shared landing pages (row order) then new pages: one allocation, one batched copy."""
-        needs = self._step_needs(ids)
-        page = self.config.page_size
-        col = self._length[ids] // page
-        inside = col < self._held[ids]
-        landing = np.where(inside, self._self_table[ids, np.minimum(col, self._self_table.shape[1] - 1)], -1)
+        length = self._length[ids]
+        needs = self._step_needs(ids, length)
+        col = length // self.config.page_size
+        inside = needs == 0  # the next token lands in a page the row holds
         refs, keyed = self.pool._refs, self.pool._keyed  # keyed: published in the prefix index (pinned)
-        safe = np.maximum(landing, 0)
-        shared = inside & ((refs[safe] > 1) | keyed[safe])
-        copy = np.zeros(ids.size, dtype=bool)
-        if shared.any():  # the rare path (a step right after a fork): the reference's rule, row by row
+        # (a row that needs a page reads its table's null entry here: clipped into range, masked out)
+        landing = np.minimum(self._self_table[ids, np.minimum(col, self._self_table.shape[1] - 1)], refs.size - 1)
+        shared = inside & ((refs[landing] > 1) | keyed[landing])
+        grow = needs.astype(bool)
+        if shared.any():  # (a step right after a fork): the reference's rule, row by row
+            copy = np.zeros(ids.size, dtype=bool)
             copy[shared] = cow_writes(landing[shared].tolist(), lambda b: int(refs[b]) + int(keyed[b]))
-        src = landing[copy]
-        total = int(src.size + needs.sum())
-        if not total:  # (most steps: every row writes into a page it owns alone)
+            src = landing[copy]
+        elif not grow.any():  # (most steps: every row writes into a page it owns alone)
             return
-        new = self._take(total)  # inside the rows' reservations: cannot run dry
+        else:
+            src = landing[:0]
+        owners = ids[grow]
+        new = self._take(src.size + owners.size)  # inside the rows' reservations: cannot run dry
         if src.size:
             self.pool.copy_blocks(src, new[: src.size])
             self._rebind(self._self_table, ids[copy], col[copy], new[: src.size])
-        grow = new[src.size :]
-        owners = np.repeat(ids, needs)
-        cols = self._held[owners] + (np.arange(grow.size) - np.repeat(np.cumsum(needs) - needs, needs))
-        self._bind(self._self_table, owners, cols, grow)
-        self._held[ids] += needs
+        if owners.size:
+            self._bind(self._self_table, owners, self._held[owners], new[src.size :])
+            self._held[owners] += 1
         if src.size:
             self._drop(src)
 
@@ -766,17 +770,17 @@ class DecoderKVCacheManager:
         if forks > self.num_free_rows + len(dropped):
             raise ValueError(f"select: {forks} forked rows need {forks} free rows, only "
                              f"{self.num_free_rows + len(dropped)} are free after the dropped rows finish")
-        given = np.zeros(self.config.max_rows, dtype=bool)
-        given[ids] = True
-        after = np.concatenate([np.array(sources, dtype=np.int64), np.flatnonzero(self._admitted & ~given)])
-        need = self._reserved(after, self.pinned_blocks)
+        others = self._admitted.copy()
+        others[ids] = False
+        after = np.array(sources, dtype=np.int64)
+        if others.any():
+            after = np.concatenate([after, np.flatnonzero(others)])
+        blocks = self._blocks_of(after)
+        need = self._reserved(after, self.pinned_blocks, blocks)
         freed = 0
         if dropped:  # pages only dropped rows hold go back (or park: parked pages count as free)
-            n = self.pool.num_blocks
             before = np.concatenate(self._blocks_of(np.array(dropped, dtype=np.int64))[:2])
-            still = np.zeros(n, dtype=bool)
-            still[np.concatenate(self._blocks_of(after)[:2])] = True
-            freed = int(np.unique(before[~still[before]]).size)
+            freed = len(set(before.tolist()).difference(blocks[0].tolist(), blocks[1].tolist()))
         have = self.pool.num_free_blocks + freed
         if need > have:
             raise ValueError(f"select: the selected rows reserve {need} blocks (ceilings and copy-on-write copies "
