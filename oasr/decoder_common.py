@@ -131,7 +131,10 @@ def check_rows(rows, admitted, op: str, unique: bool = True) -> list[int]:
     """``rows`` (one id, or a list or tuple of them) as a list of admitted row ids, each an int
     (``check_row``); a repeated row is a ValueError."""
     given = list(rows) if isinstance(rows, (list, tuple)) else [rows]
-    ids = [as_index(r, "row ids", op) for r in given]  # every type first, then admission
+    if all(type(r) is int for r in given):  # plain ints, as the managers hand them out (never a bool)
+        ids = given
+    else:
+        ids = [as_index(r, "row ids", op) for r in given]  # every type first, then admission
     for r in ids:
         if not admitted(r):
             raise KeyError(f"{op}: row {r} is not admitted (never admitted, or finished)")

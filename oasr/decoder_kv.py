@@ -300,7 +300,7 @@ class PagedDecoderKV:
     @property
     def lengths(self) -> list[int]:
         """Each row's token count, in group order."""
-        return [self.manager.length(r) for r in self.rows]
+        return self.manager.lengths(self.rows)
 
     def _kw(self) -> dict:
         return {} if self.backend is None else {"backend": self.backend}

@@ -42,17 +42,18 @@ def _search(ops, storage, decoder, enc, cfg, beam: int, max_new: int, peak: list
         peak[0] = beam * (1 + max_new + enc.shape[0]) * (cfg.bytes_per_block // cfg.page_size)
         return decoder.beam_search(kv, enc, beam, max_new)
     manager = ops.DecoderKVCacheManager(cfg)
-    step = manager.prepare_step
+    step, used = manager.prepare_step, [0]
 
     def watched(rows):
         step(rows)
-        peak[0] = max(peak[0], manager.pool.num_used_blocks * cfg.bytes_per_block)
+        used[0] = max(used[0], manager.pool.num_used_blocks)
 
     manager.prepare_step = watched
     kv = PagedDecoderKV.admit(manager, [decoder.request(enc.shape[0], max_new)], ops)
     found = decoder.beam_search(kv, enc, beam, max_new)
     for r in manager.rows:
         manager.finish(r)
+    peak[0] = used[0] * cfg.bytes_per_block
     return found
 
 

@@ -128,6 +128,41 @@ def _table_slots(cache: PagedKVCache, end: int) -> torch.Tensor:
     return torch.add(offsets, table, alpha=bs).view(table.shape[0], -1)  # int32 table promotes to int64
 
 
+def planned_decode_step(cache: PagedKVCache, B: int, T: int, chunk_lens) -> bool:
+    """Whether a call is one decode step of a planned cohort: one frame for every one of ``B > 1`` rows
+    (``chunk_lens`` None), over a view with a ``HostPlan`` whose rows all have a prepared frame, on
+    contiguous model-dtype pages (asked once per cohort). Such a call skips the per-row length checks
+    (the plan answered them) and takes ``append_decode_step`` / ``attend_decode_batch`` directly."""
+    if T != 1 or B < 2 or chunk_lens is not None:
+        return False
+    plan = _plan(cache)
+    return plan is not None and plan.memo("decode step", lambda: _decode_ready(cache))
+
+
+def _decode_ready(cache: PagedKVCache) -> bool:
+    prepared = cache.prepared_frames
+    return (not cache.quantized and cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()
+            and (prepared is None or (len(prepared) == cache.batch_size and min(prepared) >= 1)))
+
+
+def append_decode_step(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``append_kv_rows`` of a planned decode step (``planned_decode_step``): each row's one frame at its
+    length, through the cohort's step slots (computed by the first layer, shared by the others)."""
+    B, _, H, D = k.shape
+    dest = _memo(cache, "step_slots", lambda: _step_slots(cache))
+    k_flat, v_flat = cache.k_cache.view(-1, H, D), cache.v_cache.view(-1, H, D)
+    if k.dtype != k_flat.dtype:
+        k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
+    k_flat.index_copy_(0, dest, k.reshape(B, H, D))
+    v_flat.index_copy_(0, dest, v.reshape(B, H, D))
+
+
+def _step_slots(cache: PagedKVCache) -> torch.Tensor:
+    """(B,) int64: the physical slot of each row's table position ``cache_seqlens[b]``."""
+    seqlens = _host_rows(cache)[0]
+    return _slots(cache, max(seqlens) + 1).gather(1, cache.cache_seqlens.long()[:, None]).view(-1)
+
+
 def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> None:
     """Write row ``b``'s first ``lens[b]`` frames at table positions ``cache_seqlens[b] + t``."""
     B, T = k.shape[:2]
@@ -139,7 +174,7 @@ def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: 
         k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
     if all(n == T for n in lens):
         if T == 1 and B > 1:  # a decode step: one slot per row, one gather
-            dest = _memo(cache, "step_slots", lambda: slots.gather(1, cache.cache_seqlens.long()[:, None]).view(B))
+            dest = _memo(cache, "step_slots", lambda: _step_slots(cache))
         else:
             dest = slots[0, seqlens[0] : seqlens[0] + T]
             if B > 1:

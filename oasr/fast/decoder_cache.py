@@ -241,6 +241,10 @@ class DecoderKVCacheManager:
         """Tokens the row holds (``KeyError`` unless admitted)."""
         return int(self._length[self._row(row, "length")])
 
+    def lengths(self, rows) -> list[int]:
+        """``length`` of each of ``rows``, in their order (``check_rows``' errors; one numpy gather)."""
+        return self._length[check_rows(rows, self._is_admitted, "lengths")].tolist()
+
     # ---- admission --------------------------------------------------------------
     def can_admit(self, requests) -> Admission:
         """Whether ``requests`` fit now, with the reason when not (never changes anything)."""
@@ -325,7 +329,7 @@ class DecoderKVCacheManager:
         """One view per layer over ``table``; with ``host_lens`` (the lengths ``seqlens`` holds, as ints;
         the starts are zeros) the views share one ``HostPlan``."""
         starts = self._zeros[: table.shape[0]] if starts is None else starts
-        prepared = tuple(int(n) for n in prepared)
+        prepared = tuple(np.asarray(prepared, dtype=np.int64).tolist())
         plan = None if host_lens is None else HostPlan(table, seqlens, starts, host_lens, [0] * len(host_lens))
         return [
             PagedKVCache(k, v, table, seqlens, starts, self.config.page_size, max_len, max_span, layer, ks, vs,

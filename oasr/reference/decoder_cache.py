@@ -172,6 +172,10 @@ class DecoderKVCacheManager:
         """Tokens the row holds (``KeyError`` unless admitted)."""
         return self._row(row, "length")[1].length
 
+    def lengths(self, rows) -> list[int]:
+        """``length`` of each of ``rows``, in their order (``check_rows``' errors)."""
+        return [self._rows[r].length for r in check_rows(rows, self._admitted, "lengths")]
+
     # ---- admission --------------------------------------------------------------
     def can_admit(self, requests) -> Admission:
         """Would ``admit(requests)`` succeed? Never mutates."""
