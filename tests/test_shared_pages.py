@@ -180,6 +180,119 @@ def test_twins_identical_through_forks_and_copies():
         assert a[:4] == b[:4] and all(torch.equal(x, y) for x, y in zip(a[4], b[4], strict=True))
 
 
+def test_shares_cross_and_lengths_answer_without_changing_anything(ops):
+    m = ops.DecoderKVCacheManager(dcfg())
+    rows = m.admit([DecoderRequest(2, 6, 3)] * 2)
+    for r in rows:
+        m.fill_cross(r, *kv(2, 3, 2, 8, seed=r))
+        m.prefill(r, *kv(2, 2, 2, 8, seed=5 + r))
+    assert not m.shares_cross(rows)  # two utterances: their own cross pages
+    beams = m.select(rows, [0, 0, 1])  # row 0 forked: the first two beams map the same cross pages
+    m.append(beams, *kv(2, 3, 2, 8, seed=9))
+    before = (m.pool.free_block_ids(), m.pool.ref_counts(), [m.describe(r) for r in m.rows])
+    assert m.shares_cross(beams[:2]) and not m.shares_cross(beams) and m.shares_cross(beams[2:])
+    assert not m.shares_cross([])
+    assert m.lengths(beams[::-1]) == [m.length(r) for r in beams[::-1]] == [3, 3, 3]
+    assert m.lengths([]) == []
+    for call in (m.shares_cross, m.lengths):
+        with pytest.raises(KeyError, match="row 3 is not admitted"):
+            call([beams[0], 3])
+        with pytest.raises(ValueError, match="row ids must be ints"):
+            call([True])
+        with pytest.raises(ValueError, match="duplicate rows"):
+            call([beams[0], beams[0]])
+    assert before == (m.pool.free_block_ids(), m.pool.ref_counts(), [m.describe(r) for r in m.rows])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+def test_fast_beams_read_their_shared_cross_region_once(monkeypatch, kv_cache_dtype):
+    """The fast twin's decode groups attend a cross region every beam shares once (gathered once per
+    search in the model dtype; a packed single-row read on quantized pages) and get what row-by-row
+    reads give; the oracle reads row by row. A region refilled while one row holds it alone is read
+    again, not from the kept copy."""
+    from oasr.decoder_kv import PagedDecoderKV
+
+    def group(ops):
+        m = ops.DecoderKVCacheManager(dcfg(kv_cache_dtype=kv_cache_dtype, max_num_blocks=40))
+        g = PagedDecoderKV.admit(m, [DecoderRequest(1, 8, 5)], ops)
+        g.fill_cross(0, *kv(2, 5, 2, 8, seed=1))
+        g.prefill(0, *kv(2, 1, 2, 8, seed=2))
+        return m, g
+
+    calls = Counter()
+    for ops in (reference, fast):
+        original = ops.DecoderKVCacheManager.gather_cross
+
+        def counted(self, row, original=original, name=ops.__name__):
+            calls[name] += 1
+            return original(self, row)
+
+        monkeypatch.setattr(ops.DecoderKVCacheManager, "gather_cross", counted)
+    q = torch.randn(3, 4, 2, 8, generator=torch.Generator().manual_seed(3))
+    outs = {}
+    for ops in (reference, fast):
+        m, g = group(ops)
+        g = g.select([0, 0, 0])
+        got = [g.attend_cross(layer, q) for layer in range(2)]
+        g = g.select([2, 0, 1])  # the kept copy goes on with the beams
+        got += [g.attend_cross(layer, q) for layer in range(2)]
+        rowwise = []
+        for _ in range(2):
+            for layer in range(2):
+                view = m.cross_caches(g.rows)[layer]
+                rowwise.append(ops.paged_attention(q.reshape(3, 8, 1, 8), view).reshape(3, 4, 2, 8))
+        for a, b in zip(got, rowwise, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        outs[ops.__name__] = got
+    shared_once = 0 if kv_cache_dtype else 1
+    assert calls == Counter({"oasr.fast": shared_once}) if shared_once else not calls
+    for a, b in zip(outs["oasr.reference"], outs["oasr.fast"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    if kv_cache_dtype:
+        return
+    m, g = group(fast)
+    g = g.select([0, 0])
+    g.attend_cross(0, q[:2])
+    g = g.select([1])  # one row holds the region alone: it may be refilled
+    m.fill_cross(g.rows[0], *kv(2, 5, 2, 8, seed=7))
+    g = g.select([0, 0])
+    view = m.cross_caches(g.rows)[0]
+    want = fast.paged_attention(q[:2].reshape(2, 8, 1, 8), view).reshape(2, 4, 2, 8)
+    torch.testing.assert_close(g.attend_cross(0, q[:2]), want, atol=1e-6, rtol=1e-6)
+
+
+def test_host_plan_serves_only_the_tensors_it_was_built_with():
+    """A view's HostPlan (host lengths and a memo of index tensors) is used while the view holds the very
+    tensors it describes, unwritten; a replaced or written table or length is read afresh, so the ops
+    give what a view without a plan gives, bit for bit."""
+    m = fast.DecoderKVCacheManager(dcfg(max_num_blocks=40))
+    rows = m.admit([DecoderRequest(3, 8, 0)] * 3)
+    for r in rows:
+        m.prefill(r, *kv(2, 3, 2, 8, seed=r))
+    m.prepare_step(rows)
+    views = m.self_caches(rows)
+    assert views[0].host is views[1].host and views[0].host.describes(views[0])
+    q = torch.randn(3, 4, 1, 8, generator=torch.Generator().manual_seed(4))
+    k, v = kv(3, 1, 2, 8, seed=6)
+    bare = [dataclasses.replace(view, host=None) for view in views]
+    assert bare[0].host is None
+    for layer in range(2):  # the planned decode step and the generic path agree bit for bit
+        fast.append_kv(views[layer], k, v)
+        planned = fast.paged_attention(q, views[layer], causal=True)
+        pools = m.pool.k_pool.clone(), m.pool.v_pool.clone()
+        fast.append_kv(bare[layer], k, v)
+        assert torch.equal(pools[0], m.pool.k_pool) and torch.equal(pools[1], m.pool.v_pool)
+        assert torch.equal(planned, fast.paged_attention(q, bare[layer], causal=True))
+    shorter = dataclasses.replace(views[0], cache_seqlens=views[0].cache_seqlens - 1, prepared_frames=None)
+    assert not shorter.host.describes(shorter)
+    want = fast.paged_attention(q, dataclasses.replace(shorter, host=None), causal=True)
+    assert torch.equal(fast.paged_attention(q, shorter, causal=True), want)
+    views[1].cache_seqlens.sub_(1)  # written in place: the plan no longer describes it
+    assert not views[1].host.describes(views[1])
+    assert torch.equal(fast.paged_attention(q, views[1], causal=True),
+                       fast.paged_attention(q, dataclasses.replace(views[1], host=None), causal=True))
+
+
 # ---- rewind, trim, extend ----------------------------------------------------------------------------
 
 
@@ -377,9 +490,11 @@ def test_bench_section_runs_and_reports_the_savings():
     from oasr.bench.shared_pages import section
 
     rows = section(quick=True)
-    beams = {r["case"]: r for r in rows if r["case"].startswith("beam")}
-    for beam in (4, 8):
-        paged, dense = beams[f"beam={beam} paged (copy-on-write)"], beams[f"beam={beam} dense"]
-        assert paged["same_tokens"] and paged["kv_bytes"] < dense["kv_bytes"]
+    beams = {r["case"]: r for r in rows if "beam=" in r["case"]}
+    for model in ("shipped decoder", "seeded toy decoder"):
+        for beam in (4, 8):
+            paged, dense = beams[f"{model}, beam={beam} paged (copy-on-write)"], beams[f"{model}, beam={beam} dense"]
+            assert paged["same_tokens"] and paged["kv_bytes"] < dense["kv_bytes"]
+            assert paged["tokens"] > 0 and paged["fast_paged_over_dense"] > 0
     off, on = rows[-2:]
     assert on["tokens_saved"] == off["prefill_tokens"] - on["prefill_tokens"] > 0
