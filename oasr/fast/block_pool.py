@@ -45,7 +45,7 @@ from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
 from oasr.fast.staging import Stager
 from oasr.validate import check_count, gather_range
 
-_FEW_IDS = 32  # free_array takes the element loop up to this many ids (measured: to about 48 with repeats)
+_FEW_IDS = 16  # free_array takes the element loop up to this many ids
 
 
 def _id_array(block_ids) -> tuple[list, np.ndarray]:
