@@ -78,9 +78,18 @@ class HostPlan:
 
     Built by a manager from its host bookkeeping (the same numbers it copied into the tensors); it
     records the tensors' identities and version counters, so ``describes(view)`` is False once a view
-    holds other tensors or one of them was written in place."""
+    holds other tensors or one of them was written in place. ``build`` gives None for tensors made
+    under ``torch.inference_mode`` (they keep no version counter: a write could not be seen)."""
 
     __slots__ = ("seqlens", "seqstarts", "_tensors", "_versions", "_memo")
+
+    @classmethod
+    def build(cls, block_table: torch.Tensor, cache_seqlens: torch.Tensor, cache_seqstarts: torch.Tensor,
+              seqlens: list[int], seqstarts: list[int]) -> HostPlan | None:
+        """A plan for these tensors, or None where one of them keeps no version counter."""
+        if block_table.is_inference() or cache_seqlens.is_inference() or cache_seqstarts.is_inference():
+            return None
+        return cls(block_table, cache_seqlens, cache_seqstarts, seqlens, seqstarts)
 
     def __init__(self, block_table: torch.Tensor, cache_seqlens: torch.Tensor, cache_seqstarts: torch.Tensor,
                  seqlens: list[int], seqstarts: list[int]):

@@ -291,6 +291,15 @@ def test_host_plan_serves_only_the_tensors_it_was_built_with():
     assert not views[1].host.describes(views[1])
     assert torch.equal(fast.paged_attention(q, views[1], causal=True),
                        fast.paged_attention(q, dataclasses.replace(views[1], host=None), causal=True))
+    m.commit_step(rows)
+    m.prepare_step(rows)
+    with torch.inference_mode():  # its tensors keep no version counter: views without a plan
+        inference = m.self_caches(rows)
+        assert inference[0].host is None
+        fast.append_kv(inference[0], k, v)
+        got = fast.paged_attention(q, inference[0], causal=True)
+    planned = m.self_caches(rows)[0]
+    assert planned.host is not None and torch.equal(got, fast.paged_attention(q, planned, causal=True))
 
 
 # ---- rewind, trim, extend ----------------------------------------------------------------------------

@@ -336,7 +336,7 @@ class DecoderKVCacheManager:
         the starts are zeros) the views share one ``HostPlan``."""
         starts = self._zeros[: table.shape[0]] if starts is None else starts
         prepared = tuple(np.asarray(prepared, dtype=np.int64).tolist())
-        plan = None if host_lens is None else HostPlan(table, seqlens, starts, host_lens, [0] * len(host_lens))
+        plan = None if host_lens is None else HostPlan.build(table, seqlens, starts, host_lens, [0] * len(host_lens))
         return [
             PagedKVCache(k, v, table, seqlens, starts, self.config.page_size, max_len, max_span, layer, ks, vs,
                          prepared, self.config.dtype, self.config.kv_cache_dtype, host=plan)
