@@ -99,6 +99,14 @@ template <typename A, typename B>
 struct Pick<false, A, B> {
     using type = B;
 };
+template <typename A, typename B>
+struct Same {
+    static constexpr bool value = false;
+};
+template <typename A>
+struct Same<A, A> {
+    static constexpr bool value = true;
+};
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
 constexpr int kRowTiles = 2;                        // 16-row MMA tiles per CTA
@@ -132,7 +140,7 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     static_assert(BS > 0 && (BS & (BS - 1)) == 0, "v3's block size is a power of two");
     constexpr bool kFp8 = Codec<Page>::kScaled;
     static_assert(kFp8 || sizeof(Page) == 2, "pages in the model dtype or fp8");
-    using PV = typename Pick<kFp8, __nv_bfloat16, T>::type;
+    using MM = typename Pick<kFp8, __half, T>::type;  // both mma types: f16 on fp8 pages (see the header)
     constexpr int KT = kTileKeys<kFp8>;  // keys per tile
     constexpr int KW = KT / kSlices;     // keys per warp per tile
     constexpr int NP = KW / 16;          // 16-key k-steps of P V per warp per tile (1 or 2)
@@ -174,6 +182,11 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     const unsigned block_elems = slot_elems * BS;
     const unsigned head_elem = static_cast<unsigned>(kvh) * D + my_chunk * (16 / static_cast<int>(sizeof(Page)));
     const int* __restrict__ table = block_table + static_cast<long long>(b) * table_stride;
+    // fp8: the kChunks threads of a key-row group hold U = kChunks / 2 key rows, i.e. 2U scales: one each
+    static_assert(!kFp8 || 2 * U == kChunks, "one scale per thread per tile");
+    const int my_scale_row = my_chunk / 2;
+    const float* __restrict__ my_scale_src = my_chunk % 2 ? v_scale : k_scale;
+    const unsigned my_scale_dst = ((my_chunk % 2) * KT + my_key0 + my_scale_row * kKeyStep) * 4u;  // bytes
     auto load_table = [&](int tile, unsigned (&blk)[U]) {  // the physical blocks of this thread's rows
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -196,14 +209,16 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                 static_cast<unsigned long long>(blk[u]) * block_elems + (in_block * slot_elems + head_elem);
             cp_async_16(stage + key * PB + my_chunk * 16, in ? k_cache + elem : k_cache, in);
             cp_async_16(stage + (KT + key) * PB + my_chunk * 16, in ? v_cache + elem : v_cache, in);
-            if constexpr (kFp8) {  // the key's scales, by the thread holding its first chunk (same group)
-                if (my_chunk == 0) {
-                    const unsigned long long s = slot * static_cast<unsigned>(n_kv_head) + kvh;
-                    float* scales = reinterpret_cast<float*>(stage + 2 * KT * PB);
-                    warp::cp_async_4(scales + key, in ? k_scale + s : k_scale, in);
-                    warp::cp_async_4(scales + KT + key, in ? v_scale + s : v_scale, in);
-                }
-            }
+        }
+        if constexpr (kFp8) {  // one scale per thread: the k or v scale (my_chunk % 2) of key row my_chunk / 2
+            unsigned block = blk[0];
+#pragma unroll
+            for (int u = 1; u < U; ++u) block = u == my_scale_row ? blk[u] : block;
+            const int key = my_key0 + my_scale_row * kKeyStep, pos = tile_lo + key;
+            const bool in = pos < hi;
+            const unsigned long long s =
+                (static_cast<unsigned long long>(block) * BS + static_cast<unsigned>(pos) % BS) * n_kv_head + kvh;
+            warp::cp_async_4(stage + 2 * KT * PB + my_scale_dst, in ? my_scale_src + s : my_scale_src, in);
         }
     };
 
@@ -233,7 +248,7 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                                   num_frames + (valid ? row / group : 0)) * D;  // fmt: skip
 #pragma unroll
         for (int kk = 0; kk < DK; ++kk) {
-            if constexpr (kFp8) {
+            if constexpr (kFp8) {  // (still T here; converted to f16 below)
                 uint2 x = {0u, 0u};
                 if (valid) x = *reinterpret_cast<const uint2*>(q_row + kk * 16 + 4 * qd);
                 qf[kk][h] = x.x;
@@ -242,6 +257,36 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                 qf[kk][h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 2 * qd) : 0u;
                 qf[kk][2 + h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 8 + 2 * qd) : 0u;
             }
+        }
+    }
+
+    // The exponent factor of rows g and g + 8: p = 2^(s * c_row - m). fp8 pages on bf16 queries: each
+    // row of Q is multiplied by a power of two 2^a that puts its largest magnitude into [2^15, 2^16)
+    // (a <= 64), then rounded to f16 (exact for every element within 2^-32 of that largest, see the
+    // header), and c_row undoes 2^a.
+    float c_row[2] = {scale_log2, scale_log2};
+    if constexpr (kFp8 && !Same<T, __half>::value) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float amax = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < DK; ++kk)
+#pragma unroll
+                for (int i = h; i < 4; i += 2) {  // a bf16 pair: its two fp32 values are the halves' bits
+                    amax = fmaxf(amax, fmaxf(fabsf(__int_as_float(qf[kk][i] << 16)),
+                                             fabsf(__int_as_float(qf[kk][i] & 0xffff0000u))));
+                }
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));  // the row's four lanes
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+            const int a = imin(142 - ((__float_as_int(amax) >> 23) & 0xff), 64);  // biased exponent 127 + 15
+            const float up = __int_as_float((127 + a) << 23), down = __int_as_float((127 - a) << 23);
+            c_row[h] = scale_log2 * down;
+#pragma unroll
+            for (int kk = 0; kk < DK; ++kk)
+#pragma unroll
+                for (int i = h; i < 4; i += 2)
+                    qf[kk][i] = pack2<__half>(__int_as_float(qf[kk][i] << 16) * up,
+                                              __int_as_float(qf[kk][i] & 0xffff0000u) * up);
         }
     }
 
@@ -261,7 +306,9 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     // Keys from here on need the per-row test (warp-uniform): the range's end, or the causal limit of the
     // warp's first row. Rows past the length are not masked on interior tiles: they are never stored.
     const int mask_from = causal ? imin(hi, seqlen + warp_row0 / group + 1) : hi;
-    const float c_exp = kFp8 ? 1.f : scale_log2;  // fp8: the factor is applied per key column first
+    // fp8 pages: O is kept in units of v_ref, the largest v scale of the warp's keys so far (a power of
+    // two, at least 2^-126), so that P' = p * v_scale / v_ref <= 1 fits f16 (see the header).
+    float v_ref = __int_as_float(1 << 23);
 
     for (int it = 0; it < n_tiles; ++it) {
         warp::cp_async_wait_group<kStages - 2>();  // tile it has landed (this thread's copies)
@@ -289,8 +336,8 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         unsigned bfrag[2];
-                        warp::fp8x4_to<T>(kf[i], bfrag);
-                        mma_m16n8k16<T>(sc[2 * np + i % 2], qf[2 * j + i / 2], bfrag, sc[2 * np + i % 2]);
+                        warp::fp8x4_to<MM>(kf[i], bfrag);
+                        mma_m16n8k16<MM>(sc[2 * np + i % 2], qf[2 * j + i / 2], bfrag, sc[2 * np + i % 2]);
                     }
                 }
             } else {
@@ -312,10 +359,10 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 #pragma unroll
             for (int n = 0; n < NN; ++n) {
                 const float2 ks = *reinterpret_cast<const float2*>(scales + key0 + 8 * n + 2 * qd);
-                sc[n][0] *= scale_log2 * ks.x;
-                sc[n][1] *= scale_log2 * ks.y;
-                sc[n][2] *= scale_log2 * ks.x;
-                sc[n][3] *= scale_log2 * ks.y;
+                sc[n][0] *= ks.x;
+                sc[n][1] *= ks.y;
+                sc[n][2] *= ks.x;
+                sc[n][3] *= ks.y;
             }
         }
         const int slice_lo = lo + it * KT + key0;
@@ -337,46 +384,64 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         for (int h = 0; h < 2; ++h) {
             tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 1));
             tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 2));
-            const float m_new = fmaxf(m_run[h], tile_max[h] * c_exp);  // c_exp > 0: the max of the scaled
+            const float m_new = fmaxf(m_run[h], tile_max[h] * c_row[h]);  // c_row > 0: the max of the scaled
             m_use[h] = m_new == neg_inf() ? 0.f : m_new;               // no key yet: every weight is 0
             alpha[h] = ex2_approx_ftz(m_run[h] - m_use[h]);           // 0 when m_run was -inf
             m_run[h] = m_new;
             l_run[h] *= alpha[h];
         }
         float vs[NN][2];
+        float alpha_o[2] = {alpha[0], alpha[1]};  // O's rescale (fp8: also to the new v_ref)
 #pragma unroll
         for (int n = 0; n < NN; ++n) vs[n][0] = vs[n][1] = 1.f;
         if constexpr (kFp8) {
+            float v_max = 0.f;  // the largest v scale of the warp's KW keys (zero-filled past the range)
 #pragma unroll
             for (int n = 0; n < NN; ++n) {
                 const float2 v2s = *reinterpret_cast<const float2*>(scales + KT + key0 + 8 * n + 2 * qd);
                 vs[n][0] = v2s.x;
                 vs[n][1] = v2s.y;
+                v_max = fmaxf(v_max, fmaxf(v2s.x, v2s.y));
+            }
+            v_max = fmaxf(v_max, __shfl_xor_sync(kFullMask, v_max, 1));  // the quad holds all KW keys
+            v_max = fmaxf(v_max, __shfl_xor_sync(kFullMask, v_max, 2));
+            const float v_new = fmaxf(v_ref, v_max);
+            // 1 / v_new exactly: v_new is a power of two in [2^-126, 2^126], so its reciprocal's bits are
+            // (254 - biased exponent) << 23
+            const float v_inv = __int_as_float(0x7f000000 - __float_as_int(v_new));
+            const float ratio = v_ref * v_inv;  // 2^(old - new) <= 1: O to the new unit
+            v_ref = v_new;
+            alpha_o[0] *= ratio;
+            alpha_o[1] *= ratio;
+#pragma unroll
+            for (int n = 0; n < NN; ++n) {
+                vs[n][0] *= v_inv;
+                vs[n][1] *= v_inv;
             }
         }
 #pragma unroll
         for (int n = 0; n < NN; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = ex2_approx_ftz(fmaf(sc[n][e], c_exp, -m_use[e / 2]));  // -inf scores -> 0
+                const float p = ex2_approx_ftz(fmaf(sc[n][e], c_row[e / 2], -m_use[e / 2]));  // -inf scores -> 0
                 l_run[e / 2] += p;
                 sc[n][e] = kFp8 ? p * vs[n][e % 2] : p;
             }
 #pragma unroll
         for (int n = 0; n < DT; ++n) {
-            o[n][0] *= alpha[0];
-            o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1];
-            o[n][3] *= alpha[1];
+            o[n][0] *= alpha_o[0];
+            o[n][1] *= alpha_o[0];
+            o[n][2] *= alpha_o[1];
+            o[n][3] *= alpha_o[1];
         }
 
         // O += P V: P's A fragments straight from S's C fragments, one per 16-key k-step.
 #pragma unroll
         for (int np = 0; np < NP; ++np) {
             const int k16 = key0 + 16 * np;
-            const unsigned pa[4] = {pack2<PV>(sc[2 * np][0], sc[2 * np][1]), pack2<PV>(sc[2 * np][2], sc[2 * np][3]),
-                                    pack2<PV>(sc[2 * np + 1][0], sc[2 * np + 1][1]),
-                                    pack2<PV>(sc[2 * np + 1][2], sc[2 * np + 1][3])};
+            const unsigned pa[4] = {pack2<MM>(sc[2 * np][0], sc[2 * np][1]), pack2<MM>(sc[2 * np][2], sc[2 * np][3]),
+                                    pack2<MM>(sc[2 * np + 1][0], sc[2 * np + 1][1]),
+                                    pack2<MM>(sc[2 * np + 1][2], sc[2 * np + 1][3])};
             if constexpr (kFp8) {
                 const unsigned char* v_tile = stage + KT * PB;
 #pragma unroll
@@ -386,26 +451,33 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 #pragma unroll
                     for (int sl = 0; sl < 2; ++sl) {  // slab 2j + sl -> n-tiles 2 (2j + sl) (even dims), + 1 (odd)
                         unsigned lo_keys[2], hi_keys[2];
-                        warp::fp8x4_to_interleaved<PV>(vf[2 * sl], lo_keys);
-                        warp::fp8x4_to_interleaved<PV>(vf[2 * sl + 1], hi_keys);
+                        warp::fp8x4_to_interleaved<MM>(vf[2 * sl], lo_keys);
+                        warp::fp8x4_to_interleaved<MM>(vf[2 * sl + 1], hi_keys);
                         const unsigned even[2] = {lo_keys[0], hi_keys[0]}, odd[2] = {lo_keys[1], hi_keys[1]};
                         const int n = 2 * (2 * j + sl);
-                        mma_m16n8k16<PV>(o[n], pa, even, o[n]);
-                        mma_m16n8k16<PV>(o[n + 1], pa, odd, o[n + 1]);
+                        mma_m16n8k16<MM>(o[n], pa, even, o[n]);
+                        mma_m16n8k16<MM>(o[n + 1], pa, odd, o[n + 1]);
                     }
                 }
             } else {
-                const PV* v_tile = reinterpret_cast<const PV*>(stage) + KT * TS;
+                const T* v_tile = reinterpret_cast<const T*>(stage) + KT * TS;
 #pragma unroll
                 for (int dp = 0; dp < DT / 2; ++dp) {
                     unsigned vf[4];
                     ldmatrix_x4_trans(vf, v_tile + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * TS + dp * 16 + (lane / 16) * 8);
                     const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-                    mma_m16n8k16<PV>(o[2 * dp], pa, b0, o[2 * dp]);
-                    mma_m16n8k16<PV>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+                    mma_m16n8k16<MM>(o[2 * dp], pa, b0, o[2 * dp]);
+                    mma_m16n8k16<MM>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
                 }
             }
         }
+    }
+
+    if constexpr (kFp8) {  // O back to its own units (O / v_ref <= l * 448: no overflow before this)
+#pragma unroll
+        for (int n = 0; n < DT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[n][e] *= v_ref;
     }
 
     // -- merge the two key slices of each row tile: slice 1 hands (O, m, l) to slice 0 in shared memory
