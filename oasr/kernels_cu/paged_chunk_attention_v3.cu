@@ -116,7 +116,7 @@ constexpr int kRowsPerCta = kRowTiles * 16;         // 32
 // and the per-tile work -- barrier, row max, rescale of O -- spread over twice the keys).
 template <bool kFp8>
 constexpr int kTileKeys = kFp8 ? 64 : 32;
-constexpr int kRingBudget = 40 * 1024;              // static shared memory for the ring
+constexpr int kRingBudget = 44 * 1024;              // static shared memory for the ring (of 48 KB)
 __host__ __device__ constexpr int clamp_stages(int n) { return n < 2 ? 2 : (n > 6 ? 6 : n); }
 }  // namespace attn3
 
@@ -207,8 +207,10 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             const unsigned long long slot = static_cast<unsigned long long>(blk[u]) * BS + in_block;
             const unsigned long long elem =
                 static_cast<unsigned long long>(blk[u]) * block_elems + (in_block * slot_elems + head_elem);
-            cp_async_16(stage + key * PB + my_chunk * 16, in ? k_cache + elem : k_cache, in);
-            cp_async_16(stage + (KT + key) * PB + my_chunk * 16, in ? v_cache + elem : v_cache, in);
+            // past the range the source is not read: 16-bit pages pass the pool's base, fp8 pages the
+            // slot of block 0 the address already names (the table entry reads 0), without a select
+            cp_async_16(stage + key * PB + my_chunk * 16, in || kFp8 ? k_cache + elem : k_cache, in);
+            cp_async_16(stage + (KT + key) * PB + my_chunk * 16, in || kFp8 ? v_cache + elem : v_cache, in);
         }
         if constexpr (kFp8) {  // one scale per thread: the k or v scale (my_chunk % 2) of key row my_chunk / 2
             unsigned block = blk[0];
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             const bool in = pos < hi;
             const unsigned long long s =
                 (static_cast<unsigned long long>(block) * BS + static_cast<unsigned>(pos) % BS) * n_kv_head + kvh;
-            warp::cp_async_4(stage + 2 * KT * PB + my_scale_dst, in ? my_scale_src + s : my_scale_src, in);
+            warp::cp_async_4(stage + 2 * KT * PB + my_scale_dst, my_scale_src + s, in);  // (!in: block 0, not read)
         }
     };
 
@@ -306,9 +308,9 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     // Keys from here on need the per-row test (warp-uniform): the range's end, or the causal limit of the
     // warp's first row. Rows past the length are not masked on interior tiles: they are never stored.
     const int mask_from = causal ? imin(hi, seqlen + warp_row0 / group + 1) : hi;
-    // fp8 pages: O is kept in units of v_ref, the largest v scale of the warp's keys so far (a power of
-    // two, at least 2^-126), so that P' = p * v_scale / v_ref <= 1 fits f16 (see the header).
-    float v_ref = __int_as_float(1 << 23);
+    // fp8 pages: row h of O is kept in units of w_ref[h], a power of two (at least 2^-126) near the
+    // row's largest p * v_scale, so that P' = p * v_scale / w_ref < 2 fits f16 (see the header).
+    float w_ref[2] = {__int_as_float(1 << 23), __int_as_float(1 << 23)};
 
     for (int it = 0; it < n_tiles; ++it) {
         warp::cp_async_wait_group<kStages - 2>();  // tile it has landed (this thread's copies)
@@ -367,11 +369,20 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         }
         const int slice_lo = lo + it * KT + key0;
         if (slice_lo + KW > mask_from) {  // a boundary tile: keys past a row's limit (or the range) -> -inf
+            if constexpr (kFp8) {  // the same test against limits relative to the lane's first key column
+                const int lim[2] = {key_limit[0] - slice_lo - 2 * qd, key_limit[1] - slice_lo - 2 * qd};
 #pragma unroll
-            for (int n = 0; n < NN; ++n)
+                for (int n = 0; n < NN; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (slice_lo + 8 * n + 2 * qd + e % 2 >= key_limit[e / 2]) sc[n][e] = neg_inf();
+                    for (int e = 0; e < 4; ++e)
+                        if (8 * n + e % 2 >= lim[e / 2]) sc[n][e] = neg_inf();
+            } else {
+#pragma unroll
+                for (int n = 0; n < NN; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (slice_lo + 8 * n + 2 * qd + e % 2 >= key_limit[e / 2]) sc[n][e] = neg_inf();
+            }
         }
         float tile_max[2] = {fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[0][2], sc[0][3])};
 #pragma unroll
@@ -391,32 +402,14 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             l_run[h] *= alpha[h];
         }
         float vs[NN][2];
-        float alpha_o[2] = {alpha[0], alpha[1]};  // O's rescale (fp8: also to the new v_ref)
 #pragma unroll
         for (int n = 0; n < NN; ++n) vs[n][0] = vs[n][1] = 1.f;
         if constexpr (kFp8) {
-            float v_max = 0.f;  // the largest v scale of the warp's KW keys (zero-filled past the range)
 #pragma unroll
             for (int n = 0; n < NN; ++n) {
                 const float2 v2s = *reinterpret_cast<const float2*>(scales + KT + key0 + 8 * n + 2 * qd);
                 vs[n][0] = v2s.x;
                 vs[n][1] = v2s.y;
-                v_max = fmaxf(v_max, fmaxf(v2s.x, v2s.y));
-            }
-            v_max = fmaxf(v_max, __shfl_xor_sync(kFullMask, v_max, 1));  // the quad holds all KW keys
-            v_max = fmaxf(v_max, __shfl_xor_sync(kFullMask, v_max, 2));
-            const float v_new = fmaxf(v_ref, v_max);
-            // 1 / v_new exactly: v_new is a power of two in [2^-126, 2^126], so its reciprocal's bits are
-            // (254 - biased exponent) << 23
-            const float v_inv = __int_as_float(0x7f000000 - __float_as_int(v_new));
-            const float ratio = v_ref * v_inv;  // 2^(old - new) <= 1: O to the new unit
-            v_ref = v_new;
-            alpha_o[0] *= ratio;
-            alpha_o[1] *= ratio;
-#pragma unroll
-            for (int n = 0; n < NN; ++n) {
-                vs[n][0] *= v_inv;
-                vs[n][1] *= v_inv;
             }
         }
 #pragma unroll
@@ -427,6 +420,30 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                 l_run[e / 2] += p;
                 sc[n][e] = kFp8 ? p * vs[n][e % 2] : p;
             }
+        float alpha_o[2] = {alpha[0], alpha[1]};  // O's rescale (fp8: also to the row's new unit)
+        if constexpr (kFp8) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float w = fmaxf(sc[0][2 * h], sc[0][2 * h + 1]);  // the row's largest p * v_scale
+#pragma unroll
+                for (int n = 1; n < NN; ++n) w = fmaxf(w, fmaxf(sc[n][2 * h], sc[n][2 * h + 1]));
+                w = fmaxf(w, __shfl_xor_sync(kFullMask, w, 1));  // the quad holds all KW keys
+                w = fmaxf(w, __shfl_xor_sync(kFullMask, w, 2));
+                // ... or the old unit as O decays by alpha, at least 2^-126; rounded down to a power of two
+                w = fmaxf(fmaxf(w, w_ref[h] * alpha[h]), __int_as_float(1 << 23));
+                const float w_new = __int_as_float(__float_as_int(w) & 0x7f800000);
+                // 1 / w_new exactly: a power of two in [2^-126, 2^127), its reciprocal's biased exponent is
+                // 254 - its own
+                const float w_inv = __int_as_float(0x7f000000 - __float_as_int(w_new));
+                alpha_o[h] *= w_ref[h] * w_inv;  // O to the new unit
+                w_ref[h] = w_new;
+#pragma unroll
+                for (int n = 0; n < NN; ++n) {
+                    sc[n][2 * h] *= w_inv;
+                    sc[n][2 * h + 1] *= w_inv;
+                }
+            }
+        }
 #pragma unroll
         for (int n = 0; n < DT; ++n) {
             o[n][0] *= alpha_o[0];
@@ -473,11 +490,11 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         }
     }
 
-    if constexpr (kFp8) {  // O back to its own units (O / v_ref <= l * 448: no overflow before this)
+    if constexpr (kFp8) {  // O back to its own units
 #pragma unroll
         for (int n = 0; n < DT; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o[n][e] *= v_ref;
+            for (int e = 0; e < 4; ++e) o[n][e] *= w_ref[e / 2];
     }
 
     // -- merge the two key slices of each row tile: slice 1 hands (O, m, l) to slice 0 in shared memory
