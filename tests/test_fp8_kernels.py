@@ -310,8 +310,8 @@ def test_append_saturates_near_the_model_dtype_max(backend, dtype):
 
 def _check_attention(out, s, causal, scale=None, version="v1"):
     """``out`` (model dtype) against the reference on the same fp8 pages: fp32 queries give the fp32
-    result, the model-dtype queries its own rounding (see low_precision_bound); v2 and v3 also round P
-    to bf16 for their P V (v2_bound)."""
+    result, the model-dtype queries its own rounding (see low_precision_bound); v2 also rounds P to
+    bf16 for its P V, v3 to f16 after a per-row power-of-two rescale (both held to v2_bound)."""
     lens = s.chunk_lens
     ref32 = ref.paged_attention(s.q.float(), s.cache, lens, softmax_scale=scale, causal=causal)
     assert out.dtype == s.q.dtype and not out.isnan().any()

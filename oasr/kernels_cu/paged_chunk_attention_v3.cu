@@ -36,14 +36,14 @@
 //   scores -> masked to -inf only on boundary tiles (the last tile of the
 //     range, or past the warp's first causal limit); interior tiles skip it
 //   online softmax in fp32: p = 2^(s * c - m) with c = scale * log2(e) folded
-//     into one FFMA (fp8: c times the key's k scale, one FMUL first), on
-//     ex2.approx.ftz (warp_mma.cuh: subnormal weights flush to zero, as they
+//     into one FFMA (fp8: the key's k scale first, one FMUL, and c per row),
+//     on ex2.approx.ftz (warp_mma.cuh: subnormal weights flush to zero, as they
 //     do anyway once P is rounded to 16 bits)
 //   O (16 x D) += P (registers: S's C fragments are P's A fragments)
 //                 x V of its KW keys (ldmatrix .trans), KW/16 x D/8 mma
 //
-// Pipeline. A ring of kStages stages (the most that fit 40 KB of static
-//   shared memory, 2 to 6: 4 at D = 64 on 16-bit pages, 3 (of 64 keys) on fp8, 2 at D = 128)
+// Pipeline. A ring of kStages stages (the most that fit 44 KB of static
+//   shared memory, 2 to 6: 4 at D = 64 (of 32 keys on 16-bit pages, 64 on fp8), 2 at D = 128)
 //   holds K, V (and fp8 scales) of kStages - 1 tiles in flight, gathered by
 //   cp.async in 16-byte chunks. Every thread always gathers the same chunk
 //   column of the same key rows of each tile, so its pool offsets are
@@ -57,28 +57,63 @@
 //   tile: wait for tile i (wait_group<kStages - 2>), barrier, issue tile
 //   i + kStages - 1 into the stage tile i - 1 used, compute tile i.
 //
-// fp8 pages. cp.async moves raw e4m3 bytes; each warp converts only its own
-//   fragments in registers after ldmatrix (warp_mma.cuh, "fp8 e4m3 quads"),
-//   tiles of 64 keys (a stage moves the bytes of a 32-key 16-bit stage):
-//   K through fp8x4_to<T> with Q's A fragments loaded in the matching dim
-//   order (k 2q, 2q+1 <- dims 4q, 4q+1; k 2q+8, 2q+9 <- dims 4q+2, 4q+3), V
-//   through .trans and fp8x4_to_interleaved<bf16> (two n-tiles per 16-dim
-//   slab: even dims and odd dims; the store puts them back in order). No
-//   widened tile in shared memory, no second barrier, and half the ldmatrix
-//   of 16-bit pages. k_scale joins the softmax factor per key column,
-//   v_scale multiplies P's column before P is rounded (as in v2). P V runs
-//   in bf16 on fp8 pages whatever T is (p * v_scale keeps fp32's exponent
-//   range in bf16; fp16 would go subnormal).
+// fp8 pages. cp.async moves raw e4m3 bytes (and each thread one of the
+//   tile's 128 scales); each warp converts only its own fragments in
+//   registers after ldmatrix (warp_mma.cuh, "fp8 e4m3 quads"), tiles of 64
+//   keys (a stage moves the bytes of a 32-key 16-bit stage): K through
+//   fp8x4_to<f16> with Q's A fragments loaded in the matching dim order
+//   (k 2q, 2q+1 <- dims 4q, 4q+1; k 2q+8, 2q+9 <- dims 4q+2, 4q+3), V through
+//   .trans and fp8x4_to_interleaved<f16> (two n-tiles per 16-dim slab: even
+//   dims and odd dims; the store puts them back in order). No widened tile in
+//   shared memory, no second barrier, and half the ldmatrix of 16-bit pages.
+//   Both mma run in f16 whatever T is: e4m3 -> f16 is one hardware cvt per
+//   pair on sm_89+ (bf16 needs three more), so the widening costs 64
+//   instructions per warp per tile instead of 256. f16 has more mantissa than
+//   bf16 (11 bits against 8) but less range (2^-24 .. 65504), so two operands
+//   are brought into its range by powers of two, which scale exactly:
+//     Q (bf16 queries): each row times 2^a, a = min(142 - E, 64) with E the
+//       biased exponent of the row's largest |q|, which lands in [2^15, 2^16);
+//       then rounded to f16. c (the exponent factor) is per row: scale *
+//       log2(e) * 2^-a. f16 queries go in as they are.
+//     P: k_scale joins S per key column (one FMUL), v_scale multiplies p
+//       before P is rounded, as in v2; then row r's P' = p * v_scale / w_r,
+//       where w_r is the power of two at or below max(the row's largest
+//       p * v_scale over the warp's keys of this tile, w_r's previous value
+//       times the tile's alpha, 2^-126). So P' < 2, O's row r is kept in
+//       units of w_r (rescaled with alpha when w_r moves, multiplied by w_r
+//       after the last tile), and a key with a large v scale that the row
+//       does not weigh (masked, or far below the row's maximum) does not set
+//       the unit.
 //
-// Precision: as v2 (oasr.fast.kernels.testing.v2_bound): S accumulates exact
-//   products in fp32, P is rounded to the P V type; ex2.approx adds at most
-//   2^-22 relative to each weight (far below that rounding).
+// Precision. Everything not listed is as v2 (oasr.fast.kernels.testing.v2_bound):
+//   S accumulates exact products in fp32, ex2.approx adds at most 2^-22
+//   relative to each weight. 16-bit pages: P rounded to T, as v2. fp8 pages:
+//   * K: exact (every e4m3 value is an f16 value).
+//   * Q, bf16: exact for every element within 2^-32 of its row's largest
+//     magnitude (scaled, at least 2^-17: an f16 with 11 significant bits down
+//     to 2^-24 holds bf16's 8). Smaller elements are rounded to multiples of
+//     2^-24 / 2^a: an absolute error at most 2^-40 of the row's largest. A row
+//     whose largest |q| is below 2^-49 (a capped at 64) is exact down to
+//     2^-81 instead. f16 queries: exact. NaN or Inf in a row: the row's
+//     result is NaN, as in the reference.
+//   * P': rounded to f16, to nearest. A weight with P' >= 2^-14 (p * v_scale
+//     at least 2^-14 of the row's unit) carries a relative error at most 2^-11
+//     (bf16 before: 2^-8); below that the absolute error is at most 2^-25
+//     units (f16 subnormals), and P' <= 2^-25 is flushed to zero: a key whose
+//     p * v_scale is 2^25 or more below the row's unit contributes nothing.
+//     The unit is at most the largest p * v_scale the row has weighed so far,
+//     each decayed with O since (or 2^-126), so a flushed key loses at most
+//     2^-25 of that.
+//   * f16 x f16 products in the mma are exact; O accumulates in fp32. The
+//     scales are powers of two (the append kernels write only such): every
+//     rescaling above is exact unless it leaves fp32's range.
 //
 // Resources and speed: `python -m oasr kernels --arch sm_80,sm_90 --sass`
 //   (registers, no spills, the main loop's instruction mix and the calibrated
 //   model; tests/test_kernels_sass.py holds the loop under 360 instructions
-//   per warp per 32-key tile for bf16 pages on sm_90, D 64, block 16, and 420
-//   for fp8). Nothing here has run on a GPU yet.
+//   per warp per 32 keys for bf16 pages on sm_90, D 64, block 16, and 250 for
+//   fp8, and the model's fp8 tick at least 1.5x faster than bf16 at 4,096
+//   frames). Nothing here has run on a GPU yet.
 //
 // Checked by: tests/test_kernels_emulated.py, tests/test_fp8_kernels.py and
 //   tests/test_attention_past_length.py (every case runs v1, v2 and v3 under the

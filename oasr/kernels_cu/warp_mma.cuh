@@ -67,7 +67,10 @@
 //            out[1] = (byte 1, byte 3) = V[2q, 2q+1][dim 2g+1]: the B fragments (k = keys) of
 //            two n-tiles, the even and the odd dims of the slab (the output's columns are
 //            permuted the same way: the kernel stores them back in order).
-//   Both are exact (fp8x2_to) and convert only the lane's own fragment.
+//   Both are exact (fp8x2_to) and convert only the lane's own fragment. On sm_89+
+//   fp8x4_to<__half> is two hardware cvts fed the register's halves by one
+//   unpacking mov (ptxas reads the high half in place: no shift); the host emulation
+//   and sm_80 use the generic pair of fp8x2_to, which gives the same values.
 //
 // Checked by: tests/test_warp_primitives.py (emulation, against torch).
 #pragma once
