@@ -207,7 +207,7 @@ def test_kernels_command_fails_when_an_attention_loop_is_lost(monkeypatch, capsy
 
 V3 = [k for k in registry.attention_kernels() if registry.kernel_version(k) == 3]
 # v3's main loop on sm_90 (D 64, block 16, bf16 queries), per warp per 32 keys: the budget the kernel was
-# cut to (v2: about 550 on 16-bit pages, 670 on fp8). On fp8 pages both mma run in f16 (241 per 32 keys);
+# cut to (v2: about 550 on 16-bit pages, 670 on fp8). On fp8 pages both mma run in f16 (about 243 per 32 keys);
 # 250 is about the most that keeps fp8 modelled 1.5x faster than bf16 at 4,096 frames (below).
 V3_CEILINGS = {"__nv_bfloat16": 360, "__nv_fp8_e4m3": 250}
 

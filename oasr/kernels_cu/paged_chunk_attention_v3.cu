@@ -42,8 +42,8 @@
 //   O (16 x D) += P (registers: S's C fragments are P's A fragments)
 //                 x V of its KW keys (ldmatrix .trans), KW/16 x D/8 mma
 //
-// Pipeline. A ring of kStages stages (the most that fit 44 KB of static
-//   shared memory, 2 to 6: 4 at D = 64 (of 32 keys on 16-bit pages, 64 on fp8), 2 at D = 128)
+// Pipeline. A ring of kStages stages (the most that fit 40 KB of static
+//   shared memory, 2 to 6: 4 at D = 64 on 16-bit pages, 3 (of 64 keys) on fp8, 2 at D = 128)
 //   holds K, V (and fp8 scales) of kStages - 1 tiles in flight, gathered by
 //   cp.async in 16-byte chunks. Every thread always gathers the same chunk
 //   column of the same key rows of each tile, so its pool offsets are
@@ -151,7 +151,7 @@ constexpr int kRowsPerCta = kRowTiles * 16;         // 32
 // and the per-tile work -- barrier, row max, rescale of O -- spread over twice the keys).
 template <bool kFp8>
 constexpr int kTileKeys = kFp8 ? 64 : 32;
-constexpr int kRingBudget = 44 * 1024;              // static shared memory for the ring (of 48 KB)
+constexpr int kRingBudget = 40 * 1024;              // static shared memory for the ring
 __host__ __device__ constexpr int clamp_stages(int n) { return n < 2 ? 2 : (n > 6 ? 6 : n); }
 }  // namespace attn3
 
@@ -239,7 +239,6 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             const int key = my_key0 + u * kKeyStep, pos = tile_lo + key;
             const bool in = pos < hi;  // past the range: zero-filled, the pool is not read
             const unsigned in_block = static_cast<unsigned>(pos) % BS;
-            const unsigned long long slot = static_cast<unsigned long long>(blk[u]) * BS + in_block;
             const unsigned long long elem =
                 static_cast<unsigned long long>(blk[u]) * block_elems + (in_block * slot_elems + head_elem);
             // past the range the source is not read: 16-bit pages pass the pool's base, fp8 pages the

@@ -219,14 +219,14 @@ class Tiling:
 # kernel missing here is reported without a model. Prologue trips: v1 reads its lengths, then loads a
 # tile with plain loads (2); v2 reads its lengths, then Q, then the table window, then its first tile (4);
 # v3 reads its lengths, then the table with Q beside it, then its first tile (3). Stages (head_dim 64):
-# v1 loads synchronously (1), v2 3, v3 the most that fit 44 KB (4 on 16-bit pages, 4 of 64 keys on fp8).
+# v1 loads synchronously (1), v2 3, v3 the most that fit 40 KB (4 on 16-bit pages, 3 of 64 keys on fp8).
 TILINGS = {
     "paged_chunk_attention_kernel": Tiling(ops.TILE_KEYS, ops.ROWS_PER_CTA, "v1", rows_per_warp=4,
                                            stages=(1, 1), prologue_trips=2),
     "paged_chunk_attention_v2_kernel": Tiling(ops.TILE_KEYS, ops.V2_ROWS_PER_CTA, "waves", stages=(3, 3),
                                               prologue_trips=4),
     "paged_chunk_attention_v3_kernel": Tiling(ops.TILE_KEYS, ops.V3_ROWS_PER_CTA, "filled", warps_per_row_tile=2,
-                                              stages=(4, 4), prologue_trips=3, fp8_keys_per_iteration=64),
+                                              stages=(4, 3), prologue_trips=3, fp8_keys_per_iteration=64),
 }  # fmt: skip
 
 # -- finding the tools ---------------------------------------------------------------------------
