@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -309,8 +310,8 @@ def test_append_saturates_near_the_model_dtype_max(backend, dtype):
 
 def _check_attention(out, s, causal, scale=None, version="v1"):
     """``out`` (model dtype) against the reference on the same fp8 pages: fp32 queries give the fp32
-    result, the model-dtype queries its own rounding (see low_precision_bound); v2 and v3 also round P
-    to bf16 for their P V (v2_bound)."""
+    result, the model-dtype queries its own rounding (see low_precision_bound); v2 also rounds P to
+    bf16 for its P V, v3 to f16 after a per-row power-of-two rescale (both held to v2_bound)."""
     lens = s.chunk_lens
     ref32 = ref.paged_attention(s.q.float(), s.cache, lens, softmax_scale=scale, causal=causal)
     assert out.dtype == s.q.dtype and not out.isnan().any()
@@ -383,6 +384,53 @@ def test_attention_tensor_core_empty_rows_write_zeros(emu, version):
     out = emulated_attention(version, s.q, s.cache, s.chunk_lens)
     assert (out[0] == 0).all() and (out[2] == 0).all()
     _check_attention(out, s, False, version=version)
+
+
+# v3 runs both mma in f16 on fp8 pages (paged_chunk_attention_v3.cu, "fp8 pages"): bf16 queries are
+# rescaled per row by a power of two before their f16 rounding, and P' = p * v_scale is kept in units of a
+# per-row power of two. Powers of two then pass through exactly: scaling q, the k scales and the v scales
+# by powers of two (softmax_scale compensating) scales the output by the same power, bit for bit. A plain
+# f16 rounding of q (2^-40 flushes, 2^30 overflows) or of p * v_scale (2^-40 flushes) cannot.
+F16_SHIFTS = [  # (dtype, q, k scales, v scales): powers of two
+    pytest.param(torch.bfloat16, -40, 16, -40, id="bfloat16-small"),
+    pytest.param(torch.bfloat16, 30, -20, 20, id="bfloat16-large"),
+    # f16 queries go in as they are; v stays (an f16 out scaled by 2^k rounds differently where subnormal)
+    pytest.param(torch.float16, 0, 16, 0, id="float16"),
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype,q_shift,k_shift,v_shift", F16_SHIFTS)
+def test_attention_v3_fp8_scales_by_powers_of_two_exactly(emu, dtype, q_shift, k_shift, v_shift, head_dim):
+    s = to_fp8(make_scenario(610 + head_dim, batch=3, n_kv_head=2, group=2, num_frames=9, head_dim=head_dim,
+                             block_size=16, max_history=180, dtype=dtype))  # fmt: skip
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    base = emulated_attention("v3", s.q, s.cache, s.chunk_lens, causal=True, num_splits=2)
+    _check_attention(base, s, True, version="v3")
+    cache = replace(s.cache, k_scale=s.cache.k_scale * 2.0**k_shift, v_scale=s.cache.v_scale * 2.0**v_shift)
+    q = s.q * 2.0**q_shift
+    scale = head_dim**-0.5 * 2.0 ** -(q_shift + k_shift)
+    out = emulated_attention("v3", q, cache, s.chunk_lens, softmax_scale=scale, causal=True, num_splits=2)
+    assert torch.equal(bits(out), bits(base * 2.0**v_shift)), (out.float() - base.float() * 2.0**v_shift).abs().max()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_v3_fp8_keeps_precision_beside_a_large_key_it_does_not_see(emu, head_dim):
+    # The last key of each chunk gets a v scale 2^30 times its own: only the chunk's last frame sees it
+    # (causal). A unit for P' taken from the largest v scale among the keys read (not from p * v_scale)
+    # would flush every other row's weights below f16's range; v3's per-row unit keeps them.
+    s = to_fp8(make_scenario(620 + head_dim, batch=3, n_kv_head=2, group=2, num_frames=9, head_dim=head_dim,
+                             block_size=16, max_history=180, dtype=torch.bfloat16))  # fmt: skip
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    c = s.cache
+    v_scale = c.v_scale.clone()
+    for b, n in enumerate(s.chunk_lens.tolist()):
+        if n > 1:
+            pos = int(c.cache_seqlens[b]) + n - 1
+            v_scale[int(c.block_table[b, pos // c.block_size]), pos % c.block_size] *= 2.0**30
+    s = replace(s, cache=replace(c, v_scale=v_scale))
+    out = emulated_attention("v3", s.q, s.cache, s.chunk_lens, causal=True)
+    _check_attention(out, s, True, version="v3")
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])

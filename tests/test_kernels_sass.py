@@ -207,8 +207,9 @@ def test_kernels_command_fails_when_an_attention_loop_is_lost(monkeypatch, capsy
 
 V3 = [k for k in registry.attention_kernels() if registry.kernel_version(k) == 3]
 # v3's main loop on sm_90 (D 64, block 16, bf16 queries), per warp per 32 keys: the budget the kernel was
-# cut to (v2: about 550 on 16-bit pages, 670 on fp8).
-V3_CEILINGS = {"__nv_bfloat16": 360, "__nv_fp8_e4m3": 420}
+# cut to (v2: about 550 on 16-bit pages, 670 on fp8). On fp8 pages both mma run in f16 (about 243 per 32 keys);
+# 250 is about the most that keeps fp8 modelled 1.5x faster than bf16 at 4,096 frames (below).
+V3_CEILINGS = {"__nv_bfloat16": 360, "__nv_fp8_e4m3": 250}
 
 
 @needs_toolchain
@@ -248,4 +249,5 @@ def test_model_prices_v3_against_v2(attention_report):
         assert v3["fraction_of_bw"][0] >= 0.8, v3  # and at 80% or more of the achievable bandwidth (bf16)
         assert v3["live_warps"] == 4 and v2["live_warps"] == 2  # every v3 warp has rows; half of v2's idle
     fp8, bf16 = rows["v3", "fp8", 4096], rows["v3", "bf16", 4096]
-    assert fp8["kernel_us"][1] < bf16["kernel_us"][0], (fp8["kernel_us"], bf16["kernel_us"])  # fp8 faster
+    # fp8 pages modelled at least 1.5x faster than bf16 kernel-only (fp8's slowest against bf16's fastest)
+    assert bf16["kernel_us"][0] >= 1.5 * fp8["kernel_us"][1], (fp8["kernel_us"], bf16["kernel_us"])

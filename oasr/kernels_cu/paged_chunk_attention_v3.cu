@@ -36,8 +36,8 @@
 //   scores -> masked to -inf only on boundary tiles (the last tile of the
 //     range, or past the warp's first causal limit); interior tiles skip it
 //   online softmax in fp32: p = 2^(s * c - m) with c = scale * log2(e) folded
-//     into one FFMA (fp8: c times the key's k scale, one FMUL first), on
-//     ex2.approx.ftz (warp_mma.cuh: subnormal weights flush to zero, as they
+//     into one FFMA (fp8: the key's k scale first, one FMUL, and c per row),
+//     on ex2.approx.ftz (warp_mma.cuh: subnormal weights flush to zero, as they
 //     do anyway once P is rounded to 16 bits)
 //   O (16 x D) += P (registers: S's C fragments are P's A fragments)
 //                 x V of its KW keys (ldmatrix .trans), KW/16 x D/8 mma
@@ -57,28 +57,63 @@
 //   tile: wait for tile i (wait_group<kStages - 2>), barrier, issue tile
 //   i + kStages - 1 into the stage tile i - 1 used, compute tile i.
 //
-// fp8 pages. cp.async moves raw e4m3 bytes; each warp converts only its own
-//   fragments in registers after ldmatrix (warp_mma.cuh, "fp8 e4m3 quads"),
-//   tiles of 64 keys (a stage moves the bytes of a 32-key 16-bit stage):
-//   K through fp8x4_to<T> with Q's A fragments loaded in the matching dim
-//   order (k 2q, 2q+1 <- dims 4q, 4q+1; k 2q+8, 2q+9 <- dims 4q+2, 4q+3), V
-//   through .trans and fp8x4_to_interleaved<bf16> (two n-tiles per 16-dim
-//   slab: even dims and odd dims; the store puts them back in order). No
-//   widened tile in shared memory, no second barrier, and half the ldmatrix
-//   of 16-bit pages. k_scale joins the softmax factor per key column,
-//   v_scale multiplies P's column before P is rounded (as in v2). P V runs
-//   in bf16 on fp8 pages whatever T is (p * v_scale keeps fp32's exponent
-//   range in bf16; fp16 would go subnormal).
+// fp8 pages. cp.async moves raw e4m3 bytes (and each thread one of the
+//   tile's 128 scales); each warp converts only its own fragments in
+//   registers after ldmatrix (warp_mma.cuh, "fp8 e4m3 quads"), tiles of 64
+//   keys (a stage moves the bytes of a 32-key 16-bit stage): K through
+//   fp8x4_to<f16> with Q's A fragments loaded in the matching dim order
+//   (k 2q, 2q+1 <- dims 4q, 4q+1; k 2q+8, 2q+9 <- dims 4q+2, 4q+3), V through
+//   .trans and fp8x4_to_interleaved<f16> (two n-tiles per 16-dim slab: even
+//   dims and odd dims; the store puts them back in order). No widened tile in
+//   shared memory, no second barrier, and half the ldmatrix of 16-bit pages.
+//   Both mma run in f16 whatever T is: e4m3 -> f16 is one hardware cvt per
+//   pair on sm_89+ (bf16 needs three more), so the widening costs 64
+//   instructions per warp per tile instead of 256. f16 has more mantissa than
+//   bf16 (11 bits against 8) but less range (2^-24 .. 65504), so two operands
+//   are brought into its range by powers of two, which scale exactly:
+//     Q (bf16 queries): each row times 2^a, a = min(142 - E, 64) with E the
+//       biased exponent of the row's largest |q|, which lands in [2^15, 2^16);
+//       then rounded to f16. c (the exponent factor) is per row: scale *
+//       log2(e) * 2^-a. f16 queries go in as they are.
+//     P: k_scale joins S per key column (one FMUL), v_scale multiplies p
+//       before P is rounded, as in v2; then row r's P' = p * v_scale / w_r,
+//       where w_r is the power of two at or below max(the row's largest
+//       p * v_scale over the warp's keys of this tile, w_r's previous value
+//       times the tile's alpha, 2^-126). So P' < 2, O's row r is kept in
+//       units of w_r (rescaled with alpha when w_r moves, multiplied by w_r
+//       after the last tile), and a key with a large v scale that the row
+//       does not weigh (masked, or far below the row's maximum) does not set
+//       the unit.
 //
-// Precision: as v2 (oasr.fast.kernels.testing.v2_bound): S accumulates exact
-//   products in fp32, P is rounded to the P V type; ex2.approx adds at most
-//   2^-22 relative to each weight (far below that rounding).
+// Precision. Everything not listed is as v2 (oasr.fast.kernels.testing.v2_bound):
+//   S accumulates exact products in fp32, ex2.approx adds at most 2^-22
+//   relative to each weight. 16-bit pages: P rounded to T, as v2. fp8 pages:
+//   * K: exact (every e4m3 value is an f16 value).
+//   * Q, bf16: exact for every element within 2^-32 of its row's largest
+//     magnitude (scaled, at least 2^-17: an f16 with 11 significant bits down
+//     to 2^-24 holds bf16's 8). Smaller elements are rounded to multiples of
+//     2^-24 / 2^a: an absolute error at most 2^-40 of the row's largest. A row
+//     whose largest |q| is below 2^-49 (a capped at 64) is exact down to
+//     2^-81 instead. f16 queries: exact. NaN or Inf in a row: the row's
+//     result is NaN, as in the reference.
+//   * P': rounded to f16, to nearest. A weight with P' >= 2^-14 (p * v_scale
+//     at least 2^-14 of the row's unit) carries a relative error at most 2^-11
+//     (bf16 before: 2^-8); below that the absolute error is at most 2^-25
+//     units (f16 subnormals), and P' <= 2^-25 is flushed to zero: a key whose
+//     p * v_scale is 2^25 or more below the row's unit contributes nothing.
+//     The unit is at most the largest p * v_scale the row has weighed so far,
+//     each decayed with O since (or 2^-126), so a flushed key loses at most
+//     2^-25 of that.
+//   * f16 x f16 products in the mma are exact; O accumulates in fp32. The
+//     scales are powers of two (the append kernels write only such): every
+//     rescaling above is exact unless it leaves fp32's range.
 //
 // Resources and speed: `python -m oasr kernels --arch sm_80,sm_90 --sass`
 //   (registers, no spills, the main loop's instruction mix and the calibrated
 //   model; tests/test_kernels_sass.py holds the loop under 360 instructions
-//   per warp per 32-key tile for bf16 pages on sm_90, D 64, block 16, and 420
-//   for fp8). Nothing here has run on a GPU yet.
+//   per warp per 32 keys for bf16 pages on sm_90, D 64, block 16, and 250 for
+//   fp8, and the model's fp8 tick at least 1.5x faster than bf16 at 4,096
+//   frames). Nothing here has run on a GPU yet.
 //
 // Checked by: tests/test_kernels_emulated.py, tests/test_fp8_kernels.py and
 //   tests/test_attention_past_length.py (every case runs v1, v2 and v3 under the
@@ -98,6 +133,14 @@ struct Pick {
 template <typename A, typename B>
 struct Pick<false, A, B> {
     using type = B;
+};
+template <typename A, typename B>
+struct Same {
+    static constexpr bool value = false;
+};
+template <typename A>
+struct Same<A, A> {
+    static constexpr bool value = true;
 };
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
@@ -132,7 +175,7 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     static_assert(BS > 0 && (BS & (BS - 1)) == 0, "v3's block size is a power of two");
     constexpr bool kFp8 = Codec<Page>::kScaled;
     static_assert(kFp8 || sizeof(Page) == 2, "pages in the model dtype or fp8");
-    using PV = typename Pick<kFp8, __nv_bfloat16, T>::type;
+    using MM = typename Pick<kFp8, __half, T>::type;  // both mma types: f16 on fp8 pages (see the header)
     constexpr int KT = kTileKeys<kFp8>;  // keys per tile
     constexpr int KW = KT / kSlices;     // keys per warp per tile
     constexpr int NP = KW / 16;          // 16-key k-steps of P V per warp per tile (1 or 2)
@@ -174,6 +217,11 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     const unsigned block_elems = slot_elems * BS;
     const unsigned head_elem = static_cast<unsigned>(kvh) * D + my_chunk * (16 / static_cast<int>(sizeof(Page)));
     const int* __restrict__ table = block_table + static_cast<long long>(b) * table_stride;
+    // fp8: the kChunks threads of a key-row group hold U = kChunks / 2 key rows, i.e. 2U scales: one each
+    static_assert(!kFp8 || 2 * U == kChunks, "one scale per thread per tile");
+    const int my_scale_row = my_chunk / 2;
+    const float* __restrict__ my_scale_src = my_chunk % 2 ? v_scale : k_scale;
+    const unsigned my_scale_dst = ((my_chunk % 2) * KT + my_key0 + my_scale_row * kKeyStep) * 4u;  // bytes
     auto load_table = [&](int tile, unsigned (&blk)[U]) {  // the physical blocks of this thread's rows
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -191,19 +239,22 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             const int key = my_key0 + u * kKeyStep, pos = tile_lo + key;
             const bool in = pos < hi;  // past the range: zero-filled, the pool is not read
             const unsigned in_block = static_cast<unsigned>(pos) % BS;
-            const unsigned long long slot = static_cast<unsigned long long>(blk[u]) * BS + in_block;
             const unsigned long long elem =
                 static_cast<unsigned long long>(blk[u]) * block_elems + (in_block * slot_elems + head_elem);
-            cp_async_16(stage + key * PB + my_chunk * 16, in ? k_cache + elem : k_cache, in);
-            cp_async_16(stage + (KT + key) * PB + my_chunk * 16, in ? v_cache + elem : v_cache, in);
-            if constexpr (kFp8) {  // the key's scales, by the thread holding its first chunk (same group)
-                if (my_chunk == 0) {
-                    const unsigned long long s = slot * static_cast<unsigned>(n_kv_head) + kvh;
-                    float* scales = reinterpret_cast<float*>(stage + 2 * KT * PB);
-                    warp::cp_async_4(scales + key, in ? k_scale + s : k_scale, in);
-                    warp::cp_async_4(scales + KT + key, in ? v_scale + s : v_scale, in);
-                }
-            }
+            // past the range the source is not read: 16-bit pages pass the pool's base, fp8 pages the
+            // slot of block 0 the address already names (the table entry reads 0), without a select
+            cp_async_16(stage + key * PB + my_chunk * 16, in || kFp8 ? k_cache + elem : k_cache, in);
+            cp_async_16(stage + (KT + key) * PB + my_chunk * 16, in || kFp8 ? v_cache + elem : v_cache, in);
+        }
+        if constexpr (kFp8) {  // one scale per thread: the k or v scale (my_chunk % 2) of key row my_chunk / 2
+            unsigned block = blk[0];
+#pragma unroll
+            for (int u = 1; u < U; ++u) block = u == my_scale_row ? blk[u] : block;
+            const int key = my_key0 + my_scale_row * kKeyStep, pos = tile_lo + key;
+            const bool in = pos < hi;
+            const unsigned long long s =
+                (static_cast<unsigned long long>(block) * BS + static_cast<unsigned>(pos) % BS) * n_kv_head + kvh;
+            warp::cp_async_4(stage + 2 * KT * PB + my_scale_dst, my_scale_src + s, in);  // (!in: block 0, not read)
         }
     };
 
@@ -233,7 +284,7 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                                   num_frames + (valid ? row / group : 0)) * D;  // fmt: skip
 #pragma unroll
         for (int kk = 0; kk < DK; ++kk) {
-            if constexpr (kFp8) {
+            if constexpr (kFp8) {  // (still T here; converted to f16 below)
                 uint2 x = {0u, 0u};
                 if (valid) x = *reinterpret_cast<const uint2*>(q_row + kk * 16 + 4 * qd);
                 qf[kk][h] = x.x;
@@ -242,6 +293,36 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                 qf[kk][h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 2 * qd) : 0u;
                 qf[kk][2 + h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 8 + 2 * qd) : 0u;
             }
+        }
+    }
+
+    // The exponent factor of rows g and g + 8: p = 2^(s * c_row - m). fp8 pages on bf16 queries: each
+    // row of Q is multiplied by a power of two 2^a that puts its largest magnitude into [2^15, 2^16)
+    // (a <= 64), then rounded to f16 (exact for every element within 2^-32 of that largest, see the
+    // header), and c_row undoes 2^a.
+    float c_row[2] = {scale_log2, scale_log2};
+    if constexpr (kFp8 && !Same<T, __half>::value) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float amax = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < DK; ++kk)
+#pragma unroll
+                for (int i = h; i < 4; i += 2) {  // a bf16 pair: its two fp32 values are the halves' bits
+                    amax = fmaxf(amax, fmaxf(fabsf(__int_as_float(qf[kk][i] << 16)),
+                                             fabsf(__int_as_float(qf[kk][i] & 0xffff0000u))));
+                }
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));  // the row's four lanes
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+            const int a = imin(142 - ((__float_as_int(amax) >> 23) & 0xff), 64);  // biased exponent 127 + 15
+            const float up = __int_as_float((127 + a) << 23), down = __int_as_float((127 - a) << 23);
+            c_row[h] = scale_log2 * down;
+#pragma unroll
+            for (int kk = 0; kk < DK; ++kk)
+#pragma unroll
+                for (int i = h; i < 4; i += 2)
+                    qf[kk][i] = pack2<__half>(__int_as_float(qf[kk][i] << 16) * up,
+                                              __int_as_float(qf[kk][i] & 0xffff0000u) * up);
         }
     }
 
@@ -261,7 +342,9 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     // Keys from here on need the per-row test (warp-uniform): the range's end, or the causal limit of the
     // warp's first row. Rows past the length are not masked on interior tiles: they are never stored.
     const int mask_from = causal ? imin(hi, seqlen + warp_row0 / group + 1) : hi;
-    const float c_exp = kFp8 ? 1.f : scale_log2;  // fp8: the factor is applied per key column first
+    // fp8 pages: row h of O is kept in units of w_ref[h], a power of two (at least 2^-126) near the
+    // row's largest p * v_scale, so that P' = p * v_scale / w_ref < 2 fits f16 (see the header).
+    float w_ref[2] = {__int_as_float(1 << 23), __int_as_float(1 << 23)};
 
     for (int it = 0; it < n_tiles; ++it) {
         warp::cp_async_wait_group<kStages - 2>();  // tile it has landed (this thread's copies)
@@ -289,8 +372,8 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         unsigned bfrag[2];
-                        warp::fp8x4_to<T>(kf[i], bfrag);
-                        mma_m16n8k16<T>(sc[2 * np + i % 2], qf[2 * j + i / 2], bfrag, sc[2 * np + i % 2]);
+                        warp::fp8x4_to<MM>(kf[i], bfrag);
+                        mma_m16n8k16<MM>(sc[2 * np + i % 2], qf[2 * j + i / 2], bfrag, sc[2 * np + i % 2]);
                     }
                 }
             } else {
@@ -312,19 +395,28 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 #pragma unroll
             for (int n = 0; n < NN; ++n) {
                 const float2 ks = *reinterpret_cast<const float2*>(scales + key0 + 8 * n + 2 * qd);
-                sc[n][0] *= scale_log2 * ks.x;
-                sc[n][1] *= scale_log2 * ks.y;
-                sc[n][2] *= scale_log2 * ks.x;
-                sc[n][3] *= scale_log2 * ks.y;
+                sc[n][0] *= ks.x;
+                sc[n][1] *= ks.y;
+                sc[n][2] *= ks.x;
+                sc[n][3] *= ks.y;
             }
         }
         const int slice_lo = lo + it * KT + key0;
         if (slice_lo + KW > mask_from) {  // a boundary tile: keys past a row's limit (or the range) -> -inf
+            if constexpr (kFp8) {  // the same test against limits relative to the lane's first key column
+                const int lim[2] = {key_limit[0] - slice_lo - 2 * qd, key_limit[1] - slice_lo - 2 * qd};
 #pragma unroll
-            for (int n = 0; n < NN; ++n)
+                for (int n = 0; n < NN; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (slice_lo + 8 * n + 2 * qd + e % 2 >= key_limit[e / 2]) sc[n][e] = neg_inf();
+                    for (int e = 0; e < 4; ++e)
+                        if (8 * n + e % 2 >= lim[e / 2]) sc[n][e] = neg_inf();
+            } else {
+#pragma unroll
+                for (int n = 0; n < NN; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (slice_lo + 8 * n + 2 * qd + e % 2 >= key_limit[e / 2]) sc[n][e] = neg_inf();
+            }
         }
         float tile_max[2] = {fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[0][2], sc[0][3])};
 #pragma unroll
@@ -337,7 +429,7 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         for (int h = 0; h < 2; ++h) {
             tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 1));
             tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 2));
-            const float m_new = fmaxf(m_run[h], tile_max[h] * c_exp);  // c_exp > 0: the max of the scaled
+            const float m_new = fmaxf(m_run[h], tile_max[h] * c_row[h]);  // c_row > 0: the max of the scaled
             m_use[h] = m_new == neg_inf() ? 0.f : m_new;               // no key yet: every weight is 0
             alpha[h] = ex2_approx_ftz(m_run[h] - m_use[h]);           // 0 when m_run was -inf
             m_run[h] = m_new;
@@ -358,25 +450,49 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         for (int n = 0; n < NN; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = ex2_approx_ftz(fmaf(sc[n][e], c_exp, -m_use[e / 2]));  // -inf scores -> 0
+                const float p = ex2_approx_ftz(fmaf(sc[n][e], c_row[e / 2], -m_use[e / 2]));  // -inf scores -> 0
                 l_run[e / 2] += p;
                 sc[n][e] = kFp8 ? p * vs[n][e % 2] : p;
             }
+        float alpha_o[2] = {alpha[0], alpha[1]};  // O's rescale (fp8: also to the row's new unit)
+        if constexpr (kFp8) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float w = fmaxf(sc[0][2 * h], sc[0][2 * h + 1]);  // the row's largest p * v_scale
+#pragma unroll
+                for (int n = 1; n < NN; ++n) w = fmaxf(w, fmaxf(sc[n][2 * h], sc[n][2 * h + 1]));
+                w = fmaxf(w, __shfl_xor_sync(kFullMask, w, 1));  // the quad holds all KW keys
+                w = fmaxf(w, __shfl_xor_sync(kFullMask, w, 2));
+                // ... or the old unit as O decays by alpha, at least 2^-126; rounded down to a power of two
+                w = fmaxf(fmaxf(w, w_ref[h] * alpha[h]), __int_as_float(1 << 23));
+                const float w_new = __int_as_float(__float_as_int(w) & 0x7f800000);
+                // 1 / w_new exactly: a power of two in [2^-126, 2^127), its reciprocal's biased exponent is
+                // 254 - its own
+                const float w_inv = __int_as_float(0x7f000000 - __float_as_int(w_new));
+                alpha_o[h] *= w_ref[h] * w_inv;  // O to the new unit
+                w_ref[h] = w_new;
+#pragma unroll
+                for (int n = 0; n < NN; ++n) {
+                    sc[n][2 * h] *= w_inv;
+                    sc[n][2 * h + 1] *= w_inv;
+                }
+            }
+        }
 #pragma unroll
         for (int n = 0; n < DT; ++n) {
-            o[n][0] *= alpha[0];
-            o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1];
-            o[n][3] *= alpha[1];
+            o[n][0] *= alpha_o[0];
+            o[n][1] *= alpha_o[0];
+            o[n][2] *= alpha_o[1];
+            o[n][3] *= alpha_o[1];
         }
 
         // O += P V: P's A fragments straight from S's C fragments, one per 16-key k-step.
 #pragma unroll
         for (int np = 0; np < NP; ++np) {
             const int k16 = key0 + 16 * np;
-            const unsigned pa[4] = {pack2<PV>(sc[2 * np][0], sc[2 * np][1]), pack2<PV>(sc[2 * np][2], sc[2 * np][3]),
-                                    pack2<PV>(sc[2 * np + 1][0], sc[2 * np + 1][1]),
-                                    pack2<PV>(sc[2 * np + 1][2], sc[2 * np + 1][3])};
+            const unsigned pa[4] = {pack2<MM>(sc[2 * np][0], sc[2 * np][1]), pack2<MM>(sc[2 * np][2], sc[2 * np][3]),
+                                    pack2<MM>(sc[2 * np + 1][0], sc[2 * np + 1][1]),
+                                    pack2<MM>(sc[2 * np + 1][2], sc[2 * np + 1][3])};
             if constexpr (kFp8) {
                 const unsigned char* v_tile = stage + KT * PB;
 #pragma unroll
@@ -386,26 +502,33 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 #pragma unroll
                     for (int sl = 0; sl < 2; ++sl) {  // slab 2j + sl -> n-tiles 2 (2j + sl) (even dims), + 1 (odd)
                         unsigned lo_keys[2], hi_keys[2];
-                        warp::fp8x4_to_interleaved<PV>(vf[2 * sl], lo_keys);
-                        warp::fp8x4_to_interleaved<PV>(vf[2 * sl + 1], hi_keys);
+                        warp::fp8x4_to_interleaved<MM>(vf[2 * sl], lo_keys);
+                        warp::fp8x4_to_interleaved<MM>(vf[2 * sl + 1], hi_keys);
                         const unsigned even[2] = {lo_keys[0], hi_keys[0]}, odd[2] = {lo_keys[1], hi_keys[1]};
                         const int n = 2 * (2 * j + sl);
-                        mma_m16n8k16<PV>(o[n], pa, even, o[n]);
-                        mma_m16n8k16<PV>(o[n + 1], pa, odd, o[n + 1]);
+                        mma_m16n8k16<MM>(o[n], pa, even, o[n]);
+                        mma_m16n8k16<MM>(o[n + 1], pa, odd, o[n + 1]);
                     }
                 }
             } else {
-                const PV* v_tile = reinterpret_cast<const PV*>(stage) + KT * TS;
+                const T* v_tile = reinterpret_cast<const T*>(stage) + KT * TS;
 #pragma unroll
                 for (int dp = 0; dp < DT / 2; ++dp) {
                     unsigned vf[4];
                     ldmatrix_x4_trans(vf, v_tile + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * TS + dp * 16 + (lane / 16) * 8);
                     const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-                    mma_m16n8k16<PV>(o[2 * dp], pa, b0, o[2 * dp]);
-                    mma_m16n8k16<PV>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+                    mma_m16n8k16<MM>(o[2 * dp], pa, b0, o[2 * dp]);
+                    mma_m16n8k16<MM>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
                 }
             }
         }
+    }
+
+    if constexpr (kFp8) {  // O back to its own units
+#pragma unroll
+        for (int n = 0; n < DT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[n][e] *= w_ref[e / 2];
     }
 
     // -- merge the two key slices of each row tile: slice 1 hands (O, m, l) to slice 0 in shared memory

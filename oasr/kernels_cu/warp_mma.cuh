@@ -67,7 +67,10 @@
 //            out[1] = (byte 1, byte 3) = V[2q, 2q+1][dim 2g+1]: the B fragments (k = keys) of
 //            two n-tiles, the even and the odd dims of the slab (the output's columns are
 //            permuted the same way: the kernel stores them back in order).
-//   Both are exact (fp8x2_to) and convert only the lane's own fragment.
+//   Both are exact (fp8x2_to) and convert only the lane's own fragment. On sm_89+
+//   fp8x4_to<__half> is two hardware cvts fed the register's halves by one
+//   unpacking mov (ptxas reads the high half in place: no shift); the host emulation
+//   and sm_80 use the generic pair of fp8x2_to, which gives the same values.
 //
 // Checked by: tests/test_warp_primitives.py (emulation, against torch).
 #pragma once
@@ -272,6 +275,19 @@ __device__ __forceinline__ void fp8x4_to(unsigned four, unsigned (&out)[2]) {
     out[0] = fp8x2_to<T>(static_cast<unsigned short>(four & 0xffffu));
     out[1] = fp8x2_to<T>(static_cast<unsigned short>(four >> 16));
 }
+
+#if !defined(OASR_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// sm_89+, f16: the same two hardware cvts, fed the register's two halves by one unpacking mov, so
+// the high half needs no shift first (ptxas reads it as the cvt's .H1 operand). Same values as
+// the generic form above (and as its host emulation): only the instruction count differs.
+template <>
+__device__ __forceinline__ void fp8x4_to<__half>(unsigned four, unsigned (&out)[2]) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n"
+        " cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(out[0]), "=r"(out[1])
+        : "r"(four));
+}
+#endif
 
 // The same, pairing bytes (0, 2) and (1, 3): V's B fragments of the even and odd dims after .trans.
 template <typename T>

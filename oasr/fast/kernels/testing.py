@@ -198,6 +198,13 @@ def v2_bound(ref32: torch.Tensor, ref_abs_v: torch.Tensor, out_dtype: torch.dtyp
     on |V|: ``with_abs_v``). Everything else is fp32 (``floor``, as for v1)
     plus one rounding of the output to ``out_dtype`` (its unit roundoff times
     |out|).
+
+    v3 on fp8 pages rounds P' = p * v_scale / (a per-row power of two) to f16
+    instead (paged_chunk_attention_v3.cu, "Precision"): a relative error of at
+    most 2^-11, inside this bound's bf16 2^-8, for every weight at least 2^-17
+    of its row's unit; below that f16's subnormal step (2^-25 units) is not
+    modelled here and is covered by the others' slack and ``floor`` in the
+    tests' scenarios, not proven for every input.
     """
     u_pv = UNIT_ROUNDOFF[torch.bfloat16] if quantized else UNIT_ROUNDOFF[out_dtype]
     u_out = UNIT_ROUNDOFF[out_dtype]
