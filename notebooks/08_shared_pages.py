@@ -108,6 +108,35 @@ assert fb == beams and tables(f) == tables(m) and f.pool.free_block_ids() == m.p
 assert all(torch.equal(f.gather_self(r), m.gather_self(r)) for r in beams)
 
 # %% [markdown]
+# ### The beams' cross region, read once
+#
+# Every beam of one utterance maps the same cross-attention pages (the encoder
+# output), and `shares_cross(rows)` says so. Those pages cannot change while more
+# than one row holds them (`fill_cross` refuses shared pages), so the fast twin's
+# decode group (`oasr.decoder_kv.PagedDecoderKV`) reads the region once per
+# search and attends every beam's queries in one grouped matmul. The oracle reads
+# each beam's pages itself (`SHARED_CROSS_READ`), so its paged beams equal dense
+# beams bit for bit; the two twins agree to float rounding.
+
+# %%
+from oasr.decoder_kv import PagedDecoderKV
+
+xcfg = DecoderCacheConfig(num_layers=2, n_kv_head=2, head_dim=8, page_size=4, max_num_blocks=24, max_rows=4,
+                          max_self_tokens=16, max_cross_tokens=10)
+q = torch.randn(3, 4, 1, 8, generator=torch.Generator().manual_seed(5))
+outs = {}
+for twin in (ref, fast):
+    mgr = twin.DecoderKVCacheManager(xcfg)
+    group = PagedDecoderKV.admit(mgr, [DecoderRequest(1, 6, 10)], twin)
+    group.fill_cross(0, *kv(10, 20))
+    group.prefill(0, *kv(1, 21))
+    group = group.select([0, 0, 0])  # three beams over one cross region
+    assert mgr.shares_cross(group.rows)
+    outs[twin.__name__] = group.attend_cross(0, q)
+    print(f"{twin.__name__:>15}: reads a shared cross region once: {twin.DecoderKVCacheManager.SHARED_CROSS_READ}")
+torch.testing.assert_close(outs["oasr.fast"], outs["oasr.reference"], atol=1e-6, rtol=1e-6)
+
+# %% [markdown]
 # ## 2. A prefix hit
 #
 # `retire(row, tokens)` publishes a finished row's full pages under a chained
