@@ -132,7 +132,7 @@ def planned_decode_step(cache: PagedKVCache, B: int, T: int, chunk_lens) -> bool
     """Whether a call is one decode step of a planned cohort: one frame for every one of ``B > 1`` rows
     (``chunk_lens`` None), over a view with a ``HostPlan`` whose rows all have a prepared frame, on
     contiguous model-dtype pages (asked once per cohort). Such a call skips the per-row length checks
-    (the plan answered them) and takes ``append_decode_step`` / ``attend_decode_batch`` directly."""
+    (the plan answered them) and goes to ``append_kv_rows`` / ``attend_decode_batch`` directly."""
     if T != 1 or B < 2 or chunk_lens is not None:
         return False
     plan = _plan(cache)
@@ -145,18 +145,6 @@ def _decode_ready(cache: PagedKVCache) -> bool:
             and (prepared is None or (len(prepared) == cache.batch_size and min(prepared) >= 1)))
 
 
-def append_decode_step(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:
-    """``append_kv_rows`` of a planned decode step (``planned_decode_step``): each row's one frame at its
-    length, through the cohort's step slots (computed by the first layer, shared by the others)."""
-    B, _, H, D = k.shape
-    dest = _memo(cache, "step_slots", lambda: _step_slots(cache))
-    k_flat, v_flat = cache.k_cache.view(-1, H, D), cache.v_cache.view(-1, H, D)
-    if k.dtype != k_flat.dtype:
-        k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
-    k_flat.index_copy_(0, dest, k.reshape(B, H, D))
-    v_flat.index_copy_(0, dest, v.reshape(B, H, D))
-
-
 def _step_slots(cache: PagedKVCache) -> torch.Tensor:
     """(B,) int64: the physical slot of each row's table position ``cache_seqlens[b]``."""
     seqlens = _host_rows(cache)[0]
@@ -166,19 +154,21 @@ def _step_slots(cache: PagedKVCache) -> torch.Tensor:
 def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> None:
     """Write row ``b``'s first ``lens[b]`` frames at table positions ``cache_seqlens[b] + t``."""
     B, T = k.shape[:2]
-    seqlens = _host_rows(cache)[0]
-    slots = _slots(cache, max(s + n for s, n in zip(seqlens, lens, strict=True)))
     k_flat = cache.k_cache.view(-1, *cache.k_cache.shape[2:])
     v_flat = cache.v_cache.view(-1, *cache.v_cache.shape[2:])
     if k.dtype != k_flat.dtype:
         k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
+    if T == 1 and B > 1 and all(lens):  # a decode step: one slot per row (the cohort's, with a plan)
+        dest = _memo(cache, "step_slots", lambda: _step_slots(cache))
+        k_flat.index_copy_(0, dest, k.reshape(B, *k.shape[2:]))
+        v_flat.index_copy_(0, dest, v.reshape(B, *v.shape[2:]))
+        return
+    seqlens = _host_rows(cache)[0]
+    slots = _slots(cache, max(s + n for s, n in zip(seqlens, lens, strict=True)))
     if all(n == T for n in lens):
-        if T == 1 and B > 1:  # a decode step: one slot per row, one gather
-            dest = _memo(cache, "step_slots", lambda: _step_slots(cache))
-        else:
-            dest = slots[0, seqlens[0] : seqlens[0] + T]
-            if B > 1:
-                dest = torch.cat([slots[b, seqlens[b] : seqlens[b] + T] for b in range(B)])
+        dest = slots[0, seqlens[0] : seqlens[0] + T]
+        if B > 1:
+            dest = torch.cat([slots[b, seqlens[b] : seqlens[b] + T] for b in range(B)])
         k_flat.index_copy_(0, dest, k.reshape(B * T, *k.shape[2:]))
         v_flat.index_copy_(0, dest, v.reshape(B * T, *v.shape[2:]))
         return

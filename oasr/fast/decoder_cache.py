@@ -313,7 +313,6 @@ class DecoderKVCacheManager:
         """Clear the records of one row or an int64 array of distinct rows; returns the references they
         held, in the order the reference frees them (row by row, self pages then cross pages)."""
         rows = np.atleast_1d(np.asarray(r, dtype=np.int64))
-        # row by row, its self pages then its cross pages: the order the reference frees them in
         tables = np.concatenate([self._self_table[rows], self._cross_table[rows]], axis=1)
         held = np.concatenate([np.arange(self._self_table.shape[1]) < self._held[rows][:, None],
                                np.arange(self._cross_table.shape[1]) < self._cross_held[rows][:, None]], axis=1)
@@ -803,6 +802,10 @@ class DecoderKVCacheManager:
         (a prompt or cross page the dropped and the kept beams all hold) would go down and up again
         without reaching 0, so those pairs are left out: the same counts, and the same pages freed in
         the same order, for far fewer pool updates."""
+        if not forks.size:  # (a select that only keeps and drops rows)
+            if released.size:
+                self._drop(released)
+            return
         maps = []  # per region: (table, fork rows, columns, the parents' blocks there)
         for table, held in ((self._self_table, self._held), (self._cross_table, self._cross_held)):
             i, cols = np.nonzero(np.arange(table.shape[1])[None, :] < held[parents][:, None])
@@ -812,8 +815,6 @@ class DecoderKVCacheManager:
             released, taken = _cancel(released, taken)
         if released.size:
             self._drop(released)
-        if not forks.size:
-            return
         if taken.size:
             self.pool.share(taken, self._owner)  # one more holder each, at once
         for table, rows, cols, ids in maps:

@@ -193,8 +193,8 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
         return
     if name == "torch":
         kernel_policy.serve_out_of_scope("append_kv", k.device.type)
-        if cpu_rows.planned_decode_step(cache, B, T, chunk_lens):  # a decode step of a planned cohort
-            cpu_rows.append_decode_step(cache, k, v)
+        if cpu_rows.planned_decode_step(cache, B, T, chunk_lens):  # its plan answered the length checks
+            cpu_rows.append_kv_rows(cache, k, v, [1] * B)
         elif cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
             cpu_rows.append_kv_rows(cache, k, v, _host_lens_list(cache, chunk_lens, T, "append_kv"))
         else:
@@ -255,10 +255,11 @@ def paged_attention(
         return torch.zeros_like(q)
     if name == "torch":
         kernel_policy.serve_out_of_scope("paged_attention", q.device.type)
-        if cpu_rows.planned_decode_step(cache, B, T, chunk_lens) and cpu_rows.use_decode_batch(cache, B, T):
-            return cpu_rows.attend_decode_batch(q, cache, [1] * B, scale, causal)
         if cpu_rows.use_decode_batch(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
-            lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
+            if cpu_rows.planned_decode_step(cache, B, T, chunk_lens):  # its plan answered the length checks
+                lens = [1] * B
+            else:
+                lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
             return cpu_rows.attend_decode_batch(q, cache, lens, scale, causal)
         if cpu_rows.use_row_loop(cache, B, T):
             lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
