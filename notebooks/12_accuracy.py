@@ -34,8 +34,9 @@ torch.set_num_threads(1)
 clips = load_testset(limit=24)
 rec = Recognizer(max_streams=8)
 print(rec.info)
+LEFT = rec.encoder.config.num_left_chunks  # the model's serving window, in chunks
 print(f"chunk {rec.encoder.config.chunk_size} frames = {rec.encoder.config.chunk_size * 40} ms, "
-      f"left context {rec.encoder.config.num_left_chunks} chunks")
+      f"left context {LEFT} chunks")
 
 # %% [markdown]
 # ## A transcript forms
@@ -79,7 +80,7 @@ full = measure(full_context=True)
 for (kv_dtype, left), (wer, kv, _) in results.items():
     print(f"{kv_dtype or 'model dtype':12s} left {'all' if left < 0 else left:>3}: WER {wer:5.2f}%  "
           f"K/V {kv / 1024:7.1f} KiB per stream")
-print(f"rescored (left 4): WER {rescored[0]:.2f}%   full context: WER {full[0]:.2f}%")
+print(f"rescored (left {LEFT}): WER {rescored[0]:.2f}%   full context: WER {full[0]:.2f}%")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
@@ -89,7 +90,7 @@ for kv_dtype, marker in ((None, "o"), ("fp8_e4m3", "s")):
     for kv, wer, left in pts:
         ax.annotate("all" if left < 0 else f"{left}", (kv / 1024, wer), textcoords="offset points", xytext=(4, 4))
 ax.axhline(full[0], color="grey", linestyle="--", label="full context (no streaming)")
-ax.axhline(rescored[0], color="green", linestyle=":", label="left 4 + attention rescoring")
+ax.axhline(rescored[0], color="green", linestyle=":", label=f"left {LEFT} + attention rescoring")
 ax.set_xlabel("K/V bytes held per stream (KiB), labels: left-context chunks")
 ax.set_ylabel("WER (%)")
 ax.set_title(f"Word error rate against K/V memory, {len(clips)} held-out clips")
@@ -108,5 +109,5 @@ for left in (1, 2, 4, -1):
     assert results[("fp8_e4m3", left)][1] < 0.3 * results[(None, left)][1]
     assert abs(results[("fp8_e4m3", left)][0] - results[(None, left)][0]) <= 2.0  # points, on 24 clips
 reference_texts = [x.text for x in Recognizer(twin="reference", max_streams=8).transcribe([c.path for c in clips[:6]])]
-assert reference_texts == results[(None, 4)][2][:6]
+assert reference_texts == results[(None, LEFT)][2][:6]
 print("twins agree on", len(reference_texts), "clips; fp8 within 2 WER points at every window")

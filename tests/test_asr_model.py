@@ -11,6 +11,7 @@ import torch
 
 from oasr.__main__ import main as oasr_main
 from oasr.asr.audio import AudioError, load_audio
+from oasr.asr.checkpoint import serving_chunking
 from oasr.asr.recognizer import Recognizer, default_model_path
 from oasr.asr.testset import load_testset
 
@@ -114,7 +115,9 @@ def test_eval_cli_json(tmp_path, capsys):
     assert oasr_main(["eval", "--limit", "6", "--json", str(out), "--kv-cache-dtype", "fp8_e4m3"]) == 0
     result = json.loads(out.read_text())
     assert result["utterances"] == 6 and 0 <= result["wer"] <= 1 and 0 <= result["cer"] <= 1
-    assert result["configuration"]["kv_cache_dtype"] == "fp8_e4m3" and result["configuration"]["chunk_size"] == 16
+    chunk, left = serving_chunking(default_model_path())
+    config = result["configuration"]
+    assert config["kv_cache_dtype"] == "fp8_e4m3" and (config["chunk_size"], config["num_left_chunks"]) == (chunk, left)
     assert "WER" in capsys.readouterr().out
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 def model_card(spec, info: dict, results: dict) -> str:
     """Markdown for ``MODEL_CARD.md``. ``results``: name -> an ``oasr eval`` result dict."""
     enc, dec = spec.encoder, spec.decoder
+    share = info.get("serving_share")
+    share = "?" if share is None else f"{100 * share:.0f}%"
     lines = [
         "# oasr streaming Conformer (synthesized English)",
         "",
@@ -23,27 +25,27 @@ def model_card(spec, info: dict, results: dict) -> str:
         f"- parameters: {info.get('parameters', '?')}",
         f"- input: 80-dim Kaldi fbank (kaldi-native-fbank, 16 kHz), global CMVN; output: `{spec.alphabet}`",
         f"- serving defaults: chunk {enc['chunk_size']} frames ({enc['chunk_size'] * 40} ms), left context "
-        f"{enc['num_left_chunks']} chunks; trained with dynamic chunks (1-25 frames, left 1-8 or unlimited, "
-        "full context half the time; in the later phases 40% of the batches at the serving chunk and left "
-        "context), so other chunk sizes and windows work with the same weights",
+        f"{enc['num_left_chunks']} chunks; trained with dynamic chunks ({share} of the "
+        "batches at the serving chunk and left context; of the rest half full context, half a chunk of 1-25 "
+        "frames with 1-8 or unlimited left chunks), so other chunk sizes and windows work with the same weights",
         "",
         "## Data",
         "- sentences from a template generator over a closed vocabulary of about 320 words (numbers, clock times,",
         "  dates, home-assistant commands, weather, short descriptions); about 1 in 16 sentences is held out of",
         "  training by a stable hash and only those make the test set",
         "- speech: espeak-ng, 7 English accents x 20 voice variants for the first 24,000 training utterances;",
-        "  12,000 more (`--extra-voice-shards 6`) by those and 18 further variants, mostly female and high-pitched,",
-        "  added after the first model scored worst (31% WER) on the held-out high-pitched test voice; 5 other",
-        "  variants only in the test set (never trained on, that voice included); speaking rate 125-205 wpm,",
-        "  pitch 25-75, speed perturbation 0.9/1.0/1.1, gain -20..-1 dBFS peak,",
+        "  12,000 more (`--extra-voice-shards 6`) by those and 18 further variants, mostly female and high-pitched",
+        "  (added to the recipe after an earlier model scored worst, 31% WER, on the held-out high-pitched test",
+        "  voice); 5 other variants only in the test set (never trained on, that voice included); speaking rate",
+        "  125-205 wpm, pitch 25-75, speed perturbation 0.9/1.0/1.1, gain -20..-1 dBFS peak,",
         "  white or brown noise at 5-40 dB SNR on 80% of utterances, SpecAugment while training",
         f"- training utterances: {info.get('utterances', '?')}",
         "",
         "## Training",
         f"- {info.get('steps', '?')} AdamW steps ({info.get('schedule', 'warmup 400 steps, then cosine decay')}), "
         "loss 0.3 CTC + 0.7 label-smoothed attention cross-entropy; the shipped weights are the EMA",
-        f"- time on this machine: synthesis {info.get('synth_seconds', '?')} s, training "
-        f"{info.get('train_seconds', '?')} s ({info.get('threads', '?')} threads, shared with other jobs)",
+        f"- time on this machine (two CPU cores): synthesis {info.get('synth_seconds', '?')} s, training "
+        f"{info.get('train_seconds', '?')} s ({info.get('threads', '?')} torch threads)",
         "",
         "## Accuracy on the shipped held-out test set",
         "",

@@ -80,6 +80,12 @@ def read_header(path) -> dict:
         raise ValueError(f"{path}: not a safetensors file ({exc})") from None
 
 
+def serving_chunking(path) -> tuple[int, int]:
+    """``(chunk_size, num_left_chunks)`` a checkpoint serves with by default, read from its header alone."""
+    enc = json.loads(read_header(path)["spec"])["encoder"]
+    return int(enc["chunk_size"]), int(enc["num_left_chunks"])
+
+
 def load_checkpoint(path, **encoder_overrides):
     """``(encoder, decoder, spec, cmvn, info)`` from ``path``; ``encoder_overrides`` (e.g. ``chunk_size``,
     ``num_left_chunks``) change serving fields of the encoder config, never its geometry."""

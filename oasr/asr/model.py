@@ -17,7 +17,7 @@ from oasr.models.conformer import ConformerConfig, StreamingConformer
 
 def _encoder_defaults() -> dict:
     return dict(input_dim=80, hidden_dim=128, num_layers=5, n_head=4, n_kv_head=2, head_dim=64, ffn_dim=512,
-                kernel_size=15, chunk_size=16, num_left_chunks=4, subsample_channels=128, subsample_kernels=(5, 3))
+                kernel_size=15, chunk_size=32, num_left_chunks=2, subsample_channels=128, subsample_kernels=(5, 3))
 
 
 def _decoder_defaults() -> dict:

@@ -130,13 +130,14 @@ def greedy_wer(encoder, tokenizer, cmvn, shards: ShardSet, count: int, chunk: in
 
 def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: float = 2e-3,
           warmup: int = 400, ema_decay: float = 0.999, save_every: int = 200, log_every: int = 25,
-          dev_dir: Path | None = None, spec: AsrSpec | None = None, serving_share: float = 0.0,
+          dev_every: int = 1000, dev_dir: Path | None = None, spec: AsrSpec | None = None, serving_share: float = 0.0,
           stop_at: int | None = None, log=print) -> dict:
     """Train for ``steps`` optimizer steps on the shards in ``work/train`` (resuming ``work/state.pt``).
 
     ``serving_share`` (0 <= share < 1) is the share of batches drawn at the serving chunking
     (``draw_chunking``). ``stop_at`` ends this call at that step with the state saved, as an interruption
-    would (the learning-rate schedule still runs to ``steps``)."""
+    would (the learning-rate schedule still runs to ``steps``). Every ``dev_every`` steps (and at the end)
+    the EMA weights' greedy streaming WER on ``dev_dir`` is logged."""
     if not 0.0 <= serving_share < 1.0:
         raise ValueError(f"serving_share must be in [0, 1), got {serving_share}")
     work = Path(work)
@@ -228,19 +229,19 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
                     f"{seen / el:.1f} utt/s {seen_frames / 100 / el:.1f}x audio elapsed {el / 60:.1f} min")
             if step % save_every == 0:
                 save()
-                if dev is not None:
-                    live = [p.detach().clone() for p in params]
-                    with torch.no_grad():
-                        for p, e in zip(params, ema, strict=True):
-                            p.copy_(e)
-                    encoder.eval()
-                    w = greedy_wer(encoder, tok, cmvn, dev, 150, spec.encoder["chunk_size"],
-                                   spec.encoder["num_left_chunks"])
-                    encoder.train()
-                    with torch.no_grad():
-                        for p, v in zip(params, live, strict=True):
-                            p.copy_(v)
-                    log(f"step {step}: dev greedy streaming WER (EMA weights) {100 * w:.1f}%")
+            if dev is not None and (step % dev_every == 0 or step == end):
+                live = [p.detach().clone() for p in params]
+                with torch.no_grad():
+                    for p, e in zip(params, ema, strict=True):
+                        p.copy_(e)
+                encoder.eval()
+                w = greedy_wer(encoder, tok, cmvn, dev, 150, spec.encoder["chunk_size"],
+                               spec.encoder["num_left_chunks"])
+                encoder.train()
+                with torch.no_grad():
+                    for p, v in zip(params, live, strict=True):
+                        p.copy_(v)
+                log(f"step {step}: dev greedy streaming WER (EMA weights) {100 * w:.1f}%")
         else:
             epoch += 1
             done_in_epoch = 0

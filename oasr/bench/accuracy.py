@@ -52,30 +52,46 @@ def _seconds(clip) -> float:
     return sf.info(str(clip.path)).duration
 
 
-def grid(quick: bool) -> list[tuple[str, dict]]:
-    """The ``(case name, config)`` pairs this section runs (``quick``: fewer left-context windows)."""
+def serving_left(model_path=None) -> int:
+    """The left-context window (in chunks) the model at ``model_path`` (default: the shipped one) serves with."""
+    from oasr.asr.checkpoint import serving_chunking
+    from oasr.asr.recognizer import default_model_path
+
+    return serving_chunking(model_path or default_model_path())[1]
+
+
+def _left_name(left: int) -> str:
+    return f"left {'all' if left < 0 else left}"
+
+
+def grid(quick: bool, left: int | None = None) -> list[tuple[str, dict]]:
+    """The ``(case name, config)`` pairs this section runs (``quick``: fewer left-context windows); the
+    rescored and reference-twin rows run at ``left`` (default: the shipped model's serving window)."""
+    left = serving_left() if left is None else left
+    windows = WINDOWS if not quick else tuple(sorted({1, left, -1}, key=lambda w: (w < 0, w)))
     cases = []
     for kv in (None, "fp8_e4m3"):
-        for left in WINDOWS if not quick else (1, 4, -1):
-            name = f"left {'all' if left < 0 else left}, {kv or 'model dtype'}"
-            cases.append((name, {"num_left_chunks": left, "kv_cache_dtype": kv}))
-    cases.append(("left 4, model dtype, rescored", {"num_left_chunks": 4, "rescore": True}))
-    cases.append(("left 4, fp8_e4m3, rescored", {"num_left_chunks": 4, "kv_cache_dtype": "fp8_e4m3", "rescore": True}))
+        for w in windows:
+            cases.append((f"{_left_name(w)}, {kv or 'model dtype'}", {"num_left_chunks": w, "kv_cache_dtype": kv}))
+    cases.append((f"{_left_name(left)}, model dtype, rescored", {"num_left_chunks": left, "rescore": True}))
+    cases.append((f"{_left_name(left)}, fp8_e4m3, rescored",
+                  {"num_left_chunks": left, "kv_cache_dtype": "fp8_e4m3", "rescore": True}))
     cases.append(("full context", {"full_context": True}))
     cases.append(("full context, rescored", {"full_context": True, "rescore": True}))
-    cases.append(("left 4, model dtype, reference twin", {"num_left_chunks": 4, "twin": "reference"}))
+    cases.append((f"{_left_name(left)}, model dtype, reference twin", {"num_left_chunks": left, "twin": "reference"}))
     return cases
 
 
 def section(quick: bool, device: str = "cpu") -> list[dict]:
     """This section's rows (``quick``: the first 24 clips, the reduced grid) on ``device``; see the module docstring."""
     clips = load_testset(limit=24 if quick else None)
-    rows, texts = [], {}
-    for name, config in grid(quick):
+    rows, texts, left = [], {}, serving_left()
+    for name, config in grid(quick, left):
         row = run({**config, "device": device}, clips)
         texts[name] = row.pop("texts")
         rows.append({"section": "accuracy", "case": name, "clips": len(clips), **row})
-    same = texts["left 4, model dtype"] == texts["left 4, model dtype, reference twin"]
-    rows.append({"section": "accuracy", "case": "twins give identical transcripts (left 4)", "clips": len(clips),
+    same = texts[f"{_left_name(left)}, model dtype"] == texts[f"{_left_name(left)}, model dtype, reference twin"]
+    rows.append({"section": "accuracy", "case": f"twins give identical transcripts ({_left_name(left)})",
+                 "clips": len(clips),
                  "wer": None, "identical": same})
     return rows

@@ -19,9 +19,9 @@ def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16
     parser.add_argument("--kv-cache-dtype", choices=("model", "auto", *FORMAT_NAMES[1:]), default=None,
                         help="the K/V page format (python -m oasr formats; default: the model dtype)")
     parser.add_argument("--chunk-size", type=int, default=None,
-                        help="encoder frames per chunk, 40 ms each (default: the model's, 16 = 640 ms)")
+                        help="encoder frames per chunk, 40 ms each (default: the model's; shipped: 32 = 1.28 s)")
     parser.add_argument("--num-left-chunks", type=int, default=None,
-                        help="left-context window in chunks, -1 unlimited (default: the model's, 4)")
+                        help="left-context window in chunks, -1 unlimited (default: the model's; shipped: 2)")
     parser.add_argument("--rescore", action="store_true",
                         help="rescore each utterance's CTC n-best with the attention decoder (second pass)")
     parser.add_argument("--full-context", action="store_true",

@@ -21,11 +21,10 @@ def build_parser() -> CommandParser:
     parser = CommandParser(prog="python -m oasr train", description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("--work", required=True, help="working directory (shards, state, exported model)")
     parser.add_argument("--shards", type=int, default=12, help="training shards to synthesize")
-    parser.add_argument("--extra-voice-shards", type=int, default=0,
-                        help="more training shards after those, spoken by the base and a wider second voice set "
-                             "(the shipped model: 3)")
+    parser.add_argument("--extra-voice-shards", type=int, default=6,
+                        help="more training shards after those, spoken by the base and a wider second voice set")
     parser.add_argument("--shard-size", type=int, default=2000, help="utterances per shard")
-    parser.add_argument("--steps", type=int, default=8800, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=24000, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1.2e-3, help="peak learning rate (warmup 400 steps, then cosine)")
     parser.add_argument("--seed", type=int, default=2026, help="seed of the data and the model")
     parser.add_argument("--workers", type=int, default=2, help="synthesis processes")
@@ -33,9 +32,9 @@ def build_parser() -> CommandParser:
     parser.add_argument("--max-frames", type=int, default=3000,
                         help="padded feature frames per batch (3000: about 9 utterances; on a CPU more, smaller "
                              "steps learned faster than fewer large ones)")
-    parser.add_argument("--serving-share", type=float, default=0.0,
+    parser.add_argument("--serving-share", type=float, default=0.4,
                         help="share of batches trained at the serving chunk and left context (the rest: full "
-                             "context or a random chunking); the shipped model's last phase used 0.4")
+                             "context or a random chunking)")
     return parser
 
 
@@ -83,10 +82,13 @@ def main(argv=None) -> int:
     params = sum(p.numel() for m in (out["encoder"], out["decoder"]) for p in m.parameters())
     info = {"steps": out["step"], "train_seconds": round(out["seconds"]), "synth_seconds": round(synth_seconds),
             "utterances": (args.shards + args.extra_voice_shards) * args.shard_size, "seed": args.seed,
-            "threads": args.threads,
-            "parameters": params}
+            "threads": args.threads, "parameters": params, "serving_share": args.serving_share,
+            "schedule": f"warmup 400 steps, then a cosine from lr {args.lr:g} to 5% of it at step {args.steps}; "
+                        f"batches of at most {args.max_frames} padded frames"}
     save_checkpoint(work / "model.safetensors", out["encoder"], out["decoder"], out["spec"], out["cmvn"], info,
                     weights="float16")  # half the file; the shipped model's WER is measured on these weights
+    print(f"recipe: synthesis {synth_seconds / 60:.1f} min, training {out['seconds'] / 60:.1f} min "
+          f"({out['step']} steps, {args.threads} threads)", flush=True)
     print(f"exported {work / 'model.safetensors'}; evaluate it with: python -m oasr eval --model "
           f"{work / 'model.safetensors'}")
     return 0
