@@ -140,3 +140,17 @@ def test_demo_refuses_bad_options_before_any_work(capsys, argv, expect):
         oasr_main(["demo", *argv])
     err = capsys.readouterr().err
     assert done.value.code == 2 and expect in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_accuracy_grid_runs_the_rows_its_verdict_compares_at_the_serving_window(quick):
+    from oasr.bench.accuracy import grid, serving_left
+
+    left = serving_left()
+    assert left == serving_chunking(default_model_path())[1]
+    names = dict(grid(quick, left))
+    window = f"left {'all' if left < 0 else left}"
+    assert names[f"{window}, model dtype"] == {"num_left_chunks": left, "kv_cache_dtype": None}
+    assert names[f"{window}, model dtype, reference twin"] == {"num_left_chunks": left, "twin": "reference"}
+    assert names[f"{window}, model dtype, rescored"]["rescore"] and "full context" in names
+    assert {c.get("num_left_chunks") for c in names.values()} >= {1, left, -1}
