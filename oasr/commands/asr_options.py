@@ -10,6 +10,17 @@ from oasr.commands import check_at_least, check_device
 from oasr.kv_formats import FORMAT_NAMES
 
 
+def _shipped_chunking() -> tuple:
+    """The shipped model's serving chunk and window, from its header (``?`` where it cannot be read)."""
+    from oasr.asr.checkpoint import serving_chunking
+    from oasr.asr.recognizer import default_model_path
+
+    try:
+        return serving_chunking(default_model_path())
+    except (OSError, ValueError, KeyError):
+        return "?", "?"
+
+
 def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16) -> None:
     """Add the options every speech command shares (model, twin, device, streaming geometry, decoding, threads)."""
     parser.add_argument("--model", default=None,
@@ -18,10 +29,11 @@ def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--kv-cache-dtype", choices=("model", "auto", *FORMAT_NAMES[1:]), default=None,
                         help="the K/V page format (python -m oasr formats; default: the model dtype)")
+    chunk, left = _shipped_chunking()
     parser.add_argument("--chunk-size", type=int, default=None,
-                        help="encoder frames per chunk, 40 ms each (default: the model's; shipped: 32 = 1.28 s)")
+                        help=f"encoder frames per chunk, 40 ms each (default: the model's; shipped: {chunk})")
     parser.add_argument("--num-left-chunks", type=int, default=None,
-                        help="left-context window in chunks, -1 unlimited (default: the model's; shipped: 2)")
+                        help=f"left-context window in chunks, -1 unlimited (default: the model's; shipped: {left})")
     parser.add_argument("--rescore", action="store_true",
                         help="rescore each utterance's CTC n-best with the attention decoder (second pass)")
     parser.add_argument("--full-context", action="store_true",

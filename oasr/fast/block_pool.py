@@ -289,17 +289,18 @@ class BlockPool:
             if k:
                 in_range = (ids >= 0) & (ids < n)
                 safe = np.where(in_range, ids, 0)
-                times = 1  # how often each id is given; more than its holders is a double free (a parked
-                repeats = False  # block has none), as in the reference's loop
+                repeats = False
                 if k > 1:
                     ordered = np.sort(safe)
                     repeats = bool((ordered[1:] == ordered[:-1]).any())  # cheaper than unique when none repeat
-                over = False  # some id given more often than it has holders
+                # an id given more often than it has holders is a double free (a parked block has none), as
+                # in the reference's loop: once each below, and for repeated ids their counts here
+                over = False
                 if repeats:  # runs of the sorted ids: each distinct id and how often it is given
                     first = np.concatenate([[True], ordered[1:] != ordered[:-1]])
                     counts = np.diff(np.append(np.flatnonzero(first), k))
                     over = bool((counts > self._refs[ordered[first]]).any())
-                bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner) | (times > self._refs[safe])
+                bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner) | (self._refs[safe] < 1)
                 if over or bad.any():
                     self._raise_free_error(ids.tolist() if as_given is None else as_given, owner)
                 if repeats:
