@@ -353,3 +353,32 @@ def judge_restore(config: DecoderCacheConfig, requests: list[DecoderRequest], se
                                 f"reservation), only {available} are available ({free_blocks} free minus {reserved} "
                                 f"reserved by admitted rows)", need)
     return Admission(True, "", need)
+
+
+class ViewStep:
+    """One decode step of ``rows`` over per-layer views: what ``open_step`` returns in general.
+
+    ``open_step(rows)`` has run the manager's ``prepare_step``; this holds its ``self_caches(rows)``
+    and writes and reads them with the twin's ``append_kv`` / ``paged_attention`` (``kw``: their
+    keyword arguments, the backend). ``commit`` is the manager's ``commit_step``. Like the views
+    themselves it is a snapshot of the rows' tables: valid until another manager call changes the rows.
+    """
+
+    __slots__ = ("_manager", "_rows", "_views", "_append", "_attend", "_kw")
+
+    def __init__(self, manager, rows: list[int], append_kv, paged_attention, kw: dict):
+        self._manager, self._rows, self._kw = manager, rows, kw
+        self._append, self._attend = append_kv, paged_attention
+        self._views = manager.self_caches(rows)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's ``k, v (B, 1, n_kv_head, head_dim)`` at each row's length, at ``layer``."""
+        self._append(self._views[layer], k, v, **self._kw)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``q (B, n_head, 1, head_dim)``: causal attention over each row's tokens, this step's included."""
+        return self._attend(q, self._views[layer], causal=True, **self._kw)
+
+    def commit(self) -> None:
+        """Every row is one token longer (the manager's ``commit_step``)."""
+        self._manager.commit_step(self._rows)

@@ -18,9 +18,10 @@ whatever the storage::
 two groups. The buffers move with every ``select``, so a captured graph cannot
 hold their addresses.
 
-``PagedDecoderKV`` (``kv_storage="paged"``): rows of a ``DecoderKVCacheManager``
-read and written through ``PagedKVCache`` views by the twin's ``append_kv`` /
-``paged_attention``; graph-stable addresses. ``select`` keeps and reorders rows;
+``PagedDecoderKV`` (``kv_storage="paged"``): rows of a ``DecoderKVCacheManager``,
+a step written and read through the manager's ``open_step`` handle (``PagedKVCache``
+views and the twin's ``append_kv`` / ``paged_attention``, or the fast twin's host
+plan on a CPU); graph-stable addresses. ``select`` keeps and reorders rows;
 a repeated index forks a row onto shared, copy-on-write pages.
 
 fp8 (``kv_cache_dtype="fp8_e4m3"``): each written (token, head) vector is
@@ -315,21 +316,21 @@ class PagedDecoderKV:
         self._cross = self._shared_cross = self._cross_kv = None
 
     def begin_step(self) -> None:
-        """Start a decode step: the manager prepares a page for each row's next token and hands out the views."""
-        self.manager.prepare_step(self.rows)
-        self._self = self.manager.self_caches(self.rows)
+        """Start a decode step: the manager prepares a page for each row's next token and hands out the
+        step (``open_step``: the views and the twin's ops, or the fast twin's host plan on a CPU)."""
+        self._self = self.manager.open_step(self.rows, **self._kw())
 
     def write(self, layer: int, k, v) -> None:
         """Append this step's K/V ``(B, 1, n_kv_head, head_dim)`` at ``layer``."""
-        self.ops.append_kv(self._self[layer], k, v, **self._kw())
+        self._self.write(layer, k, v)
 
     def attend_self(self, layer: int, q):
         """Causal paged attention of ``q`` over each row's tokens at ``layer``."""
-        return self.ops.paged_attention(q, self._self[layer], causal=True, **self._kw())
+        return self._self.attend(layer, q)
 
     def end_step(self) -> None:
         """Finish a decode step: the manager commits one token per row."""
-        self.manager.commit_step(self.rows)
+        self._self.commit()
         self._self = None
 
     def attend_cross(self, layer: int, q):

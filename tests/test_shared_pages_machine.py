@@ -1,11 +1,12 @@
 """A state machine for shared pages through random op sequences, over both twins at once.
 
-Ops: admit (with and without a prefix hit), append, select with repeated indices, rewind, trim,
-retire, evict, abandon, reset, finish. After every step: held + parked + free == total; reference
-counts == table references (count 0: free or parked); every row's gathered K/V == an oracle kept as
-plain per-row token lists (K/V are a pure function of token and position, so a donor's K/V staying
-equal to its tokens' after a borrower writes is checked on every step); the twins are identical.
-A prefix hit is also compared with a cold prefill of the same prompt, attention output bit for bit.
+Ops: admit (with and without a prefix hit), append, a step through ``open_step``, select with
+repeated indices, rewind, trim, retire, evict, abandon, reset, finish. After every step: held +
+parked + free == total; reference counts == table references (count 0: free or parked); every
+row's gathered K/V == an oracle kept as plain per-row token lists (K/V are a pure function of
+token and position, so a donor's K/V staying equal to its tokens' after a borrower writes is
+checked on every step); the twins are identical. A prefix hit is also compared with a cold
+prefill of the same prompt, attention output bit for bit.
 Derandomized under CI=true (tests/conftest.py).
 """
 
@@ -128,6 +129,34 @@ class SharedPagesMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def append_more(self, data):
         self.append(data)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def open_step(self, data):
+        """One token for some rows through ``open_step``'s handle (the fast twin's host plan on a CPU):
+        write each layer, attend each layer (both twins agree, and the step's own key is read), commit."""
+        growing = [r for r in self.tokens if len(self.tokens[r]) < self.ceiling[r]]
+        if not growing:
+            return
+        rows = data.draw(st.lists(st.sampled_from(growing), min_size=1, unique=True))
+        toks = data.draw(st.lists(st.integers(0, 2), min_size=len(rows), max_size=len(rows)))
+        kv = [token_kv([t], len(self.tokens[r])) for r, t in zip(rows, toks, strict=True)]
+        q = torch.linspace(-1, 1, 32 * len(rows)).view(len(rows), 4, 1, 8)
+        outs = []
+        for m in self.ms:
+            step = m.open_step(rows)
+            got = []
+            for layer in range(CONFIG["num_layers"]):
+                k = torch.stack([x[0][layer] for x in kv])  # (B, 1, H, D)
+                v = torch.stack([x[1][layer] for x in kv])
+                step.write(layer, k, v)
+                got.append(step.attend(layer, q))
+            step.commit()
+            outs.append(got)
+        for a, b in zip(*outs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for r, t in zip(rows, toks, strict=True):
+            self.tokens[r].append(t)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

@@ -81,19 +81,25 @@ def median_ms(fn, repeats: int = 5, warmup: int = 1, device="cpu") -> float:
 def paired_ms(reference_fn, fast_fn, repeats: int = 5, warmup: int = 1, device="cpu") -> tuple[float, float]:
     """Medians of ``reference_fn()`` and ``fast_fn()`` timed alternately, so that a change in the
     machine's load during the measurement touches both columns alike."""
+    reference_ms, fast_ms = alternating_ms([reference_fn, fast_fn], repeats, warmup, device)
+    return reference_ms, fast_ms
+
+
+def alternating_ms(fns: list, repeats: int = 5, warmup: int = 1, device="cpu") -> list[float]:
+    """Median ms of each of ``fns``, timed in turn within every repeat (``paired_ms`` for any number)."""
     now = clock(device)
     for _ in range(warmup):
-        reference_fn()
-        fast_fn()
+        for fn in fns:
+            fn()
     sync(device)
-    times: tuple[list, list] = ([], [])
+    times: list[list] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in ((reference_fn, times[0]), (fast_fn, times[1])):
+        for fn, out in zip(fns, times, strict=True):
             start = now()
             fn()
             sync(device)
             out.append((now() - start) * 1e3)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(t) for t in times]
 
 
 def with_ratio(rows: list[dict]) -> list[dict]:

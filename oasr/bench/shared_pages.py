@@ -8,9 +8,10 @@ Two measurements, reference against fast:
   a user's beams hold: ~100 cross frames, hypotheses of ~50 characters), and
   the seeded toy ``AttentionDecoder`` (hidden 32, 12 random cross frames, 16
   tokens: a step there is mostly per-call overhead, so it shows the fixed
-  bookkeeping cost). Time: median ms of the whole search; ``paged_over_dense``
-  (on the paged rows, per twin): the two storages' medians timed alternately
-  in one loop, so a change in load touches both. Memory: ``kv_bytes`` is what the beams' K/V occupy at
+  bookkeeping cost). Time: median ms of the whole search; the four searches
+  (each twin, each storage) are timed in turn within every repeat, so a change
+  in load touches every column alike; ``paged_over_dense`` (on the paged rows,
+  per twin) is the ratio of the two storages' medians. Memory: ``kv_bytes`` is what the beams' K/V occupy at
   the peak step: for paged beams the most pages held at once (self and cross,
   each shared page counted once) times the bytes of a page; for dense beams
   ``beam x (capacity + cross extent)`` token slots, the buffers a dense group
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from oasr.bench import paired_ms
+from oasr.bench import alternating_ms, paired_ms
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import PagedDecoderKV
 
@@ -49,13 +50,14 @@ def _search(ops, storage, decoder, enc, cfg, beam: int, max_new: int, peak: list
         peak[0] = beam * (1 + max_new + enc.shape[0]) * (cfg.bytes_per_block // cfg.page_size)
         return decoder.beam_search(kv, enc, beam, max_new)
     manager = ops.DecoderKVCacheManager(cfg)
-    step, used = manager.prepare_step, [0]
+    step, used = manager.open_step, [0]
 
-    def watched(rows):
-        step(rows)
+    def watched(rows, **kw):  # a decode group's step (PagedDecoderKV.begin_step): the pages are taken here
+        handle = step(rows, **kw)
         used[0] = max(used[0], manager.pool.num_used_blocks)
+        return handle
 
-    manager.prepare_step = watched
+    manager.open_step = watched
     kv = PagedDecoderKV.admit(manager, [decoder.request(enc.shape[0], max_new)], ops)
     found = decoder.beam_search(kv, enc, beam, max_new)
     for r in manager.rows:
@@ -99,22 +101,25 @@ def _beam_pair(model, decoder, enc, max_new, beam, quick, device, twins) -> list
     """The paged and the dense row of one decoder and beam (see the module docstring)."""
     cfg = decoder.config.cache_config(max_rows=beam, max_self_tokens=1 + max_new, max_cross_tokens=enc.shape[0],
                                       device=device)
-    results, out = {}, {}
+    results, out, args = {}, {}, {}
     for storage in ("paged", "dense"):
         label = "paged (copy-on-write)" if storage == "paged" else "dense"
         out[storage] = {"section": "shared_pages", "case": f"{model}, beam={beam} {label}",
                         "cross_frames": enc.shape[0]}
     for name, ops in zip(("reference", "fast"), twins, strict=True):
-        peaks, args = {}, {}
         for storage in ("paged", "dense"):
-            peaks[storage] = [0]
-            args[storage] = (ops, storage, decoder, enc, cfg, beam, max_new, peaks[storage])
-            results[storage, name] = _search(*args[storage])
-            out[storage]["kv_bytes"] = peaks[storage][0]
-        paged_ms, dense_ms = paired_ms(lambda a=args["paged"]: _search(*a), lambda a=args["dense"]: _search(*a),
-                                       repeats=1 if quick else 7, device=device)
-        out["paged"][f"{name}_ms"], out["dense"][f"{name}_ms"] = paged_ms, dense_ms
-        out["paged"][f"{name}_paged_over_dense"] = paged_ms / dense_ms
+            peak = [0]
+            args[name, storage] = (ops, storage, decoder, enc, cfg, beam, max_new, peak)
+            results[storage, name] = _search(*args[name, storage])
+            out[storage]["kv_bytes"] = peak[0]
+    # the four searches timed in turn within every repeat: a change in load touches every column alike
+    order = list(args)
+    times = alternating_ms([lambda a=args[key]: _search(*a) for key in order], repeats=1 if quick else 7,
+                           device=device)
+    ms = dict(zip(order, times, strict=True))
+    for name in ("reference", "fast"):
+        out["paged"][f"{name}_ms"], out["dense"][f"{name}_ms"] = ms[name, "paged"], ms[name, "dense"]
+        out["paged"][f"{name}_paged_over_dense"] = ms[name, "paged"] / ms[name, "dense"]
     same = all(results["paged", n][0] == results["dense", n][0] for n in ("reference", "fast"))
     diff = max(abs(results["paged", n][1] - results["dense", n][1]) for n in ("reference", "fast"))
     for row in out.values():

@@ -251,23 +251,33 @@ def attend_decode_batch(q: torch.Tensor, cache: PagedKVCache, lens: list[int], s
     ``seqlen``, causal and non-causal read the same keys. The row bounds are host numbers (the
     view's lengths read once), so no other value is read back.
     """
-    B, H, T, D = q.shape
-    Hkv = cache.n_kv_head
-    G = H // Hkv
     seqlens, starts = _host_rows(cache)
     ends = tuple(s + n if n else 0 for s, n in zip(seqlens, lens, strict=True))  # a row without its query: no keys
     # (no key anywhere still reads one masked column: the same tensors are read whatever the lengths,
     # as a kernel reads its arguments, which a stand-in for graph capture checks on the CPU)
     L = max(max(ends), 1)
     vector, hidden, keyless = _memo(cache, ("decode", ends), lambda: _decode_indices(cache, ends, starts, L))
-    k = cache.k_cache.view(-1, D).index_select(0, vector).view(B * Hkv, L, D)
-    v = cache.v_cache.view(-1, D).index_select(0, vector).view(B * Hkv, L, D)
+    return attend_gathered(q, cache.k_cache, cache.v_cache, vector, hidden, keyless, scale)
+
+
+def attend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, vector: torch.Tensor,
+                    hidden: torch.Tensor | None, keyless: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The compute of ``attend_decode_batch``: one query per row ``q (B, H, 1, D)`` over the pool
+    vectors ``vector (B * Hkv * L,)`` (row, KV head, key), ``hidden (B, L)`` the padding keys (None:
+    none) and ``keyless (B, 1, 1, 1)`` the rows with no key (None: none), as ``_decode_indices``
+    builds them. Also the body of the fast decoder manager's host decode step."""
+    B, H, T, D = q.shape
+    Hkv = k_cache.shape[-2]
+    G = H // Hkv
+    L = vector.numel() // (B * Hkv)
+    k = k_cache.view(-1, D).index_select(0, vector).view(B * Hkv, L, D)
+    v = v_cache.view(-1, D).index_select(0, vector).view(B * Hkv, L, D)
     if k.dtype != torch.float32:
         k, v = k.float(), v.float()
     if hidden is not None:
         v.view(B, Hkv, L, D).masked_fill_(hidden[:, None, :, None], 0.0)  # NaN-safe: zeros, not 0 * NaN
     qf = q.float().reshape(B * Hkv, G, D)  # query head h = kv_head * G + g
-    scores = torch.bmm(qf, k.transpose(1, 2)).mul_(scale).view(B, Hkv, G, L)
+    scores = torch.baddbmm(_NO_BIAS, qf, k.transpose(1, 2), beta=0.0, alpha=scale).view(B, Hkv, G, L)
     if hidden is not None:
         scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1)
@@ -299,4 +309,5 @@ def _decode_indices(cache: PagedKVCache, ends: tuple, starts: list[int], L: int)
     return vector, hidden, keyless
 
 
+_NO_BIAS = torch.zeros(1, 1, 1)  # baddbmm's input, ignored (beta=0): the scores are scale * q @ k^T alone
 _HEADS: dict[int, torch.Tensor] = {}  # n_kv_head -> arange, shaped (1, Hkv, 1) (made once, read only)

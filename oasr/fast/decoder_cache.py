@@ -12,6 +12,7 @@ Where the state lives (``R = max_rows``)::
     _cross_table  int32 (R, cross_pages)          ->  cross_table   int32 (R, cross_pages)
     _length, _cross_length  int64 (R,)            ->  _meta         int32 (2, R): length, max(cross_length - 1, 0)
     _held, _cross_held, _ceiling, _cross_ceiling, _admitted (host only)
+    (the six counts are the rows of one ``_counts`` (6, R): a finish or a fork moves them in one op)
 
 One decode step for ``B`` rows (``append``): a constant number of numpy
 operations, one ``pool.allocate_array`` for every row that crosses a page
@@ -21,6 +22,14 @@ gathered with ``index_select``, one ``append_kv`` per layer for all rows (one
 quantize-and-scatter per layer with fp8), and one ``index_add_`` that advances
 the lengths. Decode attention is ``oasr.fast.paged_ops.paged_attention`` with
 one query per row (GQA rows packed by the chunk kernel), on any backend.
+
+A decode group's step (``open_step``, what ``oasr.decoder_kv.PagedDecoderKV``
+runs): ``prepare_step`` and a handle that writes and reads every layer. On a
+CPU device with model-dtype pages and the torch backend the handle is a
+``HostStep``: the write slots and the read vectors of all rows, computed once
+from the host tables, then one ``index_copy_`` pair and one gather-and-attend
+per layer (no per-layer view, dispatch or length check). Elsewhere it holds the
+views and calls the twin's ops, as the reference's does.
 
 Block ownership goes through ``_take`` / ``_drop`` (the pool) and ``_bind`` /
 ``_unbind`` (table entries) exactly as in the reference; pages are
@@ -43,6 +52,7 @@ from oasr.decoder_common import (
     AdmissionError,
     DecoderRowInfo,
     RowPages,
+    ViewStep,
     check_cross_fill,
     check_kv,
     check_pad_to,
@@ -61,15 +71,17 @@ from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
 from oasr.fast.backend import resolve_backend
 from oasr.fast.block_pool import BlockPool
+from oasr.fast.cpu_rows import attend_gathered
 from oasr.fast.kv_formats import check_format_supported
 from oasr.fast.kv_formats import dequantize as _dequantize
 from oasr.fast.kv_formats import quantize as _quantize
-from oasr.fast.paged_ops import append_kv
+from oasr.fast.paged_ops import append_kv, paged_attention
 from oasr.fast.staging import Stager
 from oasr.paged import HostPlan, PagedKVCache
 from oasr.prefix_cache import PrefixIndex, check_tokens
 
 _I32, _I64 = torch.int32, torch.int64
+_FEW_CANCEL = 192  # _cancel: up to this many ids in all, the counting loop beats the numpy ops' setup
 
 
 class DecoderKVCacheManager:
@@ -93,12 +105,12 @@ class DecoderKVCacheManager:
         null, device = pool.null_block, config.device
         self._self_table = np.full((R, SW), null, dtype=np.int32)
         self._cross_table = np.full((R, CW), null, dtype=np.int32)
-        self._held = np.zeros(R, dtype=np.int64)
-        self._cross_held = np.zeros(R, dtype=np.int64)
-        self._length = np.zeros(R, dtype=np.int64)
-        self._cross_length = np.zeros(R, dtype=np.int64)
-        self._ceiling = np.zeros(R, dtype=np.int64)  # self tokens declared
-        self._cross_ceiling = np.zeros(R, dtype=np.int64)
+        # the per-row counts, one row of ``_counts`` each (views: a finish clears all six in one
+        # assignment, a fork copies them in one)
+        self._counts = np.zeros((6, R), dtype=np.int64)
+        (self._held, self._cross_held, self._length, self._cross_length,
+         self._ceiling, self._cross_ceiling) = self._counts  # _ceiling: self tokens declared
+        self._both_cols = np.concatenate([np.arange(SW), np.arange(CW)])[None, :]  # (self then cross) columns
         self._requests: list = [None] * R
         self._admitted = np.zeros(R, dtype=bool)
         self._dirty = np.zeros(R, dtype=bool)  # rows whose device mirror is stale (see _flush)
@@ -111,6 +123,13 @@ class DecoderKVCacheManager:
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
         self._host_direct = device.type == "cpu"  # views from the host mirror (see self_caches)
+        self._host_pages = device.type == "cpu" and not config.kv_quantized  # (see _host_writes)
+        # HostStep's index arithmetic per table position t: its column t // page, and per KV head h the
+        # vector offset (t % page) * Hkv + h inside the column's block
+        positions = np.arange(SW * config.page_size)
+        self._position_column = positions // config.page_size
+        self._position_vectors = (positions % config.page_size)[None, :] * config.n_kv_head + \
+            np.arange(config.n_kv_head)[:, None]
         self._widths: dict[tuple, tuple] = {}  # (width, cross) -> persistent view buffers (pad_to views)
 
     # ---- block ownership (the only places that touch the pool's free list or a table entry) ----
@@ -309,16 +328,21 @@ class DecoderKVCacheManager:
         they hold dropped in one ``_drop``, their records cleared (no device work)."""
         self._drop(self._unbind_rows(r))
 
+    def _held_entries(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' self then cross table entries side by side, ``(B, SW + CW)``, and which of them the
+        rows hold (each region's first ``held`` / ``cross_held`` columns)."""
+        SW = self._self_table.shape[1]
+        tables = np.concatenate([self._self_table[rows], self._cross_table[rows]], axis=1)
+        limit = np.repeat(self._counts[:2, rows].T, [SW, tables.shape[1] - SW], axis=1)  # held, cross held
+        return tables, self._both_cols < limit
+
     def _unbind_rows(self, r) -> np.ndarray:
         """Clear the records of one row or an int64 array of distinct rows; returns the references they
         held, in the order the reference frees them (row by row, self pages then cross pages)."""
         rows = np.atleast_1d(np.asarray(r, dtype=np.int64))
-        tables = np.concatenate([self._self_table[rows], self._cross_table[rows]], axis=1)
-        held = np.concatenate([np.arange(self._self_table.shape[1]) < self._held[rows][:, None],
-                               np.arange(self._cross_table.shape[1]) < self._cross_held[rows][:, None]], axis=1)
+        tables, held = self._held_entries(rows)
         self._self_table[rows] = self._cross_table[rows] = self.pool.null_block
-        for name in ("_held", "_cross_held", "_length", "_cross_length", "_ceiling", "_cross_ceiling"):
-            getattr(self, name)[rows] = 0
+        self._counts[:, rows] = 0
         self._admitted[rows] = False
         for row in rows.tolist():
             self._requests[row] = None
@@ -470,11 +494,11 @@ class DecoderKVCacheManager:
         return self.pool.gather_kv_blocks(self._cross_table[r, : self._cross_held[r]], 0, int(self._cross_length[r]))
 
     # ---- writes -------------------------------------------------------------------
-    def _host_writes(self) -> bool:
-        """Whether writes take the host shortcut: model-dtype pages on the CPU's torch backend."""
-        cfg = self.config
-        on_cpu = cfg.device.type == "cpu"
-        return not cfg.kv_quantized and on_cpu and resolve_backend(cfg.device, self.backend) == "torch"
+    def _host_writes(self, backend: str | None = None) -> bool:
+        """Whether writes take the host shortcut: model-dtype pages on the CPU's torch backend
+        (``backend``: the call's, else the manager's)."""
+        backend = self.backend if backend is None else backend
+        return self._host_pages and resolve_backend(self.config.device, backend) == "torch"
 
     def _write_host(self, table: np.ndarray, rows: np.ndarray, positions: np.ndarray, k: torch.Tensor,
                     v: torch.Tensor) -> None:
@@ -609,6 +633,21 @@ class DecoderKVCacheManager:
         self._prepare(ids)
         self._sync(ids)
 
+    def open_step(self, rows, backend: str | None = None):
+        """See the reference: ``prepare_step(rows)`` and a handle on the step (``write``, ``attend``,
+        ``commit``). ``backend`` as for ``append_kv`` (None: the manager's). On a CPU device with
+        model-dtype pages and the torch backend the handle is a ``HostStep``: the slots every layer
+        writes and reads come from the host tables once, not from per-layer views (the same bytes
+        and the same arithmetic as the views' decode batch); elsewhere the views (``ViewStep``)."""
+        ids = np.array(check_rows(rows, self._is_admitted, "open_step"), dtype=np.int64)
+        self._prepare(ids)
+        self._sync(ids)
+        backend = self.backend if backend is None else backend
+        if self._host_direct and ids.size and self._host_writes(backend):
+            return HostStep(self, ids)
+        kw = {} if backend is None else {"backend": backend}
+        return ViewStep(self, ids.tolist(), append_kv, paged_attention, kw)
+
     def _check_prepared(self, ids: np.ndarray) -> None:
         length = self._length[ids]
         bad = (length + 1 > self._held[ids] * self.config.page_size) | (length >= self._ceiling[ids])
@@ -619,7 +658,12 @@ class DecoderKVCacheManager:
 
     def commit_step(self, rows) -> None:
         """Each of ``rows`` is one token longer (after ``prepare_step`` and the step's writes)."""
-        ids = np.array(check_rows(rows, self._is_admitted, "commit_step"), dtype=np.int64)
+        self._commit(np.array(check_rows(rows, self._is_admitted, "commit_step"), dtype=np.int64))
+
+    def _commit(self, ids: np.ndarray) -> None:
+        if not self._admitted[ids].all():  # (a handle's rows, finished since open_step)
+            r = int(ids[np.argmin(self._admitted[ids])])
+            raise KeyError(f"commit_step: row {r} is not admitted (never admitted, or finished)")
         self._check_prepared(ids)
         self._length[ids] += 1
         self._sync(ids)
@@ -776,14 +820,23 @@ class DecoderKVCacheManager:
         kept = set(sources)
         dropped = [r for r in ids if r not in kept]
         forks = len(sources) - len(kept)
-        if forks > self.num_free_rows + len(dropped):
+        admitted = int(self._admitted.sum())
+        free_rows = self.config.max_rows - admitted
+        if forks > free_rows + len(dropped):
             raise ValueError(f"select: {forks} forked rows need {forks} free rows, only "
-                             f"{self.num_free_rows + len(dropped)} are free after the dropped rows finish")
-        others = self._admitted.copy()
-        others[ids] = False
+                             f"{free_rows + len(dropped)} are free after the dropped rows finish")
         after = np.array(sources, dtype=np.int64)
-        if others.any():
+        if admitted > len(ids):  # rows outside the group keep their reservations
+            others = self._admitted.copy()
+            others[ids] = False
             after = np.concatenate([after, np.flatnonzero(others)])
+        # an upper bound first: every written block costs at most one copy per writer, so when the growth
+        # to every ceiling plus every written block fits the free blocks, the exact count below does too
+        # (beams in a pool sized for them: most selects stop here)
+        page, held = self.config.page_size, self._held[after]
+        written = np.maximum(held - self._length[after] // page, 0)
+        if int((-(-self._ceiling[after] // page) - held).sum() + written.sum()) <= self.pool.num_free_blocks:
+            return sources, dropped
         blocks = self._blocks_of(after)
         need = self._reserved(after, self.pinned_blocks, blocks)
         freed = 0
@@ -806,39 +859,108 @@ class DecoderKVCacheManager:
             if released.size:
                 self._drop(released)
             return
-        maps = []  # per region: (table, fork rows, columns, the parents' blocks there)
-        for table, held in ((self._self_table, self._held), (self._cross_table, self._cross_held)):
-            i, cols = np.nonzero(np.arange(table.shape[1])[None, :] < held[parents][:, None])
-            maps.append((table, forks[i], cols, table[parents[i], cols]))
-        taken = np.concatenate([ids for *_, ids in maps])
+        tables, held = self._held_entries(parents)
+        taken = tables[held].astype(np.int64)
         if released.size and taken.size:
             released, taken = _cancel(released, taken)
         if released.size:
             self._drop(released)
         if taken.size:
             self.pool.share(taken, self._owner)  # one more holder each, at once
-        for table, rows, cols, ids in maps:
-            self._bind(table, rows, cols, ids)
-        for name in ("_held", "_cross_held", "_length", "_cross_length", "_ceiling", "_cross_ceiling"):
-            array = getattr(self, name)
-            array[forks] = array[parents]
+        # whole table rows: a fork row is all null, and a parent's entries past what it holds are null
+        self._bind(self._self_table, forks, slice(None), self._self_table[parents])
+        self._bind(self._cross_table, forks, slice(None), self._cross_table[parents])
+        self._counts[:, forks] = self._counts[:, parents]
         self._admitted[forks] = True
         for f, p in zip(forks.tolist(), parents.tolist(), strict=True):
             self._requests[f] = self._requests[p]
         self._sync(forks)
 
 
+class HostStep:
+    """``open_step``'s handle on a CPU device with model-dtype pages and the torch backend.
+
+    Built once per step from the host tables (the rows' lengths and page ids after ``prepare_step``):
+    ``dest (B,)``, the pool slot of each row's new token, and ``vector (B * Hkv * L,)``, the pool
+    vectors (slot, KV head) of every row's keys ``[0, length + 1)`` padded to the longest row's ``L``,
+    with ``hidden (B, L)`` marking the padding (None when every row has ``L`` keys). Every layer then
+    writes with one ``index_copy_`` each for K and V and reads with ``attend_gathered`` (the views'
+    decode batch: one gather each, two batched matmuls, padding masked and zeroed, NaN-safe). No
+    per-layer view, dispatch or length check: the plan answered them. Valid until another manager
+    call changes the rows (like the views)."""
+
+    __slots__ = ("_manager", "_ids", "_dest", "_vector", "_hidden", "_want", "_dtype", "_kv", "_scale")
+
+    def __init__(self, manager: DecoderKVCacheManager, ids: np.ndarray):
+        cfg = manager.config
+        page, Hkv, B = cfg.page_size, cfg.n_kv_head, ids.size
+        length = manager._length[ids]
+        L = int(length.max()) + 1
+        blocks = manager._self_table[ids][:, manager._position_column[:L]].astype(np.int64)  # (B, L)
+        self._manager, self._ids, self._dtype = manager, ids, cfg.dtype
+        self._dest = torch.from_numpy(blocks[np.arange(B), length] * page + length % page)
+        vectors = blocks[:, None, :] * (page * Hkv) + manager._position_vectors[:, :L]  # (B, Hkv, L)
+        self._vector = torch.from_numpy(vectors.reshape(-1))
+        short = length < L - 1  # rows with fewer keys than the longest: their tail is padding
+        self._hidden = torch.from_numpy(np.arange(L)[None, :] > length[:, None]) if short.any() else None
+        self._want = (B, 1, Hkv, cfg.head_dim)
+        self._kv = manager._layer_kv
+        self._scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def _check(self, op: str, name: str, t, shape: tuple) -> None:
+        if (not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != self._dtype
+                or t.device.type != "cpu"):
+            got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"{op}: {name} must be {shape} {self._dtype} on cpu, got {got}")
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """See ``ViewStep.write``: one ``index_copy_`` each for K and V (checked first: nothing written)."""
+        self._check("write", "k", k, self._want)
+        self._check("write", "v", v, self._want)
+        k_pool, v_pool = self._kv[layer]
+        B, _, H, D = self._want
+        k_pool.view(-1, H, D).index_copy_(0, self._dest, k.reshape(B, H, D))
+        v_pool.view(-1, H, D).index_copy_(0, self._dest, v.reshape(B, H, D))
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """See ``ViewStep.attend``: ``attend_gathered`` over the step's vectors."""
+        B, _, H, D = self._want
+        heads = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] % H == 0 else H
+        self._check("attend", "q", q, (B, heads, 1, D))
+        k_pool, v_pool = self._kv[layer]
+        return attend_gathered(q, k_pool, v_pool, self._vector, self._hidden, None, self._scale)
+
+    def commit(self) -> None:
+        """Every row is one token longer (``commit_step``'s checks and update, rows already checked)."""
+        self._manager._commit(self._ids)
+
+
 def _cancel(released: np.ndarray, taken: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``released`` less one occurrence of each id in ``taken`` (order kept), and ``taken`` less what
-    was matched: the references a select still drops and still takes."""
-    want = Counter(taken.tolist())
-    left = []
-    for b in released.tolist():
-        if want.get(b):
-            want[b] -= 1
-        else:
-            left.append(b)
-    return np.array(left, dtype=np.int64), np.fromiter(want.elements(), dtype=np.int64)
+    """``released`` less the first occurrences of each id in ``taken`` (order kept: the remaining
+    occurrences are the later ones, so an id still reaches 0 at its last place), and ``taken`` less
+    what was matched: the references a select still drops and still takes. A few ids (a short
+    hypothesis): a counting loop; more: in numpy, each released id's occurrence rank (a stable sort)
+    against the count ``taken`` holds of it (the loop's result, in a constant number of operations)."""
+    if released.size + taken.size <= _FEW_CANCEL:
+        want = Counter(taken.tolist())
+        left = []
+        for b in released.tolist():
+            if want.get(b):
+                want[b] -= 1
+            else:
+                left.append(b)
+        return np.array(left, dtype=np.int64), np.fromiter(want.elements(), dtype=np.int64)
+    n = int(max(released.max(), taken.max())) + 1
+    want = np.bincount(taken, minlength=n)
+    order = np.argsort(released, kind="stable")
+    ordered = released[order]
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    rank = np.empty(released.size, dtype=np.int64)
+    rank[order] = np.arange(released.size) - np.repeat(starts, np.diff(np.append(starts, released.size)))
+    left = want - np.minimum(want, np.bincount(released, minlength=n))
+    still = np.flatnonzero(left)
+    return released[rank >= want[released]], np.repeat(still, left[still])
 
 
 class DenseDecoderKV(DenseDecoderKVBase):

@@ -14,6 +14,7 @@ Lifecycle of a row::
     fill_cross(row, k, v)                                  (once, from the encoder output)
     prefill(row, k, v)                                     (the prompt; the row must be empty)
     prepare_step(rows) -> self_caches(rows) -> append_kv per layer -> commit_step(rows)
+        or step = open_step(rows): step.write / step.attend per layer, step.commit()
         or, in one call, append(rows, k, v)                (one token for each row)
     finish(row)                                            (every page back to the pool)
 
@@ -50,6 +51,7 @@ from oasr.decoder_common import (
     AdmissionError,
     DecoderRowInfo,
     RowPages,
+    ViewStep,
     check_cross_fill,
     check_kv,
     check_pad_to,
@@ -71,7 +73,7 @@ from oasr.kv_formats import get_format
 from oasr.paged import PagedKVCache
 from oasr.prefix_cache import PrefixIndex, check_tokens
 from oasr.reference.block_pool import BlockPool
-from oasr.reference.paged_ops import append_kv
+from oasr.reference.paged_ops import append_kv, paged_attention
 
 
 @dataclass
@@ -392,6 +394,16 @@ class DecoderKVCacheManager:
             self._bind(self._rows[row].self_blocks, new[cursor : cursor + n])
             cursor += n
         self._drop(src)
+
+    def open_step(self, rows) -> ViewStep:
+        """``prepare_step(rows)``, then a handle on the step: ``write(layer, k, v)`` with ``k, v
+        (B, 1, n_kv_head, head_dim)``, ``attend(layer, q)`` with ``q (B, n_head, 1, head_dim)`` (causal,
+        this step's token included), ``commit()`` (``commit_step``). The oracle's handle is the views of
+        ``self_caches`` and the twin's ops (``ViewStep``); the handle is valid until another manager
+        call changes the rows, like the views."""
+        ids = check_rows(rows, self._admitted, "open_step")
+        self.prepare_step(ids)
+        return ViewStep(self, ids, append_kv, paged_attention, {})
 
     def commit_step(self, rows) -> None:
         """Advance each row by the one token written through ``self_caches`` (after ``prepare_step``)."""
