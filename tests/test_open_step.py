@@ -42,8 +42,14 @@ def _state(m) -> tuple:
     return (m.rows, [m.describe(r) for r in m.rows], m.pool.free_block_ids(), m.pool.ref_counts())
 
 
+@pytest.mark.parametrize("few_rows", [0, 8], ids=["numpy-prepare", "scalar-prepare"])
 @pytest.mark.parametrize("page,n_kv_head,n_head,head_dim", [(4, 2, 4, 8), (2, 1, 3, 16), (8, 4, 4, 4)])
-def test_open_step_handles_agree_on_bytes_ids_and_attention(page, n_kv_head, n_head, head_dim):
+def test_open_step_handles_agree_on_bytes_ids_and_attention(page, n_kv_head, n_head, head_dim, few_rows,
+                                                            monkeypatch):
+    """``few_rows``: the fast twin's ``_prepare`` decides in numpy (0) or row by row (a beam's size)."""
+    import oasr.fast.decoder_cache as fdc
+
+    monkeypatch.setattr(fdc, "_FEW_ROWS", few_rows)
     config = _config(page, n_kv_head, head_dim)
     managers = _managers(config, seed=page)
     g = torch.Generator().manual_seed(page * 7 + n_head)

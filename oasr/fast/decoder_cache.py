@@ -81,6 +81,7 @@ from oasr.paged import HostPlan, PagedKVCache
 from oasr.prefix_cache import PrefixIndex, check_tokens
 
 _I32, _I64 = torch.int32, torch.int64
+_FEW_ROWS = 8  # _prepare: up to this many rows (a beam), Python scalars beat the numpy calls' setup
 _FEW_CANCEL = 192  # _cancel: up to this many ids in all, the counting loop beats the numpy ops' setup
 
 
@@ -598,7 +599,25 @@ class DecoderKVCacheManager:
         return np.maximum(0, length // self.config.page_size + 1 - self._held[ids])
 
     def _prepare(self, ids: np.ndarray) -> None:
-        """Copies of shared landing pages (row order) then new pages: one allocation, one batched copy."""
+        """Copies of shared landing pages (row order) then new pages: one allocation, one batched copy.
+        The decision by size: a few rows (a beam) in Python scalars, more in numpy; the same answer."""
+        plan = self._prepare_few(ids) if ids.size <= _FEW_ROWS else self._prepare_many(ids)
+        if plan is None:  # (most steps: every row writes into a page it owns alone)
+            return
+        src, copy_rows, copy_cols, owners = plan
+        new = self._take(src.size + owners.size)  # inside the rows' reservations: cannot run dry
+        if src.size:
+            self.pool.copy_blocks(src, new[: src.size])
+            self._rebind(self._self_table, copy_rows, copy_cols, new[: src.size])
+        if owners.size:
+            self._bind(self._self_table, owners, self._held[owners], new[src.size :])
+            self._held[owners] += 1
+        if src.size:
+            self._drop(src)
+
+    def _prepare_many(self, ids: np.ndarray) -> tuple | None:
+        """``_prepare``'s decision in numpy: ``(copied blocks, their rows, their columns, growing rows)``
+        as int64 arrays, or None when there is nothing to copy or take."""
         length = self._length[ids]
         needs = self._step_needs(ids, length)
         col = length // self.config.page_size
@@ -611,21 +630,37 @@ class DecoderKVCacheManager:
         if shared.any():  # (a step right after a fork): the reference's rule, row by row
             copy = np.zeros(ids.size, dtype=bool)
             copy[shared] = cow_writes(landing[shared].tolist(), lambda b: int(refs[b]) + int(keyed[b]))
-            src = landing[copy]
-        elif not grow.any():  # (most steps: every row writes into a page it owns alone)
-            return
+        elif not grow.any():
+            return None
         else:
-            src = landing[:0]
-        owners = ids[grow]
-        new = self._take(src.size + owners.size)  # inside the rows' reservations: cannot run dry
-        if src.size:
-            self.pool.copy_blocks(src, new[: src.size])
-            self._rebind(self._self_table, ids[copy], col[copy], new[: src.size])
-        if owners.size:
-            self._bind(self._self_table, owners, self._held[owners], new[src.size :])
-            self._held[owners] += 1
-        if src.size:
-            self._drop(src)
+            copy = shared
+        return landing[copy].astype(np.int64), ids[copy], col[copy], ids[grow]
+
+    def _prepare_few(self, ids: np.ndarray) -> tuple | None:
+        """``_prepare_many`` for a few rows, element by element (a beam's step: a handful of Python reads
+        beat a dozen numpy calls): the same checks in the same order, the same answer."""
+        page, refs, keyed = self.config.page_size, self.pool._refs, self.pool._keyed
+        rows = ids.tolist()
+        lengths, held = self._length[ids].tolist(), self._held[ids].tolist()
+        ceilings = self._ceiling[ids].tolist()
+        for r, n, c in zip(rows, lengths, ceilings, strict=True):
+            if n >= c:
+                self._step_needs(np.array([r], dtype=np.int64))  # raises the ceiling's message
+        landing, cols, owners = [], [], []
+        for r, n, h in zip(rows, lengths, held, strict=True):
+            col = n // page
+            cols.append(col)
+            if col < h:
+                landing.append(int(self._self_table[r, col]))
+            else:  # the row crosses into a page it does not hold yet
+                landing.append(-1)
+                owners.append(r)
+        copy = cow_writes(landing, lambda b: int(refs[b]) + int(keyed[b]))
+        if not owners and not any(copy):
+            return None
+        picked = [i for i, c in enumerate(copy) if c]
+        return (np.array([landing[i] for i in picked], dtype=np.int64), np.array([rows[i] for i in picked],
+                dtype=np.int64), np.array([cols[i] for i in picked], dtype=np.int64), np.array(owners, dtype=np.int64))
 
     def prepare_step(self, rows) -> None:
         """Make room for one more token in each of ``rows`` (a page where a row crosses a boundary)."""
