@@ -165,3 +165,58 @@ def test_select_cancel_loop_and_numpy_branches_agree(monkeypatch):
             else:
                 expected.append(b)
         assert left_b.tolist() == expected and sorted(take_b.tolist()) == sorted(want)
+
+
+@pytest.mark.parametrize("few_rows", [0, 64], ids=["numpy", "scalar"])
+def test_select_and_steps_agree_with_the_reference_in_a_tight_pool(few_rows, monkeypatch):
+    """Random beams in a pool too small for every select: the fast twin's bookkeeping in numpy (0) and
+    row by row (64: every cohort counts as a few rows) accepts and refuses exactly what the reference
+    does (the same message, nothing changed on a refusal) and keeps the same block ids."""
+    import oasr.fast.decoder_cache as fdc
+
+    monkeypatch.setattr(fdc, "_FEW_ROWS", few_rows)
+    config = DecoderCacheConfig(num_layers=1, n_kv_head=1, head_dim=4, page_size=2, max_num_blocks=40,
+                                max_rows=12, max_self_tokens=9, max_cross_tokens=3)
+    managers = [reference.DecoderKVCacheManager(config), fast.DecoderKVCacheManager(config)]
+    rng = np.random.default_rng(11)
+    groups = []
+    for m in managers:
+        rows = m.admit([DecoderRequest(1, 8, 3)] * 3)
+        for r in rows:
+            m.fill_cross(r, torch.ones(1, 3, 1, 4), torch.ones(1, 3, 1, 4))
+            m.prefill(r, torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
+        groups.append(rows)
+    refusals = 0
+    for _ in range(60):
+        width = int(rng.integers(1, 13))
+        idx = rng.integers(0, len(groups[0]), width).tolist()
+        outcome = []
+        for i, m in enumerate(managers):
+            before = _state(m)
+            try:
+                groups[i] = m.select(groups[i], idx)
+                outcome.append(None)
+            except ValueError as exc:
+                assert _state(m) == before
+                outcome.append(str(exc))
+        assert outcome[0] == outcome[1]
+        refusals += outcome[0] is not None
+        if all(m.length(r) < 9 for r in groups[0] for m in managers[:1]):
+            for i, m in enumerate(managers):
+                m.append(groups[i], torch.zeros(1, len(groups[i]), 1, 4), torch.zeros(1, len(groups[i]), 1, 4))
+        assert _state(managers[0]) == _state(managers[1])
+        if len(groups[0]) > 8 or rng.random() < 0.2:  # shrink again (rows reach their ceilings)
+            for i, m in enumerate(managers):
+                groups[i] = m.select(groups[i], [0, 1, 2][: min(3, len(groups[i]))])
+            for i, m in enumerate(managers):
+                for r in groups[i]:
+                    if m.length(r) >= 9:
+                        m.finish(r)
+                groups[i] = [r for r in groups[i] if r in m.rows]
+            if not groups[0]:
+                for i, m in enumerate(managers):
+                    groups[i] = m.admit([DecoderRequest(1, 8, 3)] * 3)
+                    for r in groups[i]:
+                        m.fill_cross(r, torch.ones(1, 3, 1, 4), torch.ones(1, 3, 1, 4))
+                        m.prefill(r, torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
+    assert refusals > 0  # the pool was tight enough to refuse

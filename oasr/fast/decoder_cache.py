@@ -341,12 +341,25 @@ class DecoderKVCacheManager:
         """Clear the records of one row or an int64 array of distinct rows; returns the references they
         held, in the order the reference frees them (row by row, self pages then cross pages)."""
         rows = np.atleast_1d(np.asarray(r, dtype=np.int64))
-        tables, held = self._held_entries(rows)
+        refs = self._held_refs(rows)
         self._self_table[rows] = self._cross_table[rows] = self.pool.null_block
         self._counts[:, rows] = 0
         self._admitted[rows] = False
         for row in rows.tolist():
             self._requests[row] = None
+        return refs
+
+    def _held_refs(self, rows: np.ndarray) -> np.ndarray:
+        """The references ``rows`` hold, row by row, self pages then cross pages (int64). A few rows:
+        a slice of each table row; more: one mask over the rows' tables (``_held_entries``)."""
+        if rows.size <= _FEW_ROWS:
+            held, cross_held = self._counts[:2, rows].tolist()
+            refs = []
+            for r, h, c in zip(rows.tolist(), held, cross_held, strict=True):
+                refs += self._self_table[r, :h].tolist()
+                refs += self._cross_table[r, :c].tolist()
+            return np.array(refs, dtype=np.int64)
+        tables, held = self._held_entries(rows)
         return tables[held].astype(np.int64)
 
     # ---- views ------------------------------------------------------------------
@@ -696,10 +709,21 @@ class DecoderKVCacheManager:
         self._commit(np.array(check_rows(rows, self._is_admitted, "commit_step"), dtype=np.int64))
 
     def _commit(self, ids: np.ndarray) -> None:
-        if not self._admitted[ids].all():  # (a handle's rows, finished since open_step)
-            r = int(ids[np.argmin(self._admitted[ids])])
-            raise KeyError(f"commit_step: row {r} is not admitted (never admitted, or finished)")
-        self._check_prepared(ids)
+        """``commit_step`` of checked int64 rows; an open step's handle calls it too, so the rows are
+        checked again: admitted (a row finished since ``open_step``), then a prepared slot each."""
+        if ids.size <= _FEW_ROWS:  # (a beam) the same checks in Python scalars
+            for r, admitted in zip(ids.tolist(), self._admitted[ids].tolist(), strict=True):
+                if not admitted:
+                    raise KeyError(f"commit_step: row {r} is not admitted (never admitted, or finished)")
+            held, _, length, _, ceiling, _ = self._counts[:, ids].tolist()
+            page = self.config.page_size
+            if any(n + 1 > h * page or n >= c for h, n, c in zip(held, length, ceiling, strict=True)):
+                self._check_prepared(ids)  # raises the first such row's message
+        else:
+            if not self._admitted[ids].all():
+                r = int(ids[np.argmin(self._admitted[ids])])
+                raise KeyError(f"commit_step: row {r} is not admitted (never admitted, or finished)")
+            self._check_prepared(ids)
         self._length[ids] += 1
         self._sync(ids)
 
@@ -868,9 +892,16 @@ class DecoderKVCacheManager:
         # an upper bound first: every written block costs at most one copy per writer, so when the growth
         # to every ceiling plus every written block fits the free blocks, the exact count below does too
         # (beams in a pool sized for them: most selects stop here)
-        page, held = self.config.page_size, self._held[after]
-        written = np.maximum(held - self._length[after] // page, 0)
-        if int((-(-self._ceiling[after] // page) - held).sum() + written.sum()) <= self.pool.num_free_blocks:
+        page = self.config.page_size
+        if after.size <= _FEW_ROWS:  # (a beam) the same sum in Python scalars
+            held, _, length, _, ceiling, _ = self._counts[:, after].tolist()
+            bound = sum(-(-c // page) - h + max(h - n // page, 0) for h, n, c in zip(held, length, ceiling,
+                                                                                    strict=True))
+        else:
+            held = self._held[after]
+            written = np.maximum(held - self._length[after] // page, 0)
+            bound = int((-(-self._ceiling[after] // page) - held).sum() + written.sum())
+        if bound <= self.pool.num_free_blocks:
             return sources, dropped
         blocks = self._blocks_of(after)
         need = self._reserved(after, self.pinned_blocks, blocks)
@@ -894,8 +925,7 @@ class DecoderKVCacheManager:
             if released.size:
                 self._drop(released)
             return
-        tables, held = self._held_entries(parents)
-        taken = tables[held].astype(np.int64)
+        taken = self._held_refs(parents)
         if released.size and taken.size:
             released, taken = _cancel(released, taken)
         if released.size:
