@@ -137,6 +137,36 @@ for twin in (ref, fast):
 torch.testing.assert_close(outs["oasr.fast"], outs["oasr.reference"], atol=1e-6, rtol=1e-6)
 
 # %% [markdown]
+# ### One step through one handle
+#
+# A decode group steps its beams through `open_step(rows)`: the step's pages are
+# prepared (the copy-on-write copy of a shared landing page, a new page at a
+# boundary), and the handle writes and reads every layer, then commits. The
+# oracle's handle is the `self_caches` views and its ops; the fast twin on a CPU
+# plans the step once from its host tables (`HostStep`: each beam's write slot
+# and the pool vectors of every beam's keys) and runs each layer as one scatter
+# and one gather-and-attend.
+
+# %%
+q = torch.randn(3, 4, 1, 8, generator=torch.Generator().manual_seed(6))
+outs = {}
+for twin in (ref, fast):
+    mgr = twin.DecoderKVCacheManager(xcfg)
+    (root,) = mgr.admit([DecoderRequest(3, 6)])
+    mgr.prefill(root, *kv(3, 30))
+    beams3 = mgr.select([root], [0, 0, 0])  # three beams on the same partly written page
+    step = mgr.open_step(beams3)  # the first two copy the page; the last keeps it
+    new_k, new_v = kv(3, 31)
+    outs[twin.__name__] = []
+    for layer in range(2):
+        step.write(layer, new_k[layer][:, None], new_v[layer][:, None])
+        outs[twin.__name__].append(step.attend(layer, q))
+    step.commit()
+    print(f"{twin.__name__:>15}: {type(step).__name__}, pages {[list(mgr.row_pages(r).self_blocks) for r in beams3]}")
+for a, b in zip(outs["oasr.fast"], outs["oasr.reference"], strict=True):
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+# %% [markdown]
 # ## 2. A prefix hit
 #
 # `retire(row, tokens)` publishes a finished row's full pages under a chained
