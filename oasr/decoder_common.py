@@ -219,7 +219,9 @@ def reserved_pages(config: DecoderCacheConfig, rows, pinned=()) -> int:
 def select_sources(ids: list[int], idx) -> list[int]:
     """The source row of each position of ``select(rows, idx)``: each index an int or a numpy integer
     (``as_index``: ``1.5`` or ``True`` is refused, not read as 1); an index out of range raises."""
-    picks = [as_index(i, "indices", "select") for i in idx]
+    picks = list(idx) if isinstance(idx, (list, tuple)) else None
+    if picks is None or not all(type(i) is int for i in picks):  # (plain ints, as a search hands them: no call)
+        picks = [as_index(i, "indices", "select") for i in idx]
     bad = [i for i in picks if not 0 <= i < len(ids)]
     if bad:
         raise ValueError(f"select: index {bad[0]} outside [0, {len(ids)})")

@@ -860,7 +860,7 @@ class DecoderKVCacheManager:
             released = self._unbind_rows(gone)
             self._sync(gone)
         out, seen, forks, parents = [], set(), [], []
-        free_rows = np.flatnonzero(~self._admitted).tolist()
+        free_rows = np.flatnonzero(~self._admitted).tolist() if len(set(sources)) < len(sources) else []
         for src in sources:
             if src in seen:
                 out.append(free_rows[len(forks)])
@@ -879,7 +879,7 @@ class DecoderKVCacheManager:
         kept = set(sources)
         dropped = [r for r in ids if r not in kept]
         forks = len(sources) - len(kept)
-        admitted = int(self._admitted.sum())
+        admitted = int(np.count_nonzero(self._admitted))
         free_rows = self.config.max_rows - admitted
         if forks > free_rows + len(dropped):
             raise ValueError(f"select: {forks} forked rows need {forks} free rows, only "
