@@ -116,7 +116,7 @@ def _beam_pair(model, decoder, enc, max_new, beam, quick, device, twins) -> list
             out[storage]["kv_bytes"] = peak[0]
     # the four searches timed in turn within every repeat: a change in load touches every column alike
     order = list(args)
-    times = alternating_ms([lambda a=args[key]: _search(*a) for key in order], repeats=1 if quick else 7,
+    times = alternating_ms([lambda a=args[key]: _search(*a) for key in order], repeats=1 if quick else 11,
                            device=device)
     ms = dict(zip(order, times, strict=True))
     for name in ("reference", "fast"):
