@@ -972,12 +972,14 @@ class HostStep:
         self._kv = manager._layer_kv
         self._scale = 1.0 / math.sqrt(cfg.head_dim)
 
-    def _check(self, op: str, name: str, t, shape: tuple) -> None:
+    def _check(self, op: str, name: str, t, shape: tuple, what: str | None = None) -> None:
+        """``t`` must be a CPU tensor of ``shape`` in the model dtype (``what``: the shape as the message
+        names it); ValueError naming what came otherwise."""
         if (not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != self._dtype
                 or t.device.type != "cpu"):
             got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
                    else type(t).__name__)
-            raise ValueError(f"{op}: {name} must be {shape} {self._dtype} on cpu, got {got}")
+            raise ValueError(f"{op}: {name} must be {what or shape} {self._dtype} on cpu, got {got}")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """See ``ViewStep.write``: one ``index_copy_`` each for K and V (checked first: nothing written)."""
@@ -991,8 +993,9 @@ class HostStep:
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """See ``ViewStep.attend``: ``attend_gathered`` over the step's vectors."""
         B, _, H, D = self._want
-        heads = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] % H == 0 else H
-        self._check("attend", "q", q, (B, heads, 1, D))
+        heads = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] % H == 0 else None
+        self._check("attend", "q", q, (B, heads, 1, D),
+                    f"(B={B}, n_head (a multiple of n_kv_head={H}), 1, head_dim={D})")
         k_pool, v_pool = self._kv[layer]
         return attend_gathered(q, k_pool, v_pool, self._vector, self._hidden, None, self._scale)
 
