@@ -54,19 +54,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return (probs @ vh).to(q.dtype)
 
 
-def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q (B, nH, T, D) of rows that all read one region, k/v (Hkv, S, D) fp32 -> (B, nH, T, D) in q's
-    dtype. The rows ride as queries of each KV head's group, ordered (query head in the group, row, t):
-    one batched matmul each way for every row at once. No key (S = 0): zeros."""
+def _attend_shared(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (B, nH, T, D) of rows that all read one region, ``k_t`` (Hkv, D, S) and ``v`` (Hkv, S, D) fp32
+    -> (B, nH, T, D) in q's dtype. The rows ride as queries of each KV head's group, ordered (row, query
+    head in the group, t): one batched matmul each way for every row at once. No key (S = 0): zeros."""
     B, nH, T, D = q.shape
-    Hkv, S = k.shape[0], k.shape[1]
+    Hkv, S = k_t.shape[0], k_t.shape[2]
     if S == 0:
         return torch.zeros_like(q)
     G = nH // Hkv
-    qf = q.float().reshape(B, Hkv, G, T, D).permute(1, 2, 0, 3, 4).reshape(Hkv, G * B * T, D)
-    probs = torch.bmm(qf, k.transpose(1, 2)).mul_(1.0 / math.sqrt(D)).softmax(-1)
-    out = torch.bmm(probs, v).view(Hkv, G, B, T, D).permute(2, 0, 1, 3, 4)
+    qf = q.float().reshape(B, Hkv, G * T, D).transpose(0, 1).reshape(Hkv, B * G * T, D)
+    probs = torch.baddbmm(_NO_BIAS, qf, k_t, beta=0.0, alpha=1.0 / math.sqrt(D)).softmax(-1)
+    out = torch.bmm(probs, v).view(Hkv, B, G * T, D).transpose(0, 1)
     return out.reshape(B, nH, T, D).to(q.dtype)
+
+
+_NO_BIAS = torch.zeros(1, 1, 1)  # baddbmm's input, ignored (beta=0): the scores are scale * q @ k^T alone
 
 
 def group_row(b, batch: int, op: str) -> int:
@@ -282,10 +285,11 @@ class PagedDecoderKV:
         self.config = manager.config
         self._self = self._cross = None
         # True: every row maps the same cross pages (``manager.shares_cross``); None: not asked yet.
-        # ``select`` hands True on (forks and kept rows of sharing rows still share); the manager is
-        # asked at the group's first cross read otherwise.
+        # ``select`` hands True on (forks and kept rows of sharing rows, or of a lone row, still share);
+        # the manager is asked at the group's first cross read otherwise.
         self._shared_cross = shared_cross
-        # The shared region read once, per layer (K, V) fp32 (Hkv, S, D) (``attend_cross``), or None.
+        # The shared region read once (``attend_cross``): ``(manager.cross_writes at the read, per layer
+        # (K^T (Hkv, D, S), V (Hkv, S, D)) fp32)``, or None.
         self._cross_kv = cross_kv
 
     @classmethod
@@ -337,25 +341,28 @@ class PagedDecoderKV:
         """q (B, nH, T, D): the T queries ride as extra heads (head h*T + t still reads KV head h // G),
         so each row presents one query and the paged kernel attends it to exactly the cross extent.
 
-        When every row maps the same cross pages (the beams of one utterance) and the manager's twin
-        reads shared regions once (``SHARED_CROSS_READ``: the fast twin), the region is read once.
-        Pages in the model dtype: ``manager.gather_cross`` of the first row, kept for the group and
-        handed on by ``select`` (the pages cannot change while rows share them: ``fill_cross`` refuses
-        shared pages), then one grouped attention for all rows (``_attend_shared``). Quantized pages:
-        a view of the first row only, all rows' queries riding as its heads, ordered (KV head, query
+        When every row maps the same cross pages (a lone row, or the beams of one utterance) and the
+        manager's twin reads shared regions once (``SHARED_CROSS_READ``: the fast twin), the region is
+        read once. Pages in the model dtype: ``manager.gather_cross`` of the first row, kept for the
+        group and handed on by ``select`` while the manager's ``cross_writes`` count says no cross
+        region was written since (``fill_cross`` refuses shared pages, and a lone row's refill is
+        counted), then one grouped attention for all rows (``_attend_shared``). Quantized pages: a
+        view of the first row only, all rows' queries riding as its heads, ordered (KV head, query
         head in its group, row, t) so that each still reads its own KV head. Either way the same dot
         products as row by row, one read instead of ``B``."""
         B, nH, T, D = q.shape
+        manager = self.manager
         if B > 1 and self._shared_cross is None:
-            self._shared_cross = self.manager.SHARED_CROSS_READ and self.manager.shares_cross(self.rows)
-        if B > 1 and self._shared_cross and not self.config.kv_quantized:
-            if self._cross_kv is None:
-                packed = self.manager.gather_cross(self.rows[0])  # (L, Hkv, S, 2D), K then V
-                self._cross_kv = [(x[..., :D].float(), x[..., D:].float()) for x in packed]
-            return _attend_shared(q, *self._cross_kv[layer])
+            self._shared_cross = manager.SHARED_CROSS_READ and manager.shares_cross(self.rows)
+        if B and manager.SHARED_CROSS_READ and (B == 1 or self._shared_cross) and not self.config.kv_quantized:
+            if self._cross_kv is None or self._cross_kv[0] != manager.cross_writes:
+                packed = manager.gather_cross(self.rows[0])  # (L, Hkv, S, 2D), K then V
+                self._cross_kv = (manager.cross_writes, [(x[..., :D].transpose(1, 2).float().contiguous(),
+                                                          x[..., D:].float().contiguous()) for x in packed])
+            return _attend_shared(q, *self._cross_kv[1][layer])
         if self._cross is None:
             rows = self.rows[:1] if B > 1 and self._shared_cross else self.rows
-            self._cross = (self.manager.cross_caches(rows), self.manager.cross_query_lens(rows))
+            self._cross = (manager.cross_caches(rows), manager.cross_query_lens(rows))
         views, lens = self._cross
         lens = None if all(lens) else lens  # None: every row presents its query (nothing to check)
         if not self._shared_cross or B == 1:
@@ -374,10 +381,11 @@ class PagedDecoderKV:
         """Keep and reorder rows (the others finish); a repeated index forks a row onto shared,
         copy-on-write pages (``DecoderKVCacheManager.select``)."""
         rows = self.manager.select(self.rows, idx)
-        # the gathered cross region goes on while rows keep sharing it (a lone row's pages may be refilled)
-        keep = self._cross_kv if self._shared_cross and len(rows) > 1 else None
-        return PagedDecoderKV(self.manager, rows, self.ops, self.backend, shared_cross=self._shared_cross or None,
-                              cross_kv=keep)
+        # rows drawn from sharing rows (or from one row) share; the gathered region goes on with them
+        # (``attend_cross`` reads it again if a cross region was written since)
+        shared = True if self._shared_cross or (self.batch_size == 1 and self.manager.SHARED_CROSS_READ) else None
+        return PagedDecoderKV(self.manager, rows, self.ops, self.backend, shared_cross=shared,
+                              cross_kv=self._cross_kv if shared else None)
 
     def merge(self, other: PagedDecoderKV) -> PagedDecoderKV:
         """One group of both groups' rows (``ValueError`` unless they share the manager)."""

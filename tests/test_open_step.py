@@ -116,15 +116,41 @@ def test_open_step_refuses_bad_tensors_before_writing(twin):
     assert m.lengths(rows) == [1, 1]
 
 
+@pytest.mark.parametrize("how", ["finish", "abandon"])
 @pytest.mark.parametrize("twin", [reference, fast])
-def test_open_step_commit_of_a_finished_row_is_refused(twin):
+def test_open_step_commit_of_a_finished_row_is_refused(twin, how):
     m = twin.DecoderKVCacheManager(_config(4, 2, 8))
     rows = m.admit([DecoderRequest(1, 6)] * 2)
     handle = m.open_step(rows)
-    m.finish(rows[1])
+    getattr(m, how)(rows[1])
     with pytest.raises(KeyError, match="not admitted"):
         handle.commit()
     assert m.lengths(rows[:1]) == [0]
+
+
+def test_interleaved_steps_of_two_groups_end_as_the_reference():
+    """Two groups' steps open at once on one manager: a commit after the other group's (the manager's
+    version moved since the plan) takes the checked path; a group's second step crosses into a new
+    page, its fourth into a forked one. Lengths, pages and bytes end as the oracle's."""
+    config = _config(2, 2, 8)
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 6, 2, 2, 2, 1, 2, 8, generator=g)  # (step, group, layer, row, 1, H, D)
+    ends = []
+    for m in _managers(config, seed=11):
+        a, b = m.admit([DecoderRequest(1, 9)] * 2), m.admit([DecoderRequest(1, 9)] * 2)
+        for step in range(6):
+            if step == 3:
+                a = m.select(a, [1, 1])
+            ha, hb = m.open_step(a), m.open_step(b)
+            for layer in range(2):
+                ha.write(layer, k[step, 0, layer], v[step, 0, layer])
+                hb.write(layer, k[step, 1, layer], v[step, 1, layer])
+            (hb.commit(), ha.commit()) if step % 2 else (ha.commit(), hb.commit())
+        ends.append((_state(m), m.lengths(a + b), [m.gather_self(r) for r in a + b]))
+    for state, lengths, kv in ends[1:]:
+        assert (state, lengths) == ends[0][:2]
+        for x, y in zip(kv, ends[0][2], strict=True):
+            assert torch.equal(x, y)
 
 
 def test_open_step_refuses_unknown_rows_and_a_row_at_its_ceiling():

@@ -259,6 +259,20 @@ def test_fast_beams_read_their_shared_cross_region_once(monkeypatch, kv_cache_dt
     view = m.cross_caches(g.rows)[0]
     want = fast.paged_attention(q[:2].reshape(2, 8, 1, 8), view).reshape(2, 4, 2, 8)
     torch.testing.assert_close(g.attend_cross(0, q[:2]), want, atol=1e-6, rtol=1e-6)
+    # a lone row reads through a kept copy too (the prefill's read, handed on to the beams); a refill
+    # through the manager, behind the group's back, moves ``cross_writes``: the next read gathers again
+    m, g = group(fast)
+    calls.clear()
+    first = g.attend_cross(1, q[:1])
+    m.fill_cross(g.rows[0], *kv(2, 5, 2, 8, seed=9))
+    got = g.attend_cross(1, q[:1])
+    want = fast.paged_attention(q[:1].reshape(1, 8, 1, 8), m.cross_caches(g.rows)[1]).reshape(1, 4, 2, 8)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(first, got) and calls == Counter({"oasr.fast": 2})
+    g = g.select([0, 0, 0])
+    torch.testing.assert_close(g.attend_cross(1, q[:1].expand(3, -1, -1, -1).contiguous()), want.expand(3, -1, -1, -1),
+                               atol=1e-6, rtol=1e-6)
+    assert calls == Counter({"oasr.fast": 2})  # the beams read the lone row's copy
 
 
 def test_host_plan_serves_only_the_tensors_it_was_built_with():

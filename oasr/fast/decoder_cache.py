@@ -115,6 +115,9 @@ class DecoderKVCacheManager:
         self._requests: list = [None] * R
         self._admitted = np.zeros(R, dtype=bool)
         self._dirty = np.zeros(R, dtype=bool)  # rows whose device mirror is stale (see _flush)
+        # bumped by every change to a row's records (``_sync``, ``abandon``): a handle that saw the same
+        # number at its commit knows no row changed in between (``HostStep.commit`` skips its re-checks)
+        self._version = 0
         self.self_table = torch.full((R, SW), null, dtype=_I32, device=device)
         self.cross_table = torch.full((R, CW), null, dtype=_I32, device=device)
         self._meta = torch.zeros((2, R), dtype=_I32, device=device)
@@ -132,6 +135,10 @@ class DecoderKVCacheManager:
         self._position_vectors = (positions % config.page_size)[None, :] * config.n_kv_head + \
             np.arange(config.n_kv_head)[:, None]
         self._widths: dict[tuple, tuple] = {}  # (width, cross) -> persistent view buffers (pad_to views)
+        self._query_scale = 1.0 / math.sqrt(config.head_dim)
+        # how many cross regions were written (fill_cross, restore_rows): a decode group's copy of a shared
+        # region (``PagedDecoderKV.attend_cross``) is read again when the count moved since
+        self.cross_writes = 0
 
     # ---- block ownership (the only places that touch the pool's free list or a table entry) ----
     def _take(self, n: int) -> np.ndarray:
@@ -159,6 +166,7 @@ class DecoderKVCacheManager:
         """Mark the rows' device mirror stale; the next device read (``_flush``) copies them, so a row
         changed by several host ops between two reads (admit, admit_prompt, finish ...) costs one copy."""
         self._dirty[ids] = True
+        self._version += 1
 
     def _flush(self, ids: np.ndarray | None = None) -> torch.Tensor | None:
         """One staged copy of every stale row's tables and lengths into the persistent device tensors,
@@ -554,6 +562,7 @@ class DecoderKVCacheManager:
         dtype = self.config.dtype
         self._write_row(self.cross_table, r, 0, k.to(dtype), v.to(dtype))
         self._cross_length[r] = T
+        self.cross_writes += 1
         self._sync(r)
 
     def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -779,6 +788,7 @@ class DecoderKVCacheManager:
         self._ceiling[rows] = [r.self_tokens for r in reqs]
         self._cross_ceiling[rows] = [r.cross_len for r in reqs]
         self._admitted[rows] = True
+        self.cross_writes += 1  # (the caller writes the pages next)
         for p, (scope, tokens) in published:
             key = self._prefix.adopt(self.pool, int(blocks[p]), tokens, scope)
             if key is not None:
@@ -823,6 +833,7 @@ class DecoderKVCacheManager:
         """See the reference: host bookkeeping only (no staged copy, no launch, no wait); the row's
         device table entries are stale until its next admission rewrites them, and nothing reads them."""
         self._release(self._row(row, "abandon"))
+        self._version += 1
 
     def reset(self) -> None:
         """See the reference: finish every row, drop the parked pages and the prefix index."""
@@ -954,23 +965,29 @@ class HostStep:
     per-layer view, dispatch or length check: the plan answered them. Valid until another manager
     call changes the rows (like the views)."""
 
-    __slots__ = ("_manager", "_ids", "_dest", "_vector", "_hidden", "_want", "_dtype", "_kv", "_scale")
+    __slots__ = ("_manager", "_ids", "_dest", "_vector", "_hidden", "_want", "_dtype", "_kv", "_scale", "_version")
 
     def __init__(self, manager: DecoderKVCacheManager, ids: np.ndarray):
         cfg = manager.config
         page, Hkv, B = cfg.page_size, cfg.n_kv_head, ids.size
-        length = manager._length[ids]
-        L = int(length.max()) + 1
+        lengths = manager._length[ids].tolist()
+        L = max(lengths) + 1
         blocks = manager._self_table[ids][:, manager._position_column[:L]].astype(np.int64)  # (B, L)
         self._manager, self._ids, self._dtype = manager, ids, cfg.dtype
-        self._dest = torch.from_numpy(blocks[np.arange(B), length] * page + length % page)
+        self._version = manager._version  # (open_step synced the rows: nothing changed since)
+        if B <= _FEW_ROWS:  # (a beam) the slots and the padding test in Python scalars
+            self._dest = torch.tensor([int(blocks[i, n]) * page + n % page for i, n in enumerate(lengths)])
+            short = any(n < L - 1 for n in lengths)
+        else:
+            length = np.array(lengths, dtype=np.int64)
+            self._dest = torch.from_numpy(blocks[np.arange(B), length] * page + length % page)
+            short = bool((length < L - 1).any())  # rows with fewer keys than the longest: their tail is padding
         vectors = blocks[:, None, :] * (page * Hkv) + manager._position_vectors[:, :L]  # (B, Hkv, L)
         self._vector = torch.from_numpy(vectors.reshape(-1))
-        short = length < L - 1  # rows with fewer keys than the longest: their tail is padding
-        self._hidden = torch.from_numpy(np.arange(L)[None, :] > length[:, None]) if short.any() else None
+        self._hidden = (torch.from_numpy(np.arange(L)[None, :] > np.array(lengths)[:, None]) if short else None)
         self._want = (B, 1, Hkv, cfg.head_dim)
         self._kv = manager._layer_kv
-        self._scale = 1.0 / math.sqrt(cfg.head_dim)
+        self._scale = manager._query_scale
 
     def _check(self, op: str, name: str, t, shape: tuple, what: str | None = None) -> None:
         """``t`` must be a CPU tensor of ``shape`` in the model dtype (``what``: the shape as the message
@@ -1000,8 +1017,15 @@ class HostStep:
         return attend_gathered(q, k_pool, v_pool, self._vector, self._hidden, None, self._scale)
 
     def commit(self) -> None:
-        """Every row is one token longer (``commit_step``'s checks and update, rows already checked)."""
-        self._manager._commit(self._ids)
+        """Every row is one token longer (``commit_step``'s checks and update, rows already checked). When
+        no row's records changed since the step opened (the manager's version is the one the plan read),
+        every row is still admitted and holds its prepared slot: the re-checks are skipped."""
+        manager = self._manager
+        if manager._version != self._version:
+            manager._commit(self._ids)
+            return
+        manager._length[self._ids] += 1
+        manager._sync(self._ids)
 
 
 def _cancel(released: np.ndarray, taken: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
