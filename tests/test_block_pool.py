@@ -220,3 +220,61 @@ def test_fast_share_and_free_take_the_same_steps_few_or_many_ids(few, monkeypatc
         elif call == "free":
             for i in ids:
                 held.remove(i)
+
+
+def test_fast_free_and_share_is_free_then_share_all_or_nothing():
+    """The fast pool's fused call for a beam's select (the dropped rows' references go, the forks' come)
+    leaves the pool ``free`` then ``share`` leave on the oracle: counts, free-list order, parking. A bad
+    id is refused with the message of the call that refuses it on the oracle, and nothing changes."""
+    from oasr import fast as fast_twin
+    from oasr import reference as reference_twin
+
+    pools = {"reference": reference_twin.BlockPool(small_config(), scratch_blocks=1),
+             "fast": fast_twin.BlockPool(small_config(), scratch_blocks=1)}
+    owners = {name: pool.new_owner("beams") for name, pool in pools.items()}
+    ref, fast = pools["reference"], pools["fast"]
+    held, refused = [], 0
+    for step in range(300):
+        r = random.Random(1000 + step)
+        if len(held) < 6 or r.random() < 0.3:
+            n = min(r.randint(1, 3), fast.num_free_blocks)
+            got = [pools[name].allocate(n, owners[name]) for name in pools]
+            assert got[0] == got[1]
+            held += got[0]
+            if r.random() < 0.2 and got[0]:
+                for name, pool in pools.items():
+                    pool.publish(got[0][:1], [("key", step)], owners[name])
+            continue
+        released = r.sample(held, r.randint(0, min(4, len(held))))
+        left = list(held)
+        for i in released:
+            left.remove(i)
+        taken = r.choices(left, k=r.randint(0, 3)) if left else []
+        bad = r.random()
+        if bad < 0.1:  # an id outside the pool, or a free block (a double free): the oracle's free refuses it
+            released = released + [fast.free_block_ids()[0] if bad < 0.05 and fast.free_block_ids() else 10**6]
+        elif bad < 0.2:  # a free block: the oracle's share refuses it (asked alone: its share changes nothing)
+            taken = taken + [fast.free_block_ids()[0] if fast.num_free_blocks else -1]
+        want = None
+        try:
+            if bad < 0.2 and bad >= 0.1:
+                ref.share(taken, owners["reference"])
+            else:
+                ref.free(released, owners["reference"])
+                ref.share(taken, owners["reference"])
+        except ValueError as e:
+            want = str(e)
+        before = snapshot(fast), fast.ref_counts()
+        try:
+            fast._free_and_share(released, taken, owners["fast"])
+        except ValueError as e:
+            assert str(e) == want, step
+            assert_same_snapshot(before[0], snapshot(fast))
+            assert before[1] == fast.ref_counts()
+            refused += 1
+            continue
+        assert want is None, step
+        assert_same_snapshot(snapshot(ref), snapshot(fast))
+        assert ref.ref_counts() == fast.ref_counts()
+        held = left + taken
+    assert refused > 10

@@ -251,15 +251,8 @@ class BlockPool:
                     safe = np.where(in_range, ids, 0)
                     bad = ~in_range | self._is_free[safe] | (self._owner[safe] != owner)
                 if any(bad) if isinstance(bad, list) else bad.any():
-                    i = given[bad.index(True) if isinstance(bad, list) else int(np.argmax(bad))]
-                    if not 0 <= i < self.num_blocks:
-                        raise ValueError(f"BlockPool.share: block id {i} outside [0, {self.num_blocks})")
-                    if self._is_free[i]:
-                        raise ValueError(f"BlockPool.share: block {i} is free; only a held or parked block can "
-                                         f"be shared")
-                    raise ValueError(f"BlockPool.share: block {i} is held by "
-                                     f"{self._owners.name(int(self._owner[i]))}, not by {self._owners.name(owner)}; "
-                                     f"blocks are shared within one owner")
+                    self._raise_share_error(given[bad.index(True) if isinstance(bad, list) else int(np.argmax(bad))],
+                                            owner)
                 if len(set(given)) < len(given):
                     np.add.at(self._refs, ids, 1)
                 else:  # no repeats: a plain scatter (np.add.at is several times slower on small arrays)
@@ -267,6 +260,14 @@ class BlockPool:
                 if self._parked:
                     for i in given:
                         self._parked.pop(i, None)  # a parked block taken back
+
+    def _raise_share_error(self, i: int, owner: int) -> None:
+        if not 0 <= i < self.num_blocks:
+            raise ValueError(f"BlockPool.share: block id {i} outside [0, {self.num_blocks})")
+        if self._is_free[i]:
+            raise ValueError(f"BlockPool.share: block {i} is free; only a held or parked block can be shared")
+        raise ValueError(f"BlockPool.share: block {i} is held by {self._owners.name(int(self._owner[i]))}, not by "
+                         f"{self._owners.name(owner)}; blocks are shared within one owner")
 
     def free(self, block_ids, owner: int = NO_OWNER) -> None:
         """Return ``block_ids`` to the tail of the free list, in order; all or nothing. Each must be
@@ -322,11 +323,17 @@ class BlockPool:
 
     def _free_few(self, given: list, as_given: list | None, owner: int) -> None:
         """``free_array`` for a few ids, element by element: the same checks, order and effect."""
+        self._check_free_few(given, as_given, owner)
+        self._drop_few(given)
+
+    def _check_free_few(self, given: list, as_given: list | None, owner: int) -> None:
         n, seen = self.num_blocks, {}
         for i in given:
             if not 0 <= i < n or self._is_free[i] or self._owner[i] != owner or seen.get(i, 0) >= self._refs[i]:
                 self._raise_free_error(given if as_given is None else as_given, owner)
             seen[i] = seen.get(i, 0) + 1
+
+    def _drop_few(self, given: list) -> None:
         freed = []
         for i in given:  # a repeated id reaches 0 at its last place, as in the vectorised path
             self._refs[i] -= 1
@@ -337,6 +344,23 @@ class BlockPool:
                     freed.append(i)
         if freed:
             self._push_free(np.array(freed, dtype=np.int64))
+
+    def _free_and_share(self, released: list, taken: list, owner: int) -> None:
+        """``free(released)`` then ``share(taken)`` of a few int ids under one lock (a manager's select
+        of a beam: the dropped rows' references go, the forks' come), every id checked before anything
+        changes (the same messages as the two calls). ``owner`` is a registered owner id."""
+        with self._lock:
+            self._check_free_few(released, None, owner)
+            n = self.num_blocks
+            for i in taken:  # (a fork's parent is kept: what it holds cannot reach 0 above)
+                if not 0 <= i < n or self._is_free[i] or self._owner[i] != owner:
+                    self._raise_share_error(i, owner)
+            self._drop_few(released)
+            for i in taken:
+                self._refs[i] += 1
+            if self._parked:
+                for i in taken:
+                    self._parked.pop(i, None)
 
     def _raise_free_error(self, ids: list, owner: int) -> None:
         """The reference's validation loop, run only to raise its error for the first bad id."""
@@ -371,8 +395,12 @@ class BlockPool:
             values, counts = np.unique(d, return_counts=True)
             twice = int(values[int(np.argmax(counts > 1))])
             raise ValueError(f"BlockPool.copy_blocks: destination block {twice} given more than once")
-        if not s.size:
-            return
+        if s.size:
+            self._copy_ids(s, d)
+
+    def _copy_ids(self, s: np.ndarray, d: np.ndarray) -> None:
+        """``copy_blocks`` of int64 ids its caller has checked (a manager's copy-on-write of blocks it
+        holds onto blocks it just took): the copies alone."""
         if self.k_pool.device.type == "cpu":  # the host arrays are the index tensors: nothing to stage
             src_d, dst_d = torch.from_numpy(s), torch.from_numpy(d)
         else:

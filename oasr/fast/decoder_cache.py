@@ -629,7 +629,7 @@ class DecoderKVCacheManager:
         src, copy_rows, copy_cols, owners = plan
         new = self._take(src.size + owners.size)  # inside the rows' reservations: cannot run dry
         if src.size:
-            self.pool.copy_blocks(src, new[: src.size])
+            self.pool._copy_ids(src, new[: src.size])  # (held blocks onto blocks just taken: nothing to check)
             self._rebind(self._self_table, copy_rows, copy_cols, new[: src.size])
         if owners.size:
             self._bind(self._self_table, owners, self._held[owners], new[src.size :])
@@ -865,6 +865,8 @@ class DecoderKVCacheManager:
         """See the reference: keep and reorder rows, finish the rest, fork repeats onto shared pages."""
         ids = check_rows(rows, self._is_admitted, "select")
         sources, dropped = self._plan_select(ids, idx)
+        if len(ids) <= _FEW_ROWS:
+            return self._select_few(sources, dropped)
         released = np.zeros(0, dtype=np.int64)
         if dropped:  # finished together; their references are dropped with the forks' (_fork)
             gone = np.array(dropped, dtype=np.int64)
@@ -881,6 +883,59 @@ class DecoderKVCacheManager:
                 out.append(src)
             seen.add(src)
         self._fork(np.array(parents, dtype=np.int64), np.array(forks, dtype=np.int64), released)
+        return out
+
+    def _select_few(self, sources: list[int], dropped: list[int]) -> list[int]:
+        """``select``'s changes for a few rows (a beam) in Python lists, with one pool call
+        (``_free_and_share``): the same rows, references, records, and pages freed in the same order,
+        as the numpy path (``_unbind_rows``, ``_fork``)."""
+        table, cross, counts, null = self._self_table, self._cross_table, self._counts, self.pool.null_block
+
+        def refs(rows: list[int]) -> list[int]:  # as _held_refs: row by row, self pages then cross pages
+            out = []
+            for r, h, c in zip(rows, *counts[:2, rows].tolist(), strict=True):
+                out += table[r, :h].tolist()
+                out += cross[r, :c].tolist()
+            return out
+
+        released = refs(dropped) if dropped else []
+        if dropped:
+            table[dropped] = cross[dropped] = null
+            counts[:, dropped] = 0
+            self._admitted[dropped] = False
+            for r in dropped:
+                self._requests[r] = None
+        out, seen, forks, parents, free_rows = [], set(), [], [], None
+        for src in sources:
+            if src in seen:
+                if free_rows is None:
+                    free_rows = np.flatnonzero(~self._admitted).tolist()
+                out.append(free_rows[len(forks)])
+                forks.append(out[-1])
+                parents.append(src)
+            else:
+                out.append(src)
+            seen.add(src)
+        taken = refs(parents) if forks else []
+        if released and taken:  # as _cancel: the pairs that would go down and up again are left out
+            want, left = Counter(taken), []
+            for b in released:
+                if want.get(b):
+                    want[b] -= 1
+                else:
+                    left.append(b)
+            released, taken = left, list(want.elements())
+        if released or taken:
+            self.pool._free_and_share(released, taken, self._owner)
+        if forks:  # whole table rows: a fork row is all null, and a parent's entries past what it holds are null
+            table[forks] = table[parents]
+            cross[forks] = cross[parents]
+            counts[:, forks] = counts[:, parents]
+            self._admitted[forks] = True
+            for f, p in zip(forks, parents, strict=True):
+                self._requests[f] = self._requests[p]
+        if dropped or forks:
+            self._sync(dropped + forks)
         return out
 
     def _plan_select(self, ids: list[int], idx) -> tuple[list[int], list[int]]:
@@ -975,13 +1030,12 @@ class HostStep:
         blocks = manager._self_table[ids][:, manager._position_column[:L]].astype(np.int64)  # (B, L)
         self._manager, self._ids, self._dtype = manager, ids, cfg.dtype
         self._version = manager._version  # (open_step synced the rows: nothing changed since)
-        if B <= _FEW_ROWS:  # (a beam) the slots and the padding test in Python scalars
-            self._dest = torch.tensor([int(blocks[i, n]) * page + n % page for i, n in enumerate(lengths)])
-            short = any(n < L - 1 for n in lengths)
+        short = lengths.count(L - 1) < B  # rows with fewer keys than the longest: their tail is padding
+        if not short:  # (beams: one length) the landing slots are one column of the blocks
+            self._dest = torch.from_numpy(blocks[:, L - 1] * page + (L - 1) % page)
         else:
             length = np.array(lengths, dtype=np.int64)
             self._dest = torch.from_numpy(blocks[np.arange(B), length] * page + length % page)
-            short = bool((length < L - 1).any())  # rows with fewer keys than the longest: their tail is padding
         vectors = blocks[:, None, :] * (page * Hkv) + manager._position_vectors[:, :L]  # (B, Hkv, L)
         self._vector = torch.from_numpy(vectors.reshape(-1))
         self._hidden = (torch.from_numpy(np.arange(L)[None, :] > np.array(lengths)[:, None]) if short else None)

@@ -23,7 +23,8 @@ that read the device views are queued) and ``stage`` waits on it only when the
 entry comes round again and the event has not completed (a whole ring behind). On the CPU the copy is synchronous
 and the ring has one entry.
 
-A stager allocates at construction only; ``stage`` returns views. Each manager
+A stager allocates at construction only (its typed views are cut at the first ``stage``);
+``stage`` returns views. Each manager
 owns separate stagers for data it keeps on the device across calls (a prepared
 cohort's slots) and for data consumed at once, so one never overwrites the other.
 """
@@ -56,17 +57,9 @@ class Stager:
         on_cuda = device.type == "cuda"
         entries = ring if on_cuda else 1
         self._host = [torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=on_cuda) for _ in range(entries)]
-        self._host_views = [
-            [
-                h.numpy()[o : o + n * _ITEMSIZE[dt]].view(_NUMPY_DTYPE[dt])
-                for o, (n, dt) in zip(offsets, sections, strict=True)
-            ]
-            for h in self._host
-        ]
         self._device = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        self._device_views = [
-            self._device[o : o + n * _ITEMSIZE[dt]].view(dt) for o, (n, dt) in zip(offsets, sections, strict=True)
-        ]
+        self._offsets, self._sections = offsets, list(sections)
+        self._host_views = self._device_views = None  # the typed section views, cut at the first ``stage``
         self._events = [torch.cuda.Event() for _ in range(entries)] if on_cuda else None
         self._recorded = [False] * entries
         self._next = 0
@@ -79,6 +72,8 @@ class Stager:
         section's dtype. They stay valid until this stager's next ``stage``
         (stream-ordered on CUDA).
         """
+        if self._device_views is None:
+            self._cut_views()
         k = self._next
         self._next = (k + 1) % len(self._host)
         if self._events is not None and self._recorded[k] and not self._events[k].query():
@@ -102,6 +97,14 @@ class Stager:
                 self._events[k].record(torch.cuda.current_stream(self.device))
                 self._recorded[k] = True
         return [view[:count] for view, count in zip(self._device_views, counts, strict=True)]
+
+    def _cut_views(self) -> None:
+        """The typed views of every section over the buffers (not at construction: a manager that never
+        stages, such as a CPU decoder manager reading its host mirror, should not pay for them)."""
+        spans = [(o, n * _ITEMSIZE[dt], dt) for o, (n, dt) in zip(self._offsets, self._sections, strict=True)]
+        self._host_views = [[h.numpy()[o : o + size].view(_NUMPY_DTYPE[dt]) for o, size, dt in spans]
+                            for h in self._host]
+        self._device_views = [self._device[o : o + size].view(dt) for o, size, dt in spans]
 
     def storages(self) -> list[int]:
         """Data pointers of the host ring (tests: these are only ever read by torch)."""
