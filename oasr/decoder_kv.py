@@ -343,7 +343,7 @@ class PagedDecoderKV:
 
         When every row maps the same cross pages (a lone row, or the beams of one utterance) and the
         manager's twin reads shared regions once (``SHARED_CROSS_READ``: the fast twin), the region is
-        read once. Pages in the model dtype: ``manager.gather_cross`` of the first row, kept for the
+        read once. Pages in the model dtype: ``manager.read_cross`` of the first row, kept for the
         group and handed on by ``select`` while the manager's ``cross_writes`` count says no cross
         region was written since (``fill_cross`` refuses shared pages, and a lone row's refill is
         counted), then one grouped attention for all rows (``_attend_shared``). Quantized pages: a
@@ -356,9 +356,7 @@ class PagedDecoderKV:
             self._shared_cross = manager.SHARED_CROSS_READ and manager.shares_cross(self.rows)
         if B and manager.SHARED_CROSS_READ and (B == 1 or self._shared_cross) and not self.config.kv_quantized:
             if self._cross_kv is None or self._cross_kv[0] != manager.cross_writes:
-                packed = manager.gather_cross(self.rows[0])  # (L, Hkv, S, 2D), K then V
-                self._cross_kv = (manager.cross_writes, [(x[..., :D].transpose(1, 2).float().contiguous(),
-                                                          x[..., D:].float().contiguous()) for x in packed])
+                self._cross_kv = (manager.cross_writes, manager.read_cross(self.rows[0]))
             return _attend_shared(q, *self._cross_kv[1][layer])
         if self._cross is None:
             rows = self.rows[:1] if B > 1 and self._shared_cross else self.rows

@@ -206,8 +206,8 @@ def test_shares_cross_and_lengths_answer_without_changing_anything(ops):
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
 def test_fast_beams_read_their_shared_cross_region_once(monkeypatch, kv_cache_dtype):
-    """The fast twin's decode groups attend a cross region every beam shares once (gathered once per
-    search in the model dtype; a packed single-row read on quantized pages) and get what row-by-row
+    """The fast twin's decode groups attend a cross region every beam shares once (``read_cross`` once
+    per search in the model dtype; a packed single-row read on quantized pages) and get what row-by-row
     reads give; the oracle reads row by row. A region refilled while one row holds it alone is read
     again, not from the kept copy."""
     from oasr.decoder_kv import PagedDecoderKV
@@ -221,13 +221,13 @@ def test_fast_beams_read_their_shared_cross_region_once(monkeypatch, kv_cache_dt
 
     calls = Counter()
     for ops in (reference, fast):
-        original = ops.DecoderKVCacheManager.gather_cross
+        original = getattr(ops.DecoderKVCacheManager, "read_cross", ops.DecoderKVCacheManager.gather_cross)
 
         def counted(self, row, original=original, name=ops.__name__):
             calls[name] += 1
             return original(self, row)
 
-        monkeypatch.setattr(ops.DecoderKVCacheManager, "gather_cross", counted)
+        monkeypatch.setattr(ops.DecoderKVCacheManager, original.__name__, counted)
     q = torch.randn(3, 4, 2, 8, generator=torch.Generator().manual_seed(3))
     outs = {}
     for ops in (reference, fast):
@@ -273,6 +273,29 @@ def test_fast_beams_read_their_shared_cross_region_once(monkeypatch, kv_cache_dt
     torch.testing.assert_close(g.attend_cross(1, q[:1].expand(3, -1, -1, -1).contiguous()), want.expand(3, -1, -1, -1),
                                atol=1e-6, rtol=1e-6)
     assert calls == Counter({"oasr.fast": 2})  # the beams read the lone row's copy
+
+
+def test_fast_read_cross_is_gather_cross_split_and_laid_out_for_the_shared_read():
+    """``read_cross`` (the shared read's gather) holds ``gather_cross``'s values: per layer K^T and V in
+    fp32, over shuffled pages poisoned with NaN past the region; quantized pages are refused by name."""
+    m = fast.DecoderKVCacheManager(dcfg(max_num_blocks=40))
+    for pool in (m.pool.k_pool, m.pool.v_pool):
+        pool.fill_(float("nan"))
+    m.pool.free(m.pool.allocate(7)[::-1])  # the free list reversed: the region's pages out of order
+    (row,) = m.admit([DecoderRequest(1, 8, 5)])
+    m.fill_cross(row, *kv(2, 5, 2, 8, seed=4))
+    packed = m.gather_cross(row)  # (L, Hkv, S, 2D)
+    read = m.read_cross(row)
+    assert len(read) == packed.shape[0]
+    for (k_t, v), layer in zip(read, packed, strict=True):
+        assert k_t.dtype == v.dtype == torch.float32 and k_t.is_contiguous() and v.is_contiguous()
+        assert torch.equal(k_t, layer[..., :8].transpose(1, 2).float()) and torch.equal(v, layer[..., 8:].float())
+    q = fast.DecoderKVCacheManager(dcfg(kv_cache_dtype="fp8_e4m3", max_num_blocks=40))
+    (row,) = q.admit([DecoderRequest(1, 8, 5)])
+    with pytest.raises(ValueError, match="fp8_e4m3"):
+        q.read_cross(row)
+    with pytest.raises(KeyError):
+        m.read_cross(row + 1)
 
 
 def test_host_plan_serves_only_the_tensors_it_was_built_with():

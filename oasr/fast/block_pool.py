@@ -96,6 +96,7 @@ class BlockPool:
         self._lock = threading.Lock()
         self._stager = Stager([(n + scratch_blocks, torch.int64)], config.device)
         self._copy_stager = Stager([(n, torch.int64), (n, torch.int64)], config.device)
+        self._host_bytes = None  # on the CPU, numpy views of the pool tensors' bytes (block copies)
 
     # ---- counts -----------------------------------------------------------
     @property
@@ -401,10 +402,14 @@ class BlockPool:
     def _copy_ids(self, s: np.ndarray, d: np.ndarray) -> None:
         """``copy_blocks`` of int64 ids its caller has checked (a manager's copy-on-write of blocks it
         holds onto blocks it just took): the copies alone."""
-        if self.k_pool.device.type == "cpu":  # the host arrays are the index tensors: nothing to stage
-            src_d, dst_d = torch.from_numpy(s), torch.from_numpy(d)
-        else:
-            src_d, dst_d = self._copy_stager.stage(s, d)
+        if self.k_pool.device.type == "cpu":  # the pool's bytes through numpy (a fancy read copies first)
+            if self._host_bytes is None:
+                self._host_bytes = [t.view(torch.uint8).numpy() for t in (self.k_pool, self.v_pool, self.k_scale,
+                                                                          self.v_scale) if t is not None]
+            for data in self._host_bytes:
+                data[:, d] = data[:, s]
+            return
+        src_d, dst_d = self._copy_stager.stage(s, d)
         for pool in (self.k_pool, self.v_pool, self.k_scale, self.v_scale):
             if pool is not None:
                 data = pool.view(torch.uint8) if pool.dtype.itemsize == 1 else pool

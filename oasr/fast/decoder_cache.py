@@ -515,6 +515,24 @@ class DecoderKVCacheManager:
         r = self._row(row, "gather_cross")
         return self.pool.gather_kv_blocks(self._cross_table[r, : self._cross_held[r]], 0, int(self._cross_length[r]))
 
+    def read_cross(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The row's cross region as a decode group reads it when its rows share it (``SHARED_CROSS_READ``,
+        ``oasr.decoder_kv.PagedDecoderKV.attend_cross``): per layer ``(K^T (Hkv, D, S), V (Hkv, S, D))`` in
+        fp32, fresh tensors. Model-dtype pages only (quantized pages: ``ValueError``). One gather of the
+        row's pages per pool tensor and layer; the same values as ``gather_cross``."""
+        r = self._row(row, "read_cross")
+        if self.config.kv_quantized:
+            raise ValueError(f"read_cross: pages in {self.config.kv_cache_dtype} are read through views, not gathered")
+        ids = self._cross_table[r, : self._cross_held[r]].astype(np.int64)
+        S, H, D = int(self._cross_length[r]), self.config.n_kv_head, self.config.head_dim
+        index = torch.from_numpy(ids) if self._host_direct else self.pool._device_ids(ids)
+        out = []
+        for k_pool, v_pool in self._layer_kv:
+            k = k_pool.index_select(0, index).view(-1, H, D)[:S]
+            v = v_pool.index_select(0, index).view(-1, H, D)[:S]
+            out.append((k.permute(1, 2, 0).float().contiguous(), v.transpose(0, 1).float().contiguous()))
+        return out
+
     # ---- writes -------------------------------------------------------------------
     def _host_writes(self, backend: str | None = None) -> bool:
         """Whether writes take the host shortcut: model-dtype pages on the CPU's torch backend
