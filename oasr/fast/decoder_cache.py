@@ -641,7 +641,10 @@ class DecoderKVCacheManager:
     def _prepare(self, ids: np.ndarray) -> None:
         """Copies of shared landing pages (row order) then new pages: one allocation, one batched copy.
         The decision by size: a few rows (a beam) in Python scalars, more in numpy; the same answer."""
-        plan = self._prepare_few(ids) if ids.size <= _FEW_ROWS else self._prepare_many(ids)
+        if ids.size <= _FEW_ROWS:
+            self._prepare_few(ids.tolist())
+            return
+        plan = self._prepare_many(ids)
         if plan is None:  # (most steps: every row writes into a page it owns alone)
             return
         src, copy_rows, copy_cols, owners = plan
@@ -676,31 +679,39 @@ class DecoderKVCacheManager:
             copy = shared
         return landing[copy].astype(np.int64), ids[copy], col[copy], ids[grow]
 
-    def _prepare_few(self, ids: np.ndarray) -> tuple | None:
-        """``_prepare_many`` for a few rows, element by element (a beam's step: a handful of Python reads
-        beat a dozen numpy calls): the same checks in the same order, the same answer."""
-        page, refs, keyed = self.config.page_size, self.pool._refs, self.pool._keyed
-        rows = ids.tolist()
-        lengths, held = self._length[ids].tolist(), self._held[ids].tolist()
-        ceilings = self._ceiling[ids].tolist()
-        for r, n, c in zip(rows, lengths, ceilings, strict=True):
-            if n >= c:
+    def _prepare_few(self, rows: list[int]) -> None:
+        """``_prepare`` for a few rows, element by element (a beam's step: a handful of Python reads beat
+        a dozen numpy calls): the same checks in the same order, the same copies, pages and order."""
+        page, table = self.config.page_size, self._self_table
+        length, held, ceiling = self._length.item, self._held.item, self._ceiling.item
+        for r in rows:
+            if length(r) >= ceiling(r):
                 self._step_needs(np.array([r], dtype=np.int64))  # raises the ceiling's message
         landing, cols, owners = [], [], []
-        for r, n, h in zip(rows, lengths, held, strict=True):
-            col = n // page
+        for r in rows:
+            col = length(r) // page
             cols.append(col)
-            if col < h:
-                landing.append(int(self._self_table[r, col]))
+            if col < held(r):
+                landing.append(table.item(r, col))
             else:  # the row crosses into a page it does not hold yet
                 landing.append(-1)
                 owners.append(r)
-        copy = cow_writes(landing, lambda b: int(refs[b]) + int(keyed[b]))
-        if not owners and not any(copy):
-            return None
+        refs, keyed = self.pool._refs.item, self.pool._keyed.item
+        copy = cow_writes(landing, lambda b: refs(b) + keyed(b))
         picked = [i for i, c in enumerate(copy) if c]
-        return (np.array([landing[i] for i in picked], dtype=np.int64), np.array([rows[i] for i in picked],
-                dtype=np.int64), np.array([cols[i] for i in picked], dtype=np.int64), np.array(owners, dtype=np.int64))
+        if not owners and not picked:  # (most steps: every row writes into a page it owns alone)
+            return
+        src = np.array([landing[i] for i in picked], dtype=np.int64)
+        new = self._take(src.size + len(owners))  # inside the rows' reservations: cannot run dry
+        if src.size:
+            self.pool._copy_ids(src, new[: src.size])  # (held blocks onto blocks just taken: nothing to check)
+            for i, j in zip(picked, new[: src.size].tolist(), strict=True):
+                table[rows[i], cols[i]] = j
+        for r, j in zip(owners, new[src.size :].tolist(), strict=True):
+            table[r, held(r)] = j
+            self._held[r] += 1
+        if src.size:
+            self._drop(src)
 
     def prepare_step(self, rows) -> None:
         """Make room for one more token in each of ``rows`` (a page where a row crosses a boundary)."""
@@ -908,21 +919,21 @@ class DecoderKVCacheManager:
         (``_free_and_share``): the same rows, references, records, and pages freed in the same order,
         as the numpy path (``_unbind_rows``, ``_fork``)."""
         table, cross, counts, null = self._self_table, self._cross_table, self._counts, self.pool.null_block
+        held, cross_held = self._held, self._cross_held
 
         def refs(rows: list[int]) -> list[int]:  # as _held_refs: row by row, self pages then cross pages
             out = []
-            for r, h, c in zip(rows, *counts[:2, rows].tolist(), strict=True):
-                out += table[r, :h].tolist()
-                out += cross[r, :c].tolist()
+            for r in rows:  # (element reads and row slices: numpy's fancy indexing costs more on a few rows)
+                out += table[r, : held.item(r)].tolist()
+                out += cross[r, : cross_held.item(r)].tolist()
             return out
 
         released = refs(dropped) if dropped else []
-        if dropped:
-            table[dropped] = cross[dropped] = null
-            counts[:, dropped] = 0
-            self._admitted[dropped] = False
-            for r in dropped:
-                self._requests[r] = None
+        for r in dropped:
+            table[r] = cross[r] = null
+            counts[:, r] = 0
+            self._admitted[r] = False
+            self._requests[r] = None
         out, seen, forks, parents, free_rows = [], set(), [], [], None
         for src in sources:
             if src in seen:
@@ -945,13 +956,12 @@ class DecoderKVCacheManager:
             released, taken = left, list(want.elements())
         if released or taken:
             self.pool._free_and_share(released, taken, self._owner)
-        if forks:  # whole table rows: a fork row is all null, and a parent's entries past what it holds are null
-            table[forks] = table[parents]
-            cross[forks] = cross[parents]
-            counts[:, forks] = counts[:, parents]
-            self._admitted[forks] = True
-            for f, p in zip(forks, parents, strict=True):
-                self._requests[f] = self._requests[p]
+        for f, p in zip(forks, parents, strict=True):  # whole rows: past what a parent holds its entries are null
+            table[f] = table[p]
+            cross[f] = cross[p]
+            counts[:, f] = counts[:, p]
+            self._admitted[f] = True
+            self._requests[f] = self._requests[p]
         if dropped or forks:
             self._sync(dropped + forks)
         return out
@@ -968,25 +978,27 @@ class DecoderKVCacheManager:
         if forks > free_rows + len(dropped):
             raise ValueError(f"select: {forks} forked rows need {forks} free rows, only "
                              f"{free_rows + len(dropped)} are free after the dropped rows finish")
-        after = np.array(sources, dtype=np.int64)
+        others = []
         if admitted > len(ids):  # rows outside the group keep their reservations
-            others = self._admitted.copy()
-            others[ids] = False
-            after = np.concatenate([after, np.flatnonzero(others)])
+            outside = self._admitted.copy()
+            outside[ids] = False
+            others = np.flatnonzero(outside).tolist()
+        after = sources + others
         # an upper bound first: every written block costs at most one copy per writer, so when the growth
         # to every ceiling plus every written block fits the free blocks, the exact count below does too
         # (beams in a pool sized for them: most selects stop here)
         page = self.config.page_size
-        if after.size <= _FEW_ROWS:  # (a beam) the same sum in Python scalars
-            held, _, length, _, ceiling, _ = self._counts[:, after].tolist()
-            bound = sum(-(-c // page) - h + max(h - n // page, 0) for h, n, c in zip(held, length, ceiling,
-                                                                                    strict=True))
+        if len(after) <= _FEW_ROWS:  # (a beam) the same sum in Python scalars
+            held, length, ceiling = self._held.item, self._length.item, self._ceiling.item
+            bound = sum(-(-ceiling(r) // page) - held(r) + max(held(r) - length(r) // page, 0) for r in after)
         else:
+            after = np.array(after, dtype=np.int64)
             held = self._held[after]
             written = np.maximum(held - self._length[after] // page, 0)
             bound = int((-(-self._ceiling[after] // page) - held).sum() + written.sum())
         if bound <= self.pool.num_free_blocks:
             return sources, dropped
+        after = np.asarray(after, dtype=np.int64)
         blocks = self._blocks_of(after)
         need = self._reserved(after, self.pinned_blocks, blocks)
         freed = 0
@@ -1096,7 +1108,12 @@ class HostStep:
         if manager._version != self._version:
             manager._commit(self._ids)
             return
-        manager._length[self._ids] += 1
+        if self._ids.size <= _FEW_ROWS:  # (a beam) element updates beat a fancy-indexed one
+            length = manager._length
+            for r in self._ids.tolist():
+                length[r] += 1
+        else:
+            manager._length[self._ids] += 1
         manager._sync(self._ids)
 
 
