@@ -343,8 +343,13 @@ class BlockPool:
                     self._parked[i] = None
                 else:
                     freed.append(i)
-        if freed:
-            self._push_free(np.array(freed, dtype=np.int64))
+        if freed:  # _push_free, element by element
+            tail, size = self._head + self._count, max(self.num_blocks, 1)
+            for j, i in enumerate(freed):
+                self._ring[(tail + j) % size] = i
+                self._is_free[i] = True
+                self._owner[i] = NO_OWNER
+            self._count += len(freed)
 
     def _free_and_share(self, released: list, taken: list, owner: int) -> None:
         """``free(released)`` then ``share(taken)`` of a few int ids under one lock (a manager's select

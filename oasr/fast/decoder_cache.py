@@ -125,6 +125,8 @@ class DecoderKVCacheManager:
         self._ones = torch.ones(R, dtype=_I32, device=device)
         self._stager = Stager([(R, _I64), (R * SW, _I32), (R * CW, _I32), (2 * R, _I32)], device)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
+        # per layer the pool's K and V as (slots, n_kv_head, head_dim): a step's writes index slots
+        self._layer_slots = [(k.view(-1, *k.shape[-2:]), v.view(-1, *v.shape[-2:])) for k, v in self._layer_kv]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
         self._host_direct = device.type == "cpu"  # views from the host mirror (see self_caches)
         self._host_pages = device.type == "cpu" and not config.kv_quantized  # (see _host_writes)
@@ -1086,10 +1088,10 @@ class HostStep:
         """See ``ViewStep.write``: one ``index_copy_`` each for K and V (checked first: nothing written)."""
         self._check("write", "k", k, self._want)
         self._check("write", "v", v, self._want)
-        k_pool, v_pool = self._kv[layer]
+        k_slots, v_slots = self._manager._layer_slots[layer]
         B, _, H, D = self._want
-        k_pool.view(-1, H, D).index_copy_(0, self._dest, k.reshape(B, H, D))
-        v_pool.view(-1, H, D).index_copy_(0, self._dest, v.reshape(B, H, D))
+        k_slots.index_copy_(0, self._dest, k.reshape(B, H, D))
+        v_slots.index_copy_(0, self._dest, v.reshape(B, H, D))
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """See ``ViewStep.attend``: ``attend_gathered`` over the step's vectors."""
