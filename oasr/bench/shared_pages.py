@@ -8,7 +8,10 @@ Two measurements, reference against fast:
   a user's beams hold: ~100 cross frames, hypotheses of ~50 characters), and
   the seeded toy ``AttentionDecoder`` (hidden 32, 12 random cross frames, 16
   tokens: a step there is mostly per-call overhead, so it shows the fixed
-  bookkeeping cost). Time: median ms of the whole search; the four searches
+  bookkeeping cost). Time: median ms of the whole search (paged: admission,
+  the search and the rows' finish on a manager made once per row of the table,
+  as an engine holds one pool; dense: the group's buffers made per search, as
+  a dense group is); the four searches
   (each twin, each storage) are timed in turn within every repeat, so a change
   in load touches every column alike; ``paged_over_dense`` (on the paged rows,
   per twin) is the ratio of the two storages' medians. Memory: ``kv_bytes`` is what the beams' K/V occupy at
@@ -45,13 +48,15 @@ from oasr.decoder_kv import PagedDecoderKV
 STREAMS, SHARED, OWN, PAGE = 32, 48, 5, 16
 
 
-def _search(ops, storage, decoder, enc, cfg, beam: int, max_new: int, peak: list):
-    """One beam search; ``peak[0]`` gets the K/V bytes the beams occupy at their peak (module docstring)."""
+def _search(ops, storage, decoder, enc, cfg, beam: int, max_new: int, peak: list, manager=None):
+    """One beam search; ``peak[0]`` gets the K/V bytes the beams occupy at their peak (module docstring).
+    Paged beams run on ``manager`` (made once for the row's searches, as an engine holds one pool; a fresh
+    one if None): admitted, searched, finished."""
     if storage == "dense":
         kv = ops.DenseDecoderKV(cfg, 1, capacity=1 + max_new, cross_capacity=enc.shape[0])
         peak[0] = beam * (1 + max_new + enc.shape[0]) * (cfg.bytes_per_block // cfg.page_size)
         return decoder.beam_search(kv, enc, beam, max_new)
-    manager = ops.DecoderKVCacheManager(cfg)
+    manager = ops.DecoderKVCacheManager(cfg) if manager is None else manager
     step, used = manager.open_step, [0]
 
     def watched(rows, **kw):  # a decode group's step (PagedDecoderKV.begin_step): the pages are taken here
@@ -60,10 +65,13 @@ def _search(ops, storage, decoder, enc, cfg, beam: int, max_new: int, peak: list
         return handle
 
     manager.open_step = watched
-    kv = PagedDecoderKV.admit(manager, [decoder.request(enc.shape[0], max_new)], ops)
-    found = decoder.beam_search(kv, enc, beam, max_new)
-    for r in manager.rows:
-        manager.finish(r)
+    try:
+        kv = PagedDecoderKV.admit(manager, [decoder.request(enc.shape[0], max_new)], ops)
+        found = decoder.beam_search(kv, enc, beam, max_new)
+        for r in manager.rows:
+            manager.finish(r)
+    finally:
+        del manager.open_step  # (the class's again)
     peak[0] = used[0] * cfg.bytes_per_block
     return found
 
@@ -111,7 +119,8 @@ def _beam_pair(model, decoder, enc, max_new, beam, quick, device, twins) -> list
     for name, ops in zip(("reference", "fast"), twins, strict=True):
         for storage in ("paged", "dense"):
             peak = [0]
-            args[name, storage] = (ops, storage, decoder, enc, cfg, beam, max_new, peak)
+            manager = ops.DecoderKVCacheManager(cfg) if storage == "paged" else None
+            args[name, storage] = (ops, storage, decoder, enc, cfg, beam, max_new, peak, manager)
             results[storage, name] = _search(*args[name, storage])
             out[storage]["kv_bytes"] = peak[0]
     # the four searches timed in turn within every repeat: a change in load touches every column alike

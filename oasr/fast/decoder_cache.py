@@ -550,9 +550,12 @@ class DecoderKVCacheManager:
         cfg = self.config
         page = cfg.page_size
         slots = torch.from_numpy(table[rows, positions // page].astype(np.int64) * page + positions % page)
-        for layer, (k_pool, v_pool) in enumerate(self._layer_kv):
-            k_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, k[layer].to(k_pool.dtype))
-            v_pool.view(-1, cfg.n_kv_head, cfg.head_dim).index_copy_(0, slots, v[layer].to(v_pool.dtype))
+        dtype = cfg.kv_storage_dtype
+        if k.dtype != dtype or v.dtype != dtype:
+            k, v = k.to(dtype), v.to(dtype)
+        for layer, (k_slots, v_slots) in enumerate(self._layer_slots):
+            k_slots.index_copy_(0, slots, k[layer])
+            v_slots.index_copy_(0, slots, v[layer])
 
     def _write_row(self, table: torch.Tensor, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Tokens ``[start, start + T)`` of one row's region: one append_kv (quantize-and-scatter) per layer
