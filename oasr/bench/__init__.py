@@ -87,6 +87,12 @@ def paired_ms(reference_fn, fast_fn, repeats: int = 5, warmup: int = 1, device="
 
 def alternating_ms(fns: list, repeats: int = 5, warmup: int = 1, device="cpu") -> list[float]:
     """Median ms of each of ``fns``, timed in turn within every repeat (``paired_ms`` for any number)."""
+    return [statistics.median(t) for t in alternating_samples(fns, repeats, warmup, device)]
+
+
+def alternating_samples(fns: list, repeats: int = 5, warmup: int = 1, device="cpu") -> list[list[float]]:
+    """``alternating_ms``'s samples: per function, its ms in each repeat (repeat ``i`` of every function
+    ran back to back, so a ratio of two functions' ``i``-th samples saw one load)."""
     now = clock(device)
     for _ in range(warmup):
         for fn in fns:
@@ -99,7 +105,7 @@ def alternating_ms(fns: list, repeats: int = 5, warmup: int = 1, device="cpu") -
             fn()
             sync(device)
             out.append((now() - start) * 1e3)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def with_ratio(rows: list[dict]) -> list[dict]:

@@ -14,7 +14,9 @@ Two measurements, reference against fast:
   a dense group is); the four searches
   (each twin, each storage) are timed in turn within every repeat, so a change
   in load touches every column alike; ``paged_over_dense`` (on the paged rows,
-  per twin) is the ratio of the two storages' medians. Memory: ``kv_bytes`` is what the beams' K/V occupy at
+  per twin) is the median over repeats of the two storages' ratio within the
+  repeat (their searches ran back to back: load that drifts between repeats
+  cancels, where a ratio of two medians would carry it). Memory: ``kv_bytes`` is what the beams' K/V occupy at
   the peak step: for paged beams the most pages held at once (self and cross,
   each shared page counted once) times the bytes of a page; for dense beams
   ``beam x (capacity + cross extent)`` token slots, the buffers a dense group
@@ -39,9 +41,11 @@ Two measurements, reference against fast:
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
-from oasr.bench import alternating_ms, paired_ms
+from oasr.bench import alternating_samples, paired_ms
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import PagedDecoderKV
 
@@ -125,12 +129,14 @@ def _beam_pair(model, decoder, enc, max_new, beam, quick, device, twins) -> list
             out[storage]["kv_bytes"] = peak[0]
     # the four searches timed in turn within every repeat: a change in load touches every column alike
     order = list(args)
-    times = alternating_ms([lambda a=args[key]: _search(*a) for key in order], repeats=1 if quick else 11,
-                           device=device)
-    ms = dict(zip(order, times, strict=True))
+    samples = alternating_samples([lambda a=args[key]: _search(*a) for key in order], repeats=1 if quick else 15,
+                                  device=device)
+    ms = dict(zip(order, samples, strict=True))
     for name in ("reference", "fast"):
-        out["paged"][f"{name}_ms"], out["dense"][f"{name}_ms"] = ms[name, "paged"], ms[name, "dense"]
-        out["paged"][f"{name}_paged_over_dense"] = ms[name, "paged"] / ms[name, "dense"]
+        paged, dense = ms[name, "paged"], ms[name, "dense"]
+        out["paged"][f"{name}_ms"], out["dense"][f"{name}_ms"] = statistics.median(paged), statistics.median(dense)
+        # each repeat's two searches ran back to back: the median of their ratios (load drift cancels)
+        out["paged"][f"{name}_paged_over_dense"] = statistics.median(p / d for p, d in zip(paged, dense, strict=True))
     same = all(results["paged", n][0] == results["dense", n][0] for n in ("reference", "fast"))
     diff = max(abs(results["paged", n][1] - results["dense", n][1]) for n in ("reference", "fast"))
     for row in out.values():
