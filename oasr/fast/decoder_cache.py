@@ -32,11 +32,17 @@ per layer (no per-layer view, dispatch or length check). Elsewhere it holds the
 views and calls the twin's ops, as the reference's does.
 
 Block ownership goes through ``_take`` / ``_drop`` (the pool) and ``_bind`` /
-``_unbind`` (table entries) exactly as in the reference; pages are
-reference-counted in the pool and forked rows share them. A step's
-copy-on-write copies (``oasr.decoder_common``) are taken in the step's one
-allocation and made by one ``pool.copy_blocks`` (one indexed copy per pool
-tensor), before the step's ``append_kv``.
+``_unbind`` (table entries) as in the reference; pages are reference-counted in
+the pool and forked rows share them. A step's copy-on-write copies
+(``oasr.decoder_common``) are taken in the step's one allocation and made by one
+block copy per pool tensor (``pool._copy_ids``), before the step's writes.
+
+A beam (at most ``_FEW_ROWS`` rows) takes element-wise paths with the same
+results: its select (``_select_few``: rows by plain indexing, the dropped and
+forked references in one ``pool._free_and_share``), its step's decision
+(``_prepare_few``), the select's bound and the handle's commit. On a few rows
+numpy's per-call cost, not the work, is what a numpy path pays; the tests run
+both paths against the oracle.
 """
 
 from __future__ import annotations
