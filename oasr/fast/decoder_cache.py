@@ -912,18 +912,25 @@ class DecoderKVCacheManager:
             gone = np.array(dropped, dtype=np.int64)
             released = self._unbind_rows(gone)
             self._sync(gone)
-        out, seen, forks, parents = [], set(), [], []
-        free_rows = np.flatnonzero(~self._admitted).tolist() if len(set(sources)) < len(sources) else []
+        out, forks, parents = self._place(sources)
+        self._fork(np.array(parents, dtype=np.int64), np.array(forks, dtype=np.int64), released)
+        return out
+
+    def _place(self, sources: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Where each source of a select lands, after its dropped rows are gone: a source's first place
+        keeps its row, a repeat forks into the lowest free row. ``(rows, forks, their parents)``."""
+        out, seen, forks, parents, free_rows = [], set(), [], [], None
         for src in sources:
             if src in seen:
+                if free_rows is None:
+                    free_rows = np.flatnonzero(~self._admitted).tolist()
                 out.append(free_rows[len(forks)])
                 forks.append(out[-1])
                 parents.append(src)
             else:
                 out.append(src)
             seen.add(src)
-        self._fork(np.array(parents, dtype=np.int64), np.array(forks, dtype=np.int64), released)
-        return out
+        return out, forks, parents
 
     def _select_few(self, sources: list[int], dropped: list[int]) -> list[int]:
         """``select``'s changes for a few rows (a beam) in Python lists, with one pool call
@@ -945,26 +952,10 @@ class DecoderKVCacheManager:
             counts[:, r] = 0
             self._admitted[r] = False
             self._requests[r] = None
-        out, seen, forks, parents, free_rows = [], set(), [], [], None
-        for src in sources:
-            if src in seen:
-                if free_rows is None:
-                    free_rows = np.flatnonzero(~self._admitted).tolist()
-                out.append(free_rows[len(forks)])
-                forks.append(out[-1])
-                parents.append(src)
-            else:
-                out.append(src)
-            seen.add(src)
+        out, forks, parents = self._place(sources)
         taken = refs(parents) if forks else []
-        if released and taken:  # as _cancel: the pairs that would go down and up again are left out
-            want, left = Counter(taken), []
-            for b in released:
-                if want.get(b):
-                    want[b] -= 1
-                else:
-                    left.append(b)
-            released, taken = left, list(want.elements())
+        if released and taken:  # the pairs that would go down and up again are left out
+            released, taken = _cancel_few(released, taken)
         if released or taken:
             self.pool._free_and_share(released, taken, self._owner)
         for f, p in zip(forks, parents, strict=True):  # whole rows: past what a parent holds its entries are null
@@ -1135,14 +1126,8 @@ def _cancel(released: np.ndarray, taken: np.ndarray) -> tuple[np.ndarray, np.nda
     hypothesis): a counting loop; more: in numpy, each released id's occurrence rank (a stable sort)
     against the count ``taken`` holds of it (the loop's result, in a constant number of operations)."""
     if released.size + taken.size <= _FEW_CANCEL:
-        want = Counter(taken.tolist())
-        left = []
-        for b in released.tolist():
-            if want.get(b):
-                want[b] -= 1
-            else:
-                left.append(b)
-        return np.array(left, dtype=np.int64), np.fromiter(want.elements(), dtype=np.int64)
+        left, still = _cancel_few(released.tolist(), taken.tolist())
+        return np.array(left, dtype=np.int64), np.array(still, dtype=np.int64)
     n = int(max(released.max(), taken.max())) + 1
     want = np.bincount(taken, minlength=n)
     order = np.argsort(released, kind="stable")
@@ -1153,6 +1138,17 @@ def _cancel(released: np.ndarray, taken: np.ndarray) -> tuple[np.ndarray, np.nda
     left = want - np.minimum(want, np.bincount(released, minlength=n))
     still = np.flatnonzero(left)
     return released[rank >= want[released]], np.repeat(still, left[still])
+
+
+def _cancel_few(released: list[int], taken: list[int]) -> tuple[list[int], list[int]]:
+    """``_cancel`` of int lists by a counting loop."""
+    want, left = Counter(taken), []
+    for b in released:
+        if want.get(b):
+            want[b] -= 1
+        else:
+            left.append(b)
+    return left, list(want.elements())
 
 
 class DenseDecoderKV(DenseDecoderKVBase):
