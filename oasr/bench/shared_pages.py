@@ -129,7 +129,7 @@ def _beam_pair(model, decoder, enc, max_new, beam, quick, device, twins) -> list
             out[storage]["kv_bytes"] = peak[0]
     # the four searches timed in turn within every repeat: a change in load touches every column alike
     order = list(args)
-    samples = alternating_samples([lambda a=args[key]: _search(*a) for key in order], repeats=1 if quick else 15,
+    samples = alternating_samples([lambda a=args[key]: _search(*a) for key in order], repeats=1 if quick else 25,
                                   device=device)
     ms = dict(zip(order, samples, strict=True))
     for name in ("reference", "fast"):

@@ -722,7 +722,7 @@ class DecoderKVCacheManager:
             table[r, held(r)] = j
             self._held[r] += 1
         if src.size:
-            self._drop(src)
+            self.pool._free_and_share(src.tolist(), [], self._owner)  # (_drop of a few ids)
 
     def prepare_step(self, rows) -> None:
         """Make room for one more token in each of ``rows`` (a page where a row crosses a boundary)."""
@@ -948,10 +948,7 @@ class DecoderKVCacheManager:
 
         released = refs(dropped) if dropped else []
         for r in dropped:
-            table[r] = cross[r] = null
-            counts[:, r] = 0
             self._admitted[r] = False
-            self._requests[r] = None
         out, forks, parents = self._place(sources)
         taken = refs(parents) if forks else []
         if released and taken:  # the pairs that would go down and up again are left out
@@ -964,6 +961,12 @@ class DecoderKVCacheManager:
             counts[:, f] = counts[:, p]
             self._admitted[f] = True
             self._requests[f] = self._requests[p]
+        reused = set(forks)  # (a fork mostly lands in a row the select dropped: written once, not cleared first)
+        for r in dropped:
+            if r not in reused:
+                table[r] = cross[r] = null
+                counts[:, r] = 0
+                self._requests[r] = None
         if dropped or forks:
             self._sync(dropped + forks)
         return out
