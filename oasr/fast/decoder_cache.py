@@ -88,6 +88,7 @@ from oasr.prefix_cache import PrefixIndex, check_tokens
 
 _I32, _I64 = torch.int32, torch.int64
 _FEW_ROWS = 8  # _prepare: up to this many rows (a beam), Python scalars beat the numpy calls' setup
+_QUERY_SHAPE = "(B={B}, n_head (a multiple of n_kv_head={H}), 1, head_dim={D})"  # HostStep.attend's message
 _FEW_CANCEL = 192  # _cancel: up to this many ids in all, the counting loop beats the numpy ops' setup
 
 
@@ -202,7 +203,7 @@ class DecoderKVCacheManager:
 
     # ---- counts ---------------------------------------------------------------
     def _is_admitted(self, row) -> bool:
-        return 0 <= row < self.config.max_rows and bool(self._admitted[row])
+        return 0 <= row < self._admitted.size and self._admitted.item(row)
 
     def _row(self, row, op: str) -> int:
         """The row id as an int (see the reference: ValueError for a non-integer, KeyError if not admitted)."""
@@ -280,7 +281,10 @@ class DecoderKVCacheManager:
 
     def lengths(self, rows) -> list[int]:
         """``length`` of each of ``rows``, in their order (``check_rows``' errors; one numpy gather)."""
-        return self._length[check_rows(rows, self._is_admitted, "lengths")].tolist()
+        ids = check_rows(rows, self._is_admitted, "lengths")
+        if len(ids) <= _FEW_ROWS:  # (a beam) element reads beat a fancy-indexed gather
+            return [self._length.item(r) for r in ids]
+        return self._length[ids].tolist()
 
     # ---- admission --------------------------------------------------------------
     def can_admit(self, requests) -> Admission:
@@ -1080,12 +1084,15 @@ class HostStep:
 
     def _check(self, op: str, name: str, t, shape: tuple, what: str | None = None) -> None:
         """``t`` must be a CPU tensor of ``shape`` in the model dtype (``what``: the shape as the message
-        names it); ValueError naming what came otherwise."""
+        names it, a template of ``B``, ``H`` (KV heads) and ``D``, filled only to raise); ValueError naming
+        what came otherwise."""
         if (not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != self._dtype
                 or t.device.type != "cpu"):
             got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
                    else type(t).__name__)
-            raise ValueError(f"{op}: {name} must be {what or shape} {self._dtype} on cpu, got {got}")
+            B, _, H, D = self._want
+            what = shape if what is None else what.format(B=B, H=H, D=D)
+            raise ValueError(f"{op}: {name} must be {what} {self._dtype} on cpu, got {got}")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """See ``ViewStep.write``: one ``index_copy_`` each for K and V (checked first: nothing written)."""
@@ -1100,8 +1107,7 @@ class HostStep:
         """See ``ViewStep.attend``: ``attend_gathered`` over the step's vectors."""
         B, _, H, D = self._want
         heads = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] % H == 0 else None
-        self._check("attend", "q", q, (B, heads, 1, D),
-                    f"(B={B}, n_head (a multiple of n_kv_head={H}), 1, head_dim={D})")
+        self._check("attend", "q", q, (B, heads, 1, D), _QUERY_SHAPE)
         k_pool, v_pool = self._kv[layer]
         return attend_gathered(q, k_pool, v_pool, self._vector, self._hidden, None, self._scale)
 
