@@ -34,7 +34,9 @@ def make_group(decoder, ops, storage, encs, max_new, kv_cache_dtype=None, backen
 
 
 def fp8_round(ops):
-    q = reference.fp8.quantize if ops is reference else fast.paged_ops.quantize_fp8
+    from oasr.reference import fp8  # (imported here: the attribute exists only once the module is loaded)
+
+    q = fp8.quantize if ops is reference else fast.paged_ops.quantize_fp8
 
     def rnd(x):
         data, scale = q(x)
@@ -211,6 +213,26 @@ def test_decode_on_cuda_kernels_equals_reference(kv_cache_dtype, dtype):
         torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
         tok = a.argmax(-1)
         a, b = dec.step(groups[0], tok), dec.step(groups[1], tok)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("beam", [4, 8])
+@torch.no_grad()
+def test_paged_beams_on_cuda_equal_dense_beams(beam):
+    """On a GPU the fast twin's paged beams (the prompt's and the beams' shared cross read staged through
+    the pool, ``read_cross``; the decode kernels) find the dense beams' hypothesis, and every page returns."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dec = AttentionDecoder(DecoderConfig(head_dim=64, n_head=8, n_kv_head=2, seed=1)).to(dev)
+    enc = encoder_outputs((40,), seed=3)[0].to(dev)
+    cfg = dec.config.cache_config(max_rows=beam, max_self_tokens=13, max_cross_tokens=40, device=dev)
+    manager = fast.DecoderKVCacheManager(cfg)
+    got = dec.beam_search(PagedDecoderKV.admit(manager, [dec.request(40, 12)], fast), enc, beam, 12)
+    want = dec.beam_search(fast.DenseDecoderKV(cfg, 1, capacity=13, cross_capacity=40), enc, beam, 12)
+    assert got[0] == want[0] and abs(got[1] - want[1]) <= 1e-4 * max(1.0, abs(want[1]))
+    for r in manager.rows:
+        manager.finish(r)
+    assert manager.pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("twin", list(TWINS))
