@@ -64,12 +64,10 @@ def _attend_shared(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor) -> torch
         return torch.zeros_like(q)
     G = nH // Hkv
     qf = q.float().reshape(B, Hkv, G * T, D).transpose(0, 1).reshape(Hkv, B * G * T, D)
-    probs = torch.baddbmm(_NO_BIAS, qf, k_t, beta=0.0, alpha=1.0 / math.sqrt(D)).softmax(-1)
+    probs = torch.bmm(qf, k_t).mul_(1.0 / math.sqrt(D)).softmax(-1)  # (any device: no constant tensor)
     out = torch.bmm(probs, v).view(Hkv, B, G * T, D).transpose(0, 1)
     return out.reshape(B, nH, T, D).to(q.dtype)
 
-
-_NO_BIAS = torch.zeros(1, 1, 1)  # baddbmm's input, ignored (beta=0): the scores are scale * q @ k^T alone
 
 
 def group_row(b, batch: int, op: str) -> int:

@@ -144,10 +144,11 @@ def test_demo_refuses_bad_options_before_any_work(capsys, argv, expect):
 
 @pytest.mark.parametrize("quick", [True, False])
 def test_accuracy_grid_runs_the_rows_its_verdict_compares_at_the_serving_window(quick):
-    from oasr.bench.accuracy import grid, serving_left
+    from oasr.bench.accuracy import grid
 
-    left = serving_left()
-    assert left == serving_chunking(default_model_path())[1]
+    left = serving_chunking(default_model_path())[1]
+    assert serving_chunking() == serving_chunking(default_model_path())  # the shipped model by default
+    assert dict(grid(quick)) == dict(grid(quick, left))  # the serving window by default
     names = dict(grid(quick, left))
     window = f"left {'all' if left < 0 else left}"
     assert names[f"{window}, model dtype"] == {"num_left_chunks": left, "kv_cache_dtype": None}

@@ -80,8 +80,13 @@ def read_header(path) -> dict:
         raise ValueError(f"{path}: not a safetensors file ({exc})") from None
 
 
-def serving_chunking(path) -> tuple[int, int]:
-    """``(chunk_size, num_left_chunks)`` a checkpoint serves with by default, read from its header alone."""
+def serving_chunking(path=None) -> tuple[int, int]:
+    """``(chunk_size, num_left_chunks)`` a checkpoint (default: the shipped model) serves with by default,
+    read from its header alone."""
+    if path is None:
+        from oasr.asr.recognizer import default_model_path
+
+        path = default_model_path()
     enc = json.loads(read_header(path)["spec"])["encoder"]
     return int(enc["chunk_size"]), int(enc["num_left_chunks"])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from oasr.asr.checkpoint import serving_chunking
 from oasr.asr.testset import load_testset
 
 WINDOWS = (1, 2, 4, 8, -1)
@@ -52,14 +53,6 @@ def _seconds(clip) -> float:
     return sf.info(str(clip.path)).duration
 
 
-def serving_left(model_path=None) -> int:
-    """The left-context window (in chunks) the model at ``model_path`` (default: the shipped one) serves with."""
-    from oasr.asr.checkpoint import serving_chunking
-    from oasr.asr.recognizer import default_model_path
-
-    return serving_chunking(model_path or default_model_path())[1]
-
-
 def _left_name(left: int) -> str:
     return f"left {'all' if left < 0 else left}"
 
@@ -67,7 +60,7 @@ def _left_name(left: int) -> str:
 def grid(quick: bool, left: int | None = None) -> list[tuple[str, dict]]:
     """The ``(case name, config)`` pairs this section runs (``quick``: fewer left-context windows); the
     rescored and reference-twin rows run at ``left`` (default: the shipped model's serving window)."""
-    left = serving_left() if left is None else left
+    left = serving_chunking()[1] if left is None else left
     windows = WINDOWS if not quick else tuple(sorted({1, left, -1}, key=lambda w: (w < 0, w)))
     cases = []
     for kv in (None, "fp8_e4m3"):
@@ -85,13 +78,12 @@ def grid(quick: bool, left: int | None = None) -> list[tuple[str, dict]]:
 def section(quick: bool, device: str = "cpu") -> list[dict]:
     """This section's rows (``quick``: the first 24 clips, the reduced grid) on ``device``; see the module docstring."""
     clips = load_testset(limit=24 if quick else None)
-    rows, texts, left = [], {}, serving_left()
+    rows, texts, left = [], {}, serving_chunking()[1]
     for name, config in grid(quick, left):
         row = run({**config, "device": device}, clips)
         texts[name] = row.pop("texts")
         rows.append({"section": "accuracy", "case": name, "clips": len(clips), **row})
     same = texts[f"{_left_name(left)}, model dtype"] == texts[f"{_left_name(left)}, model dtype, reference twin"]
     rows.append({"section": "accuracy", "case": f"twins give identical transcripts ({_left_name(left)})",
-                 "clips": len(clips),
-                 "wer": None, "identical": same})
+                 "clips": len(clips), "wer": None, "identical": same})
     return rows

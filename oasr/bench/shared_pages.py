@@ -11,12 +11,12 @@ Two measurements, reference against fast:
   bookkeeping cost). Time: median ms of the whole search (paged: admission,
   the search and the rows' finish on a manager made once per row of the table,
   as an engine holds one pool; dense: the group's buffers made per search, as
-  a dense group is); the four searches
-  (each twin, each storage) are timed in turn within every repeat, so a change
-  in load touches every column alike; ``paged_over_dense`` (on the paged rows,
-  per twin) is the median over repeats of the two storages' ratio within the
-  repeat (their searches ran back to back: load that drifts between repeats
-  cancels, where a ratio of two medians would carry it). Memory: ``kv_bytes`` is what the beams' K/V occupy at
+  a dense group is); the four searches (each twin, each storage) are timed in
+  turn within every repeat, so a change in load touches every column alike;
+  ``paged_over_dense`` (on the paged rows, per twin) is the median over repeats
+  of the two storages' ratio within the repeat (their searches ran back to
+  back: load that drifts between repeats cancels, where a ratio of two medians
+  would carry it). Memory: ``kv_bytes`` is what the beams' K/V occupy at
   the peak step: for paged beams the most pages held at once (self and cross,
   each shared page counted once) times the bytes of a page; for dense beams
   ``beam x (capacity + cross extent)`` token slots, the buffers a dense group

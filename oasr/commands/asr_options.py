@@ -13,10 +13,9 @@ from oasr.kv_formats import FORMAT_NAMES
 def _shipped_chunking() -> tuple:
     """The shipped model's serving chunk and window, from its header (``?`` where it cannot be read)."""
     from oasr.asr.checkpoint import serving_chunking
-    from oasr.asr.recognizer import default_model_path
 
     try:
-        return serving_chunking(default_model_path())
+        return serving_chunking()
     except (OSError, ValueError, KeyError):
         return "?", "?"
 

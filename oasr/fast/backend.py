@@ -38,7 +38,6 @@ _DESCRIPTION = {
 }
 _used: dict[str, str] = {}  # device type -> backend that last served it
 _reported: set[tuple[str, str]] = set()
-_resolved: dict[tuple, str] = {}  # (device type, backend asked, OASR_CPU_BACKEND if read) -> answer
 
 
 def _cpu_default() -> str:
@@ -64,20 +63,12 @@ def choose_backend(device: torch.device, backend: str | None = None) -> str:
 
 
 def resolve_backend(device: torch.device, backend: str | None = None) -> str:
-    """The backend that serves tensors on ``device``; reports a new choice once.
-
-    Every call answers afresh (an ``OASR_CPU_BACKEND`` changed between calls is read); the answer to a
-    question already asked, with the variable as it is now, comes from a memo (the hot paths ask once
-    per step)."""
-    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-    key = (kind, backend, os.environ.get(ENV_VAR) if kind == "cpu" and backend is None else None)
-    name = _resolved.get(key)
-    if name is None:
-        name = _resolved[key] = choose_backend(device, backend)  # (a refused question raises: never memoised)
-    if (kind, name) not in _reported:
-        _reported.add((kind, name))
-        logger.info("oasr.fast: %s tensors use the %r backend (%s)", kind, name, _DESCRIPTION[name])
-    _used[kind] = name
+    """The backend that serves tensors on ``device``; reports a new choice once."""
+    name = choose_backend(device, backend)
+    _used[device.type] = name
+    if (device.type, name) not in _reported:
+        _reported.add((device.type, name))
+        logger.info("oasr.fast: %s tensors use the %r backend (%s)", device.type, name, _DESCRIPTION[name])
     return name
 
 

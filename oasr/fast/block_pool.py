@@ -231,7 +231,16 @@ class BlockPool:
             self._push_free(ids)
             return int(ids.size)
 
-    def _push_free(self, ids: np.ndarray) -> None:
+    def _push_free(self, ids) -> None:
+        """``ids`` (an int array, or a list of a few ints: element by element) to the free list's tail."""
+        if isinstance(ids, list):
+            tail, size = self._head + self._count, max(self.num_blocks, 1)
+            for j, i in enumerate(ids):
+                self._ring[(tail + j) % size] = i
+                self._is_free[i] = True
+                self._owner[i] = NO_OWNER
+            self._count += len(ids)
+            return
         positions = self._ring_positions(self._head + self._count, ids.size)
         self._ring[positions] = ids
         self._is_free[ids] = True
@@ -343,13 +352,8 @@ class BlockPool:
                     self._parked[i] = None
                 else:
                     freed.append(i)
-        if freed:  # _push_free, element by element
-            tail, size = self._head + self._count, max(self.num_blocks, 1)
-            for j, i in enumerate(freed):
-                self._ring[(tail + j) % size] = i
-                self._is_free[i] = True
-                self._owner[i] = NO_OWNER
-            self._count += len(freed)
+        if freed:
+            self._push_free(freed)
 
     def _free_and_share(self, released: list, taken: list, owner: int) -> None:
         """``free(released)`` then ``share(taken)`` of a few int ids under one lock (a manager's select

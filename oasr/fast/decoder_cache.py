@@ -132,7 +132,7 @@ class DecoderKVCacheManager:
         self._ones = torch.ones(R, dtype=_I32, device=device)
         self._stager = Stager([(R, _I64), (R * SW, _I32), (R * CW, _I32), (2 * R, _I32)], device)
         self._layer_kv = [pool.get_kv_view(layer) for layer in range(config.num_layers)]
-        # per layer the pool's K and V as (slots, n_kv_head, head_dim): a step's writes index slots
+        # per layer the pool's K and V as (slots, n_kv_head, head_dim): what a HostStep writes and gathers
         self._layer_slots = [(k.view(-1, *k.shape[-2:]), v.view(-1, *v.shape[-2:])) for k, v in self._layer_kv]
         self._layer_scales = [pool.get_kv_scale_view(layer) for layer in range(config.num_layers)]
         self._host_direct = device.type == "cpu"  # views from the host mirror (see self_caches)
@@ -373,14 +373,18 @@ class DecoderKVCacheManager:
         """The references ``rows`` hold, row by row, self pages then cross pages (int64). A few rows:
         a slice of each table row; more: one mask over the rows' tables (``_held_entries``)."""
         if rows.size <= _FEW_ROWS:
-            held, cross_held = self._counts[:2, rows].tolist()
-            refs = []
-            for r, h, c in zip(rows.tolist(), held, cross_held, strict=True):
-                refs += self._self_table[r, :h].tolist()
-                refs += self._cross_table[r, :c].tolist()
-            return np.array(refs, dtype=np.int64)
+            return np.array(self._held_refs_few(rows.tolist()), dtype=np.int64)
         tables, held = self._held_entries(rows)
         return tables[held].astype(np.int64)
+
+    def _held_refs_few(self, rows: list[int]) -> list[int]:
+        """``_held_refs`` of a few rows as a list: element reads and row slices (numpy's fancy indexing
+        costs more than the work on a few rows)."""
+        refs = []
+        for r in rows:
+            refs += self._self_table[r, : self._held.item(r)].tolist()
+            refs += self._cross_table[r, : self._cross_held.item(r)].tolist()
+        return refs
 
     # ---- views ------------------------------------------------------------------
     def _rows_index(self, rows, op: str) -> tuple[np.ndarray, torch.Tensor]:
@@ -726,7 +730,7 @@ class DecoderKVCacheManager:
             table[r, held(r)] = j
             self._held[r] += 1
         if src.size:
-            self.pool._free_and_share(src.tolist(), [], self._owner)  # (_drop of a few ids)
+            self._drop(src)
 
     def prepare_step(self, rows) -> None:
         """Make room for one more token in each of ``rows`` (a page where a row crosses a boundary)."""
@@ -941,20 +945,11 @@ class DecoderKVCacheManager:
         (``_free_and_share``): the same rows, references, records, and pages freed in the same order,
         as the numpy path (``_unbind_rows``, ``_fork``)."""
         table, cross, counts, null = self._self_table, self._cross_table, self._counts, self.pool.null_block
-        held, cross_held = self._held, self._cross_held
-
-        def refs(rows: list[int]) -> list[int]:  # as _held_refs: row by row, self pages then cross pages
-            out = []
-            for r in rows:  # (element reads and row slices: numpy's fancy indexing costs more on a few rows)
-                out += table[r, : held.item(r)].tolist()
-                out += cross[r, : cross_held.item(r)].tolist()
-            return out
-
-        released = refs(dropped) if dropped else []
+        released = self._held_refs_few(dropped)
         for r in dropped:
             self._admitted[r] = False
         out, forks, parents = self._place(sources)
-        taken = refs(parents) if forks else []
+        taken = self._held_refs_few(parents)
         if released and taken:  # the pairs that would go down and up again are left out
             released, taken = _cancel_few(released, taken)
         if released or taken:
@@ -1059,7 +1054,8 @@ class HostStep:
     per-layer view, dispatch or length check: the plan answered them. Valid until another manager
     call changes the rows (like the views)."""
 
-    __slots__ = ("_manager", "_ids", "_dest", "_vector", "_hidden", "_want", "_dtype", "_kv", "_scale", "_version")
+    __slots__ = ("_manager", "_ids", "_dest", "_vector", "_hidden", "_want", "_dtype", "_slots", "_scale",
+                 "_version")
 
     def __init__(self, manager: DecoderKVCacheManager, ids: np.ndarray):
         cfg = manager.config
@@ -1079,7 +1075,7 @@ class HostStep:
         self._vector = torch.from_numpy(vectors.reshape(-1))
         self._hidden = (torch.from_numpy(np.arange(L)[None, :] > np.array(lengths)[:, None]) if short else None)
         self._want = (B, 1, Hkv, cfg.head_dim)
-        self._kv = manager._layer_kv
+        self._slots = manager._layer_slots
         self._scale = manager._query_scale
 
     def _check(self, op: str, name: str, t, shape: tuple, what: str | None = None) -> None:
@@ -1098,7 +1094,7 @@ class HostStep:
         """See ``ViewStep.write``: one ``index_copy_`` each for K and V (checked first: nothing written)."""
         self._check("write", "k", k, self._want)
         self._check("write", "v", v, self._want)
-        k_slots, v_slots = self._manager._layer_slots[layer]
+        k_slots, v_slots = self._slots[layer]
         B, _, H, D = self._want
         k_slots.index_copy_(0, self._dest, k.reshape(B, H, D))
         v_slots.index_copy_(0, self._dest, v.reshape(B, H, D))
@@ -1108,8 +1104,8 @@ class HostStep:
         B, _, H, D = self._want
         heads = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] % H == 0 else None
         self._check("attend", "q", q, (B, heads, 1, D), _QUERY_SHAPE)
-        k_pool, v_pool = self._kv[layer]
-        return attend_gathered(q, k_pool, v_pool, self._vector, self._hidden, None, self._scale)
+        k_slots, v_slots = self._slots[layer]
+        return attend_gathered(q, k_slots, v_slots, self._vector, self._hidden, None, self._scale)
 
     def commit(self) -> None:
         """Every row is one token longer (``commit_step``'s checks and update, rows already checked). When

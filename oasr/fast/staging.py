@@ -23,10 +23,10 @@ that read the device views are queued) and ``stage`` waits on it only when the
 entry comes round again and the event has not completed (a whole ring behind). On the CPU the copy is synchronous
 and the ring has one entry.
 
-A stager allocates at construction only (its typed views are cut at the first ``stage``);
-``stage`` returns views. Each manager
-owns separate stagers for data it keeps on the device across calls (a prepared
-cohort's slots) and for data consumed at once, so one never overwrites the other.
+A stager allocates at construction only (its typed views are cut at the first
+``stage``); ``stage`` returns views. Each manager owns separate stagers for data
+it keeps on the device across calls (a prepared cohort's slots) and for data
+consumed at once, so one never overwrites the other.
 """
 
 from __future__ import annotations
