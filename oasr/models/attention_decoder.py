@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oasr import layers
 from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
 from oasr.decoder_kv import PagedDecoderKV
 from oasr.models.layers import FeedForward, masked_attention
@@ -94,11 +95,11 @@ class _Projections(nn.Module):
     def __init__(self, hidden: int, source: int, n_head: int, n_kv_head: int, head_dim: int):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
-        self.norm = nn.LayerNorm(hidden)
-        self.q = nn.Linear(hidden, n_head * head_dim)
-        self.k = nn.Linear(source, n_kv_head * head_dim)
-        self.v = nn.Linear(source, n_kv_head * head_dim)
-        self.out = nn.Linear(n_head * head_dim, hidden)
+        self.norm = layers.LayerNorm(hidden)
+        self.q = layers.Linear(hidden, n_head * head_dim)
+        self.k = layers.Linear(source, n_kv_head * head_dim)
+        self.v = layers.Linear(source, n_kv_head * head_dim)
+        self.out = layers.Linear(n_head * head_dim, hidden)
 
     def query(self, h: torch.Tensor) -> torch.Tensor:
         B, T, _ = h.shape
@@ -131,10 +132,10 @@ class AttentionDecoder(nn.Module):
     def __init__(self, config: DecoderConfig | None = None):
         super().__init__()
         self.config = cfg = config or DecoderConfig()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_dim)
+        self.embed = layers.Embedding(cfg.vocab_size, cfg.hidden_dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm_out = nn.LayerNorm(cfg.hidden_dim)
-        self.out = nn.Linear(cfg.hidden_dim, cfg.vocab_size)
+        self.norm_out = layers.LayerNorm(cfg.hidden_dim)
+        self.out = layers.Linear(cfg.hidden_dim, cfg.vocab_size)
         g = torch.Generator().manual_seed(cfg.seed)
         with torch.no_grad():
             for m in self.modules():

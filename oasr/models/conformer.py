@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oasr import layers
 from oasr.config import CacheConfig
 from oasr.layer_specs import ATTENTION_SPECS, CacheLayout, FullAttention, conv_state_spec
 from oasr.models.layers import ConformerBlock, masked_attention, rope_cos_sin, rope_inv_freq
@@ -260,7 +261,7 @@ class StreamingConformer(nn.Module):
                            config.kernel_size)
             for _ in range(config.num_layers)
         )
-        self.ctc = nn.Linear(config.hidden_dim, config.vocab_size)
+        self.ctc = layers.Linear(config.hidden_dim, config.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_base), persistent=False)
         _init_weights(self, config.seed)
         self.eval()

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oasr import layers
 from oasr.models.subsampling import last_valid_frames
 from oasr.state_spec import StreamStateSpec
 
@@ -74,11 +75,11 @@ class ConvRecurrentConfig:
 class _Layer(nn.Module):
     def __init__(self, hidden: int, kernel: int):
         super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.depthwise = nn.Conv1d(hidden, hidden, kernel, groups=hidden)
-        self.gate = nn.Linear(hidden, hidden)
-        self.cand = nn.Linear(hidden, hidden)
-        self.out = nn.Linear(hidden, hidden)
+        self.norm = layers.LayerNorm(hidden)
+        self.depthwise = layers.DepthwiseConv1d(hidden, kernel)
+        self.gate = layers.Linear(hidden, hidden)
+        self.cand = layers.Linear(hidden, hidden)
+        self.out = layers.Linear(hidden, hidden)
 
 
 class ConvRecurrentEncoder(nn.Module):
@@ -90,9 +91,9 @@ class ConvRecurrentEncoder(nn.Module):
     def __init__(self, config: ConvRecurrentConfig | None = None):
         super().__init__()
         self.config = config = config or ConvRecurrentConfig()
-        self.proj = nn.Linear(config.input_dim, config.hidden_dim)
+        self.proj = layers.Linear(config.input_dim, config.hidden_dim)
         self.layers = nn.ModuleList(_Layer(config.hidden_dim, config.kernel_size) for _ in range(config.num_layers))
-        self.ctc = nn.Linear(config.hidden_dim, config.vocab_size)
+        self.ctc = layers.Linear(config.hidden_dim, config.vocab_size)
         g = torch.Generator().manual_seed(config.seed)
         with torch.no_grad():
             for p in self.parameters():

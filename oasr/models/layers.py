@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oasr import layers
+
 # ---- rotary positions ------------------------------------------------------------
 
 
@@ -74,9 +76,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, hidden_dim: int, ffn_dim: int):
         super().__init__()
-        self.norm = nn.LayerNorm(hidden_dim)
-        self.up = nn.Linear(hidden_dim, ffn_dim)
-        self.down = nn.Linear(ffn_dim, hidden_dim)
+        self.norm = layers.LayerNorm(hidden_dim)
+        self.up = layers.Linear(hidden_dim, ffn_dim)
+        self.down = layers.Linear(ffn_dim, hidden_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """LayerNorm, up-projection, SiLU, down-projection of ``x`` (the caller scales it and adds the residual)."""
@@ -89,11 +91,11 @@ class GroupedQueryProjections(nn.Module):
     def __init__(self, hidden_dim: int, n_head: int, n_kv_head: int, head_dim: int):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
-        self.norm = nn.LayerNorm(hidden_dim)
-        self.q = nn.Linear(hidden_dim, n_head * head_dim)
-        self.k = nn.Linear(hidden_dim, n_kv_head * head_dim)
-        self.v = nn.Linear(hidden_dim, n_kv_head * head_dim)
-        self.out = nn.Linear(n_head * head_dim, hidden_dim)
+        self.norm = layers.LayerNorm(hidden_dim)
+        self.q = layers.Linear(hidden_dim, n_head * head_dim)
+        self.k = layers.Linear(hidden_dim, n_kv_head * head_dim)
+        self.v = layers.Linear(hidden_dim, n_kv_head * head_dim)
+        self.out = layers.Linear(n_head * head_dim, hidden_dim)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``q (B, T, n_head, D)`` and ``k, v (B, T, n_kv_head, D)``; q and k rotated at their positions."""
@@ -116,11 +118,11 @@ class CausalConvModule(nn.Module):
     def __init__(self, hidden_dim: int, kernel_size: int):
         super().__init__()
         self.kernel_size = kernel_size
-        self.norm = nn.LayerNorm(hidden_dim)
-        self.pointwise_in = nn.Linear(hidden_dim, 2 * hidden_dim)
-        self.depthwise = nn.Conv1d(hidden_dim, hidden_dim, kernel_size, groups=hidden_dim)
-        self.conv_norm = nn.LayerNorm(hidden_dim)
-        self.pointwise_out = nn.Linear(hidden_dim, hidden_dim)
+        self.norm = layers.LayerNorm(hidden_dim)
+        self.pointwise_in = layers.Linear(hidden_dim, 2 * hidden_dim)
+        self.depthwise = layers.DepthwiseConv1d(hidden_dim, kernel_size)
+        self.conv_norm = layers.LayerNorm(hidden_dim)
+        self.pointwise_out = layers.Linear(hidden_dim, hidden_dim)
 
     def forward(self, x: torch.Tensor, left_context: torch.Tensor):
         """``x (B, T, H)``, ``left_context (B, K-1, H)`` -> ``(y (B, T, H), cat(left_context, glu) (B, K-1+T, H))``."""
@@ -139,7 +141,7 @@ class ConformerBlock(nn.Module):
         self.attn = GroupedQueryProjections(hidden_dim, n_head, n_kv_head, head_dim)
         self.conv = CausalConvModule(hidden_dim, kernel_size)
         self.ffn2 = FeedForward(hidden_dim, ffn_dim)
-        self.norm_out = nn.LayerNorm(hidden_dim)
+        self.norm_out = layers.LayerNorm(hidden_dim)
 
     def forward(self, x, cos, sin, attend, left_context):
         """One block; ``attend(q, k, v) -> (B, T, n_head * D)`` decides which keys each query sees.

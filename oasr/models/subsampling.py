@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oasr import layers
 from oasr.state_spec import StreamStateSpec
 
 
@@ -49,7 +50,7 @@ class CausalConvStage(nn.Module):
         super().__init__()
         if kernel < 2:
             raise ValueError(f"CausalConvStage: kernel must be >= 2 for a stride-2 causal conv, got {kernel}")
-        self.conv = nn.Conv1d(in_dim, out_dim, kernel, stride=2)
+        self.conv = layers.Conv1d(in_dim, out_dim, kernel, stride=2)
         self.in_dim = in_dim
         self.out_dim = out_dim
         self.tail_frames = kernel - 2
@@ -75,7 +76,7 @@ class CausalSubsampling4(nn.Module):
         k1, k2 = kernels
         self.stage1 = CausalConvStage(input_dim, channels, k1)
         self.stage2 = CausalConvStage(channels, channels, k2)
-        self.proj = nn.Linear(channels, hidden_dim)
+        self.proj = layers.Linear(channels, hidden_dim)
         self.prefix = prefix
 
     @property
