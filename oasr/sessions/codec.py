@@ -29,11 +29,13 @@ class SessionError(ValueError):
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
+    """``t``'s elements as raw little-endian bytes (contiguous, on the host); empty for no elements."""
     t = t.detach().contiguous().cpu()
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def tensor_from(raw: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """A host tensor of ``dtype`` and ``shape`` from ``raw`` (a copy: the bytes stay untouched)."""
     if not raw:
         return torch.empty(shape, dtype=dtype)
     flat = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
@@ -47,6 +49,7 @@ class Reader:
         self.data, self.pos, self.where = data, 0, where
 
     def take(self, n: int) -> bytes:
+        """The next ``n`` bytes; a SessionError when fewer are left."""
         if n < 0 or self.pos + n > len(self.data):
             raise SessionError(f"{self.where} section: needs {n} more bytes at offset {self.pos}, "
                                f"only {len(self.data) - self.pos} left")
@@ -55,6 +58,7 @@ class Reader:
         return out
 
     def unpack(self, fmt: str):
+        """The next values of little-endian ``struct`` format ``fmt``."""
         try:
             s = struct.Struct("<" + fmt)
         except struct.error:  # a count too large to describe: it cannot fit in the section either
@@ -62,14 +66,17 @@ class Reader:
         return s.unpack(self.take(s.size))
 
     def one(self, fmt: str):
+        """The next single value of format ``fmt``."""
         return self.unpack(fmt)[0]
 
     def done(self) -> None:
+        """Raise a SessionError when bytes are left over."""
         if self.pos != len(self.data):
             raise SessionError(f"{self.where} section: {len(self.data) - self.pos} trailing bytes")
 
 
 def dtype_of(code: int, where: str) -> torch.dtype:
+    """The torch dtype of a session's dtype ``code``; a SessionError naming ``where`` for an unknown one."""
     if code not in DTYPES:
         raise SessionError(f"{where}: unknown dtype code {code}")
     return DTYPES[code]
