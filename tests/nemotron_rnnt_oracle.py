@@ -139,7 +139,7 @@ def oracle_stream(model, features: torch.Tensor, lookahead: int):
     bounds = np.cumsum([0] + [e.shape[0] for e in enc_chunks])
     blank = model.config.blank_token_id
     tokens, where, frame = [], [], 0
-    for tok, d in zip(seq[1:], dur[1:]):  # sequences[0] is the start blank
+    for tok, d in zip(seq[1:], dur[1:], strict=True):  # sequences[0] is the start blank
         if tok != blank:
             tokens.append(tok)
             where.append(int(np.searchsorted(bounds, frame, side="right") - 1))
