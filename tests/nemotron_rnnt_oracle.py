@@ -122,8 +122,9 @@ def chunked_features(features: torch.Tensor, lookahead: int, subsampling: int = 
 def oracle_stream(model, features: torch.Tensor, lookahead: int):
     """transformers' streaming generation over the chunks of ``features`` ``(T, F)``.
 
-    Returns ``(tokens, chunk_of_token, encoder_chunks)``: the non-blank token ids, the chunk index whose
-    frames emitted each, and the per-chunk projected encoder outputs ``(frames, D)`` (the decoder's input).
+    Returns ``(tokens, chunk_of_token, encoder_chunks, sequence)``: the non-blank token ids, the chunk index
+    whose frames emitted each, the per-chunk encoder outputs ``(frames, hidden)`` (before the transducer's
+    encoder projection) and generate's raw sequence (blanks included, as the processor decodes it).
     """
     chunks = chunked_features(features, lookahead, model.config.encoder_config.subsampling_factor)
 
@@ -144,16 +145,16 @@ def oracle_stream(model, features: torch.Tensor, lookahead: int):
             tokens.append(tok)
             where.append(int(np.searchsorted(bounds, frame, side="right") - 1))
         frame += d
-    return tokens, where, enc_chunks
+    return tokens, where, enc_chunks, out.sequences[0]
 
 
 def encoder_chunks(model, chunks, lookahead: int):
-    """The oracle encoder's projected outputs chunk by chunk (its own streaming caches)."""
+    """The oracle encoder's outputs chunk by chunk (its own streaming caches), before the projection."""
     outs, cache, pad = [], None, None
     with torch.no_grad():
         for c in chunks:
             o = model.get_audio_features(input_features=c[None], cache=cache, padding_cache=pad,
                                          num_lookahead_tokens=lookahead, use_cache=True, output_attention_mask=False)
             cache, pad = o.cache, o.padding_cache
-            outs.append(o.pooler_output[0])
+            outs.append(o.last_hidden_state[0])
     return outs

@@ -1,0 +1,175 @@
+"""RNN-T greedy decoding of Nemotron streaming checkpoints equals transformers' streaming generation.
+
+Three tiny random checkpoints (``nemotron_rnnt_oracle.CONFIGS``: vary encoder and predictor sizes, LSTM
+layers, ``max_symbols_per_step``, lookaheads), each with a small BPE tokenizer trained in the test and saved
+with ``save_pretrained``; the joint is biased so that it emits tokens (see the oracle module). Audio: clips
+of the shipped test set, one shorter than the first chunk. Features: oasr's ``nemo_mel`` streamed, cut into
+chunks with the end-of-stream rule (0.0 frames up to the chunk boundary). The encoder is transformers' own
+(its streaming caches carried across chunks) until oasr serves it; the decoder, the tokenizer and the
+front end are oasr's. Token ids equal chunk by chunk, texts equal, in both twins.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from oasr.fast import rnnt_greedy as fast_rnnt
+from oasr.features import NemoMel
+from oasr.models.transducer import TransducerSpec, read_hf_transducer
+from oasr.reference import rnnt_greedy as ref_rnnt
+from oasr.tokenizers import build_tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+import nemotron_rnnt_oracle as oracle  # noqa: E402
+
+pytest.importorskip("transformers")
+
+TWINS = {"reference": ref_rnnt.decode_chunk, "fast": fast_rnnt.decode_chunk}
+CLIPS = [(0, 1.6), (3, 0.9), (6, 0.1)]  # the last is shorter than any first chunk here
+
+
+@pytest.fixture(scope="module", params=sorted(oracle.CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"nemotron_{request.param}")
+    model, processor = oracle.make_checkpoint(path, request.param, seed=ord(request.param))
+    return path, model, processor
+
+
+def _features(path, pcm) -> torch.Tensor:
+    mel = NemoMel.from_checkpoint(path)
+    stream = mel.online()
+    parts = [stream.accept(pcm[i : i + 1234]) for i in range(0, len(pcm), 1234)] + [stream.finish()]
+    return torch.from_numpy(np.concatenate(parts))
+
+
+def _zero_state(spec: TransducerSpec, batch: int) -> dict:
+    return {s.name: torch.zeros(s.batch_shape(batch), dtype=s.dtype or torch.float32) for s in spec.state_specs()}
+
+
+def _decode_stream(decode, head, enc_chunks):
+    state, per_chunk = _zero_state(head.spec, 1), []
+    for enc in enc_chunks:
+        tokens, _, state = decode(head, enc[None], state)
+        per_chunk.append(tokens[0])
+    return per_chunk
+
+
+def _by_chunk(tokens, where, num_chunks):
+    out = [[] for _ in range(num_chunks)]
+    for tok, c in zip(tokens, where, strict=True):
+        out[c].append(tok)
+    return out
+
+
+@pytest.mark.parametrize("twin", sorted(TWINS))
+def test_tokens_and_text_equal_transformers_streaming(checkpoint, twin):
+    path, model, processor = checkpoint
+    head = read_hf_transducer(path)
+    tok = build_tokenizer("hf_json", path)
+    assert tok.blank_id == head.spec.blank_id == model.config.blank_token_id
+    emitted = forced = 0
+    for lookahead in processor.supported_num_lookahead_tokens[:2]:
+        for index, seconds in CLIPS:
+            feats = _features(path, oracle.clip(index, seconds))
+            tokens, where, enc_chunks, sequence = oracle.oracle_stream(model, feats, lookahead)
+            got = _decode_stream(TWINS[twin], head, enc_chunks)
+            assert got == _by_chunk(tokens, where, len(enc_chunks)), (lookahead, index)
+            text = tok.decode([t for chunk in got for t in chunk])
+            assert text == processor.decode(sequence, skip_special_tokens=True)
+            emitted += len(tokens)
+            forced += sum(1 for c in got if len(c) >= head.spec.max_symbols_per_step)
+    assert emitted > 20 and forced > 0  # the biased joint emits, and max_symbols_per_step is reached
+
+
+def test_encoder_projection_equals_the_checkpoints(checkpoint):
+    path, model, _ = checkpoint
+    head = read_hf_transducer(path)
+    x = torch.randn(3, 5, model.config.encoder_config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(head.project_encoder(x), model.encoder_projector(x), rtol=0, atol=0)
+    assert set(head.state_dict()) == {k for k in model.state_dict() if not k.startswith("encoder.")}
+
+
+def test_twins_agree_on_random_cohorts(checkpoint):
+    """Random encoder outputs, random states, ragged frame counts: both twins give the same tokens and state."""
+    path, _, _ = checkpoint
+    head = read_hf_transducer(path)
+    g = torch.Generator().manual_seed(3)
+    for batch, frames in [(1, 1), (3, 4), (5, 2)]:
+        enc = torch.randn(batch, frames, head.spec.encoder_dim, generator=g) * 2
+        state = _zero_state(head.spec, batch)
+        state["rnnt_h"].normal_(generator=g)
+        state["rnnt_c"].normal_(generator=g)
+        state["rnnt_last"].copy_(torch.randint(0, head.spec.vocab_size, (batch, 1), generator=g))
+        lengths = torch.randint(0, frames + 1, (batch,), generator=g).tolist()
+        before = {k: v.clone() for k, v in state.items()}
+        want = ref_rnnt.decode_chunk(head, enc, state, lengths)
+        got = fast_rnnt.decode_chunk(head, enc, state, lengths)
+        assert got[0] == want[0] and got[1] == want[1]
+        for name in state:
+            torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-6, atol=1e-6)
+            assert torch.equal(state[name], before[name])  # the input state is never modified
+        graphs = fast_rnnt.RnntGreedyGraphs(head)
+        assert graphs.run(enc, state, lengths)[0] == want[0]
+
+
+@pytest.mark.parametrize("twin", ["reference", "fast"])
+def test_many_streams_in_one_cohort_equal_each_alone(checkpoint, twin):
+    """Streams admitted at different chunks, batched in one slot cache, equal each stream decoded alone; a
+    stream suspended mid-way (its slot state saved in a session) and resumed elsewhere gives the same tokens."""
+    import importlib
+
+    from oasr import session as S
+    from oasr.config import CacheConfig
+
+    ops = importlib.import_module(f"oasr.{twin}")
+    path, model, processor = checkpoint
+    head = read_hf_transducer(path)
+    lookahead = processor.supported_num_lookahead_tokens[0]
+    streams = {}
+    for s, (index, seconds) in enumerate([(1, 1.2), (2, 0.7), (4, 1.5), (5, 0.3)]):
+        _, _, enc_chunks, _ = oracle.oracle_stream(model, _features(path, oracle.clip(index, seconds)), lookahead)
+        streams[f"s{s}"] = (s, enc_chunks)  # stream s is admitted at tick s
+    alone = {sid: _decode_stream(TWINS[twin], head, chunks) for sid, (_, chunks) in streams.items()}
+
+    config = CacheConfig(num_layers=1, n_kv_head=1, head_dim=4, hidden_dim=4, kernel_size=3, chunk_size=2,
+                         num_left_chunks=1, block_size_frames=2, max_num_blocks=8, max_batch_size=4,
+                         max_blocks_per_seq=4)
+
+    def stack():
+        att = ops.AttentionCacheManager(ops.BlockPool(config, scratch_blocks=1), config, pad_lanes=1)
+        return att, ops.SlotStateCache(head.spec.state_specs(), max_batch_size=4, pad_lanes=1)
+
+    att, states = stack()
+    got = {sid: [] for sid in streams}
+    tick, session = 0, None
+    while any(len(got[sid]) < len(chunks) for sid, (_, chunks) in streams.items()):
+        if tick == 3:  # suspend s1: its slot state goes into a session and its slots are freed
+            session, done_before = S.save_stream("s1", att, [states]), len(got["s1"])
+            att.free_stream("s1")
+            states.free_stream("s1")
+        if tick == 5:  # resume it (into whatever slot is free now), two ticks later
+            S.load_stream(session, "s1", att, [states])
+        suspended = 3 <= tick < 5
+        cohort = [sid for sid, (start, chunks) in streams.items()
+                  if start <= tick and len(got[sid]) < len(chunks) and not (sid == "s1" and suspended)]
+        for sid in cohort:
+            if not states.has_stream(sid):
+                att.allocate_stream(sid)
+                states.allocate_stream(sid)
+        if cohort:
+            views = states.views(cohort)
+            enc = torch.stack([streams[sid][1][len(got[sid])] for sid in cohort])
+            tokens, _, new = TWINS[twin](head, enc, {k: v.gather() for k, v in views.items()})
+            for k, v in views.items():
+                v.scatter(new[k])
+            for sid, toks in zip(cohort, tokens, strict=True):
+                got[sid].append(toks)
+        tick += 1
+    assert session is not None and 0 < done_before < len(got["s1"])  # s1 was suspended mid-stream
+    assert got == alone
