@@ -95,6 +95,28 @@ def test_encoder_projection_equals_the_checkpoints(checkpoint):
     assert set(head.state_dict()) == {k for k in model.state_dict() if not k.startswith("encoder.")}
 
 
+def test_predictor_starts_from_blank_and_steps_as_the_checkpoints(checkpoint):
+    """The zero slot state is the predictor fed blank from zero LSTM state; each step equals transformers'."""
+    path, model, _ = checkpoint
+    head = read_hf_transducer(path)
+    spec = head.spec
+    g = torch.Generator().manual_seed(5)
+    seq = torch.randint(0, spec.vocab_size - 1, (3, 6), generator=g)  # non-blank tokens
+    state = _zero_state(spec, 3)
+    with torch.no_grad():
+        h, c, last = state["rnnt_h"], state["rnnt_c"], state["rnnt_last"][:, 0]
+        ids = torch.full((3, 1), spec.blank_id)
+        for i in range(seq.shape[1] + 1):
+            want = model.decoder(ids)[:, -1]  # the whole history at once, no cache
+            got, h, c = head.predict(last, h, c)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            if i < seq.shape[1]:
+                last = seq[:, i] + 1
+                ids = torch.cat([ids, seq[:, i : i + 1]], dim=1)
+        zero_token = head.predict(torch.ones(3, dtype=torch.int64), *(torch.zeros_like(x) for x in (h, c)))[0]
+        assert not torch.allclose(zero_token, model.decoder(torch.full((3, 1), spec.blank_id))[:, -1])
+
+
 def test_twins_agree_on_random_cohorts(checkpoint):
     """Random encoder outputs, random states, ragged frame counts: both twins give the same tokens and state."""
     path, _, _ = checkpoint
