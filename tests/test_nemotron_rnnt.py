@@ -146,8 +146,8 @@ def test_many_streams_in_one_cohort_equal_each_alone(checkpoint, twin):
     stream suspended mid-way (its slot state saved in a session) and resumed elsewhere gives the same tokens."""
     import importlib
 
-    from oasr import session as S
-    from oasr.config import CacheConfig
+    from oasr.cache.config import CacheConfig
+    from oasr.sessions import format as S
 
     ops = importlib.import_module(f"oasr.{twin}")
     path, model, processor = checkpoint

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from oasr.models.transducer import TransducerHead
 from oasr.reference.rnnt_greedy import check_inputs
 
 
-def _loop(head: TransducerHead, e: torch.Tensor, lengths: torch.Tensor, h, c, last, max_symbols: int):
+def _loop(head, e: torch.Tensor, lengths: torch.Tensor, h, c, last, max_symbols: int):
     """The fixed-count masked loop over projected frames ``e`` ``(B, T, H)``; writes ``h``/``c``/``last`` in place
     and returns ``(tokens, frames)`` ``(B, T * max_symbols)`` int64, ``-1`` where nothing was emitted."""
     batch, frames = e.shape[0], e.shape[1]
@@ -64,7 +63,7 @@ def _unpack(out_tok: torch.Tensor, out_frame: torch.Tensor):
 
 
 @torch.no_grad()
-def decode_chunk(head: TransducerHead, enc: torch.Tensor, state: dict, num_frames=None, max_symbols=None):
+def decode_chunk(head, enc: torch.Tensor, state: dict, num_frames=None, max_symbols=None):
     """See ``oasr.reference.rnnt_greedy.decode_chunk`` (same contract; ``state`` is not modified)."""
     num_frames, max_symbols = check_inputs(head, enc, state, num_frames, max_symbols)
     new = {k: v.clone() for k, v in state.items()}
@@ -81,7 +80,7 @@ class RnntGreedyGraphs:
     captures the loop on static buffers and later calls copy inputs in, replay and copy the state out.
     """
 
-    def __init__(self, head: TransducerHead, max_symbols: int | None = None):
+    def __init__(self, head, max_symbols: int | None = None):
         self.head = head
         self.max_symbols = head.spec.max_symbols_per_step if max_symbols is None else int(max_symbols)
         self._graphs: dict = {}

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from oasr.cache.state_spec import StreamStateSpec
 from oasr.layers import LSTM, Embedding, Linear
-from oasr.state_spec import StreamStateSpec
 
 _ACTIVATIONS = {"relu": torch.relu, "tanh": torch.tanh, "silu": nn.functional.silu, "swish": nn.functional.silu,
                 "gelu": nn.functional.gelu, "sigmoid": torch.sigmoid}

@@ -10,16 +10,17 @@ on it (then the loop moves on). The state is ``TransducerSpec.state_specs()``: `
 ``enc`` ``(B, T, encoder_dim)`` encoder outputs (projected here), ``num_frames`` how many of the ``T``
 frames each stream has (default all); ``tokens[b]`` and ``frames[b]`` (frame index within the chunk) list
 stream ``b``'s emissions in order. ``state`` is not modified; ``new_state`` is fresh tensors.
+
+``head`` is a ``oasr.models.transducer.TransducerHead`` (or anything with its ``spec``, ``project_encoder``,
+``predict`` and ``joint``: this layer does not import the models).
 """
 
 from __future__ import annotations
 
 import torch
 
-from oasr.models.transducer import TransducerHead
 
-
-def check_inputs(head: TransducerHead, enc: torch.Tensor, state: dict, num_frames, max_symbols):
+def check_inputs(head, enc: torch.Tensor, state: dict, num_frames, max_symbols):
     """Shared validation of both twins: ``(num_frames list, max_symbols)`` or ``ValueError`` naming the mismatch."""
     spec = head.spec
     if enc.dim() != 3 or enc.shape[-1] != spec.encoder_dim:
@@ -43,7 +44,7 @@ def check_inputs(head: TransducerHead, enc: torch.Tensor, state: dict, num_frame
 
 
 @torch.no_grad()
-def decode_chunk(head: TransducerHead, enc: torch.Tensor, state: dict, num_frames=None, max_symbols=None):
+def decode_chunk(head, enc: torch.Tensor, state: dict, num_frames=None, max_symbols=None):
     num_frames, max_symbols = check_inputs(head, enc, state, num_frames, max_symbols)
     blank = head.spec.blank_id
     e_all = head.project_encoder(enc)
