@@ -61,6 +61,7 @@ from oasr.cache.config import CacheConfig
 from oasr.cache.errors import StreamCapacityError
 from oasr.cache.stream_context import StreamContext
 from oasr.ctc.config import CtcDecoderConfig
+from oasr.engine.decode_families import resolve_decode_family
 from oasr.engine.decoding import GreedyCtcDecoder
 from oasr.engine.rescoring import RescoreJob
 from oasr.engine.streaming_backend import STREAMING_BACKENDS, check_streamable
@@ -233,7 +234,10 @@ class StreamingEngine:
                  graph_capture=None, rescore: bool = False, rescorer=None, ctc_weight: float = 0.5,
                  decode_steps_per_tick: int | None = None, max_tick_ms: float | None = None, clock=None):
         if decoder not in ("beam", "greedy"):
-            raise ValueError(f"StreamingEngine: decoder must be 'beam' or 'greedy', got {decoder!r}")
+            raise ValueError(f"StreamingEngine: decoder must be 'beam' or 'greedy', got {decoder!r} (the CTC "
+                             f"families; a transducer is served by oasr.asr.transducer.TransducerRecognizer)")
+        # the decode family (oasr.engine.decode_families): the model checked against its capabilities, once
+        self.decode_family, _ = resolve_decode_family(decoder, model)
         if admission not in ADMISSION_POLICIES:
             raise ValueError(f"StreamingEngine: admission must be one of {ADMISSION_POLICIES}, got {admission!r}")
         if isinstance(max_wait_time, bool) or not isinstance(max_wait_time, int) or max_wait_time < 0:
