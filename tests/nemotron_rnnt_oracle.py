@@ -158,3 +158,45 @@ def encoder_chunks(model, chunks, lookahead: int):
             cache, pad = o.cache, o.padding_cache
             outs.append(o.last_hidden_state[0])
     return outs
+
+
+class HfEncoderStreams:
+    """transformers' streaming encoder behind the encoder-streams interface ``TransducerRecognizer`` drives
+    (``add_stream``, ``push``, ``end_stream``, ``step``): each stream keeps its own caches; a tick encodes
+    one whole chunk of every stream that holds one, one stream at a time."""
+
+    def __init__(self, model, lookahead: int):
+        self.model, self.lookahead = model, lookahead
+        s = model.config.encoder_config.subsampling_factor
+        self.first, self.rest = 1 + s * lookahead, s * (lookahead + 1)
+        self.streams = {}
+
+    @classmethod
+    def factory(cls, model):
+        return lambda directory, lookahead: cls(model, lookahead)
+
+    def add_stream(self, sid):
+        self.streams[sid] = {"pending": [], "cache": None, "pad": None, "started": False, "ended": False}
+
+    def push(self, sid, features):
+        self.streams[sid]["pending"].append(features)
+
+    def end_stream(self, sid):
+        self.streams[sid]["ended"] = True
+
+    def step(self):
+        out = {}
+        for sid, s in self.streams.items():
+            data = torch.cat(s["pending"]) if s["pending"] else torch.zeros(0, 1)
+            need = self.rest if s["started"] else self.first
+            if data.shape[0] < need:
+                continue
+            chunk, rest = data[:need], data[need:]
+            s["pending"] = [rest] if rest.shape[0] else []
+            with torch.no_grad():
+                o = self.model.get_audio_features(input_features=chunk[None], cache=s["cache"],
+                                                  padding_cache=s["pad"], num_lookahead_tokens=self.lookahead,
+                                                  use_cache=True, output_attention_mask=False)
+            s["cache"], s["pad"], s["started"] = o.cache, o.padding_cache, True
+            out[sid] = o.last_hidden_state[0]
+        return out

@@ -26,6 +26,7 @@ from oasr.tokenizers import build_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 import nemotron_rnnt_oracle as oracle  # noqa: E402
+from nemotron_rnnt_oracle import HfEncoderStreams  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -195,3 +196,41 @@ def test_many_streams_in_one_cohort_equal_each_alone(checkpoint, twin):
         tick += 1
     assert session is not None and 0 < done_before < len(got["s1"])  # s1 was suspended mid-stream
     assert got == alone
+
+
+def test_recognizer_audio_to_text_equals_transformers(checkpoint):
+    """Audio pushed in pieces for several streams at once -> the same text (and chunk tokens) as transformers'
+    streaming generation, at every trained lookahead; an untrained lookahead is refused in one line."""
+    from oasr.asr.transducer import Lookaheads, TransducerRecognizer, transcribe_file
+
+    path, model, processor = checkpoint
+    lookaheads = Lookaheads.from_checkpoint(path)
+    assert list(lookaheads.supported) == list(processor.supported_num_lookahead_tokens)
+    for lookahead in processor.supported_num_lookahead_tokens:
+        assert lookaheads.chunk_frames(lookahead) == (1 + 8 * lookahead, 8 * (lookahead + 1))
+        rec = TransducerRecognizer(path, HfEncoderStreams.factory(model), lookahead, {"twin": "reference"}
+                                   if lookahead % 2 else None, max_batch_size=4)
+        clips = {sid: oracle.clip(index, seconds) for sid, (index, seconds) in enumerate(CLIPS)}
+        for sid in clips:
+            rec.add_stream(sid)
+        pos = 0
+        while pos < max(len(c) for c in clips.values()):
+            for sid, pcm in clips.items():
+                if pos < len(pcm):
+                    rec.accept_audio(sid, pcm[pos : pos + 2345])
+                    if pos + 2345 >= len(pcm):
+                        rec.end_stream(sid)
+            rec.step()
+            pos += 2345
+        rec.run()
+        for sid, pcm in clips.items():
+            tokens, where, enc_chunks, sequence = oracle.oracle_stream(model, _features(path, pcm), lookahead)
+            assert rec.chunk_tokens(sid) == _by_chunk(tokens, where, len(enc_chunks))
+            assert rec.text(sid) == processor.decode(sequence, skip_special_tokens=True)
+    pcm = oracle.clip(7, 1.1)  # one clip, default lookahead, 4000-sample pieces
+    *_, sequence = oracle.oracle_stream(model, _features(path, pcm), lookaheads.default)
+    assert transcribe_file(path, pcm, HfEncoderStreams.factory(model)) == processor.decode(sequence,
+                                                                                          skip_special_tokens=True)
+    bad = max(lookaheads.supported) + 1
+    with pytest.raises(ValueError, match=f"lookahead {bad} was not trained for this checkpoint; trained: "):
+        TransducerRecognizer(path, HfEncoderStreams.factory(model), bad)

@@ -1,0 +1,205 @@
+"""``TransducerRecognizer``: audio in, text out, for a Nemotron streaming (RNN-T) checkpoint directory.
+
+Per stream: the checkpoint's log-mel front end (``oasr.features.NemoMel``, configured from its feature-extractor
+file) fed piece by piece; the frames go to an encoder-streams object in chunks; every encoder frame a tick
+returns is decoded by the ``rnnt_greedy`` family, batched over the tick's cohort, with the predictor's state in
+slots (``TransducerSpec.state_specs()``, the twin's ``SlotStateCache``); the checkpoint's tokenizer
+(``oasr.tokenizers.hf_json``) turns the ids into text.
+
+**Lookahead** (the latency choice): ``lookahead`` must be one the checkpoint was trained with (its processor
+file's ``supported_num_lookahead_tokens``; default its ``default_num_lookahead_tokens``). A chunk is then
+``1 + s * lookahead`` log-mel frames first and ``s * (lookahead + 1)`` after (``s``: the subsampling factor),
+``lookahead + 1`` encoder frames each; the latency is ``(lookahead + 1) * s * hop / rate`` seconds.
+
+**End of stream** (where transformers leaves it to the caller): the clip's log-mel frames, then frames of
+exactly 0.0 up to the next chunk boundary, encoded chunk by chunk, and every encoder frame decoded, the
+padded ones too. A clip shorter than the first chunk follows the same rule (one padded first chunk).
+
+The encoder is any object with ``add_stream(sid)``, ``push(sid, features (n, bins))``, ``end_stream(sid)``
+and ``step() -> {sid: new encoder frames (n, hidden)}`` (``oasr.engine.encoder_streams.EncoderStreamingEngine``
+for oasr's Nemotron encoder); ``encoder_factory(directory, lookahead)`` builds it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oasr.engine.decode_families import resolve_decode_family
+from oasr.features import NemoMel
+from oasr.models.transducer import read_hf_transducer
+from oasr.tokenizers import build_tokenizer
+
+
+@dataclass(frozen=True)
+class Lookaheads:
+    """The checkpoint's trained lookaheads and the chunk geometry each implies."""
+
+    supported: tuple
+    default: int
+    subsampling: int
+    hop: int
+    sample_rate: int
+
+    @classmethod
+    def from_checkpoint(cls, directory) -> Lookaheads:
+        d = Path(directory)
+        try:
+            proc = json.loads((d / "processor_config.json").read_text())
+            config = json.loads((d / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{d}: the processor or model config cannot be read ({exc})") from None
+        supported = tuple(int(x) for x in proc.get("supported_num_lookahead_tokens") or (13, 6, 1, 0))
+        default = int(proc.get("default_num_lookahead_tokens", supported[0]))
+        fe = proc.get("feature_extractor") or {}
+        sub = int((config.get("encoder_config") or {}).get("subsampling_factor", 8))
+        return cls(supported, default, sub, int(fe.get("hop_length", 160)), int(fe.get("sampling_rate", 16000)))
+
+    def check(self, lookahead: int) -> int:
+        if lookahead not in self.supported:
+            raise ValueError(f"lookahead {lookahead} was not trained for this checkpoint; trained: "
+                             f"{', '.join(map(str, self.supported))}")
+        return int(lookahead)
+
+    def chunk_frames(self, lookahead: int) -> tuple[int, int]:
+        """Log-mel frames of the first chunk and of each later one."""
+        return 1 + self.subsampling * lookahead, self.subsampling * (lookahead + 1)
+
+    def latency_seconds(self, lookahead: int) -> float:
+        return (lookahead + 1) * self.subsampling * self.hop / self.sample_rate
+
+    def describe(self) -> str:
+        """One line per trained lookahead: its chunk duration (what ``--help`` and the demo print)."""
+        return ", ".join(f"{r} ({self.latency_seconds(r) * 1000:.0f} ms chunks)" for r in self.supported)
+
+
+@dataclass
+class _Stream:
+    mel: object
+    frames_pushed: int = 0
+    ended: bool = False
+    chunks: list = field(default_factory=list)  # token ids decoded from each encoder chunk
+
+
+class TransducerRecognizer:
+    """Many streams of one checkpoint (see the module docstring)."""
+
+    def __init__(self, directory, encoder_factory, lookahead: int | None = None, options=None,
+                 max_batch_size: int = 8):
+        d = Path(directory)
+        self.lookaheads = Lookaheads.from_checkpoint(d)
+        self.lookahead = self.lookaheads.check(self.lookaheads.default if lookahead is None else lookahead)
+        self.head = read_hf_transducer(d)
+        self.family, self.options = resolve_decode_family("rnnt_greedy", self, options)
+        self.frontend = NemoMel.from_checkpoint(d)
+        self.tokenizer = build_tokenizer("hf_json", d)
+        if self.tokenizer.blank_id != self.head.spec.blank_id:
+            raise ValueError(f"{d}: the tokenizer's blank id {self.tokenizer.blank_id} is not the model's "
+                             f"{self.head.spec.blank_id}")
+        self.encoder = encoder_factory(d, self.lookahead)
+        self.twin = importlib.import_module(f"oasr.{self.options.twin}")
+        self._decode = importlib.import_module(f"oasr.{self.options.twin}.rnnt_greedy").decode_chunk
+        self.states = self.twin.SlotStateCache(self.head.spec.state_specs(), max_batch_size)
+        self._streams: dict = {}
+
+    @property
+    def transducer(self):
+        """The capability the ``rnnt_greedy`` family checks (``oasr.engine.decode_families``)."""
+        return self.head
+
+    # ---- input ---------------------------------------------------------------------------------------------
+    def add_stream(self, stream_id) -> None:
+        if stream_id in self._streams:
+            raise ValueError(f"TransducerRecognizer: stream {stream_id!r} exists")
+        self.states.allocate_stream(stream_id)  # raises when every slot is taken; nothing registered then
+        self.encoder.add_stream(stream_id)
+        self._streams[stream_id] = _Stream(self.frontend.online())
+
+    def accept_audio(self, stream_id, pcm) -> None:
+        """More 16 kHz mono float samples of the stream."""
+        s = self._stream(stream_id)
+        if s.ended:
+            raise ValueError(f"TransducerRecognizer: stream {stream_id!r} has ended; no more audio")
+        self._push(stream_id, s, s.mel.accept(pcm))
+
+    def end_stream(self, stream_id) -> None:
+        """No more audio: the last log-mel frames, then 0.0 frames up to the chunk boundary (the end rule)."""
+        s = self._stream(stream_id)
+        if s.ended:
+            return
+        self._push(stream_id, s, s.mel.finish())
+        first, rest = self.lookaheads.chunk_frames(self.lookahead)
+        n = s.frames_pushed
+        boundary = first if n <= first else first + -(-(n - first) // rest) * rest
+        self._push(stream_id, s, np.zeros((boundary - n, self.frontend.num_bins), dtype=np.float32))
+        s.ended = True
+        self.encoder.end_stream(stream_id)
+
+    def _push(self, stream_id, s: _Stream, frames: np.ndarray) -> None:
+        if len(frames):
+            self.encoder.push(stream_id, torch.from_numpy(np.ascontiguousarray(frames)))
+            s.frames_pushed += len(frames)
+
+    def _stream(self, stream_id) -> _Stream:
+        if stream_id not in self._streams:
+            raise KeyError(f"unknown stream id {stream_id!r}")
+        return self._streams[stream_id]
+
+    # ---- the tick ------------------------------------------------------------------------------------------
+    def step(self) -> dict:
+        """Encode what is ready and decode it, batched; returns ``{sid: the tokens this tick added}``."""
+        hidden = self.encoder.step()
+        cohort = [sid for sid in hidden if sid in self._streams]
+        if not cohort:
+            return {}
+        frames = [hidden[sid].shape[0] for sid in cohort]
+        enc = torch.zeros(len(cohort), max(frames), self.head.spec.encoder_dim)
+        for row, sid in enumerate(cohort):
+            enc[row, : frames[row]] = hidden[sid].float()
+        views = self.states.views(cohort)
+        tokens, _, new = self._decode(self.head, enc, {k: v.gather() for k, v in views.items()}, frames,
+                                      self.options.max_symbols_per_step)
+        for k, v in views.items():
+            v.scatter(new[k])
+        for sid, toks in zip(cohort, tokens, strict=True):
+            self._streams[sid].chunks.append(toks)
+        return dict(zip(cohort, tokens, strict=True))
+
+    def run(self, max_ticks: int = 100_000) -> None:
+        """Tick until a tick encodes nothing."""
+        for _ in range(max_ticks):
+            if not self.step():
+                return
+
+    # ---- results -------------------------------------------------------------------------------------------
+    def tokens(self, stream_id) -> list[int]:
+        return [t for chunk in self._stream(stream_id).chunks for t in chunk]
+
+    def chunk_tokens(self, stream_id) -> list[list[int]]:
+        return [list(c) for c in self._stream(stream_id).chunks]
+
+    def text(self, stream_id) -> str:
+        """The text so far (a partial result mid-stream, the final text after the last chunk)."""
+        return self.tokenizer.decode(self.tokens(stream_id))
+
+    def free_stream(self, stream_id) -> None:
+        self._stream(stream_id)
+        self.states.free_stream(stream_id)
+        del self._streams[stream_id]
+
+
+def transcribe_file(directory, pcm, encoder_factory, lookahead: int | None = None, piece: int = 4000) -> str:
+    """One clip through a :class:`TransducerRecognizer`, fed ``piece`` samples at a time; its final text."""
+    rec = TransducerRecognizer(directory, encoder_factory, lookahead)
+    rec.add_stream(0)
+    for i in range(0, len(pcm), piece):
+        rec.accept_audio(0, pcm[i : i + piece])
+        rec.step()
+    rec.end_stream(0)
+    rec.run()
+    return rec.text(0)
