@@ -234,3 +234,36 @@ def test_recognizer_audio_to_text_equals_transformers(checkpoint):
     bad = max(lookaheads.supported) + 1
     with pytest.raises(ValueError, match=f"lookahead {bad} was not trained for this checkpoint; trained: "):
         TransducerRecognizer(path, HfEncoderStreams.factory(model), bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rnnt_decode_step_graph_replay_equals_eager_cuda():
+    """On a GPU: the captured decode loop, replayed on new inputs of the same shape, equals the eager loop
+    (tokens, frames, state) and the reference twin on the CPU."""
+    from oasr.models.transducer import TransducerHead
+
+    spec = TransducerSpec(vocab_size=33, blank_id=32, encoder_dim=24, pred_hidden=16, pred_layers=2,
+                          max_symbols_per_step=3)
+    torch.manual_seed(0)
+    head = TransducerHead(spec).eval()
+    with torch.no_grad():
+        head.joint_net.head.bias[spec.blank_id] -= 1.0
+    gpu = TransducerHead(spec).cuda().eval()
+    gpu.load_state_dict(head.state_dict())
+    graphs = fast_rnnt.RnntGreedyGraphs(gpu)
+    for trial in range(3):  # the first call captures, the next replay
+        g = torch.Generator().manual_seed(trial)
+        enc = torch.randn(4, 5, spec.encoder_dim, generator=g) * 3
+        state = _zero_state(spec, 4)
+        state["rnnt_h"].normal_(generator=g)
+        lengths = [5, 3, 0, 4]
+        cuda_state = {k: v.cuda() for k, v in state.items()}
+        replay = graphs.run(enc.cuda(), cuda_state, lengths)
+        eager = fast_rnnt.decode_chunk(gpu, enc.cuda(), cuda_state, lengths)
+        ref = ref_rnnt.decode_chunk(head, enc, state, lengths)
+        assert replay[0] == eager[0] == ref[0] and replay[1] == eager[1]
+        for name in state:
+            assert torch.equal(replay[2][name], eager[2][name])
+            torch.testing.assert_close(replay[2][name].cpu(), ref[2][name], rtol=1e-4, atol=1e-5)
+    assert len(graphs._graphs) == 1
