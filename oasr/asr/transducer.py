@@ -48,6 +48,7 @@ class Lookaheads:
 
     @classmethod
     def from_checkpoint(cls, directory) -> Lookaheads:
+        """Read ``processor_config.json`` (lookaheads, hop, rate) and ``config.json`` (subsampling factor)."""
         d = Path(directory)
         try:
             proc = json.loads((d / "processor_config.json").read_text())
@@ -61,6 +62,7 @@ class Lookaheads:
         return cls(supported, default, sub, int(fe.get("hop_length", 160)), int(fe.get("sampling_rate", 16000)))
 
     def check(self, lookahead: int) -> int:
+        """``lookahead`` if the checkpoint was trained with it, else a one-line ``ValueError`` naming those it was."""
         if lookahead not in self.supported:
             raise ValueError(f"lookahead {lookahead} was not trained for this checkpoint; trained: "
                              f"{', '.join(map(str, self.supported))}")
@@ -71,6 +73,7 @@ class Lookaheads:
         return 1 + self.subsampling * lookahead, self.subsampling * (lookahead + 1)
 
     def latency_seconds(self, lookahead: int) -> float:
+        """The chunk duration (and latency) ``lookahead`` implies, in seconds."""
         return (lookahead + 1) * self.subsampling * self.hop / self.sample_rate
 
     def describe(self) -> str:
@@ -114,6 +117,7 @@ class TransducerRecognizer:
 
     # ---- input ---------------------------------------------------------------------------------------------
     def add_stream(self, stream_id) -> None:
+        """Register a stream: a slot for its predictor state, a stream in the encoder, a fresh front end."""
         if stream_id in self._streams:
             raise ValueError(f"TransducerRecognizer: stream {stream_id!r} exists")
         self.states.allocate_stream(stream_id)  # raises when every slot is taken; nothing registered then
@@ -178,9 +182,11 @@ class TransducerRecognizer:
 
     # ---- results -------------------------------------------------------------------------------------------
     def tokens(self, stream_id) -> list[int]:
+        """Every token id decoded for the stream so far."""
         return [t for chunk in self._stream(stream_id).chunks for t in chunk]
 
     def chunk_tokens(self, stream_id) -> list[list[int]]:
+        """The token ids decoded from each encoder chunk, in order (partial results, chunk by chunk)."""
         return [list(c) for c in self._stream(stream_id).chunks]
 
     def text(self, stream_id) -> str:
@@ -188,6 +194,7 @@ class TransducerRecognizer:
         return self.tokenizer.decode(self.tokens(stream_id))
 
     def free_stream(self, stream_id) -> None:
+        """Forget the stream and give its slot back (its results go with it)."""
         self._stream(stream_id)
         self.states.free_stream(stream_id)
         del self._streams[stream_id]

@@ -124,6 +124,7 @@ _FAMILIES: dict[str, DecodeFamily] = {}
 
 
 def register_decode_family(family: DecodeFamily) -> None:
+    """Register ``family`` under its name and aliases (it needs a ``CAPABILITIES`` entry)."""
     if family.name not in CAPABILITIES:
         raise ValueError(f"register_decode_family: {family.name!r} has no entry in CAPABILITIES")
     for name in (family.name, *family.aliases):
@@ -133,10 +134,12 @@ def register_decode_family(family: DecodeFamily) -> None:
 
 
 def list_decode_families() -> list[str]:
+    """The registered family names (aliases not repeated)."""
     return sorted({f.name for f in _FAMILIES.values()})
 
 
 def get_decode_family(name: str) -> DecodeFamily:
+    """The family called ``name`` (or an alias); ``ValueError`` naming the known ones."""
     if name not in _FAMILIES:
         raise ValueError(f"unknown decode family {name!r}; known: {', '.join(list_decode_families())}")
     return _FAMILIES[name]

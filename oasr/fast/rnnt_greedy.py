@@ -87,6 +87,7 @@ class RnntGreedyGraphs:
 
     @torch.no_grad()
     def run(self, enc: torch.Tensor, state: dict, num_frames=None):
+        """``decode_chunk(head, enc, state, num_frames)`` through the shape's graph (eager off the GPU)."""
         num_frames, max_symbols = check_inputs(self.head, enc, state, num_frames, self.max_symbols)
         if enc.device.type != "cuda":
             return decode_chunk(self.head, enc, state, num_frames, max_symbols)

@@ -86,6 +86,7 @@ def register_extractor(cls):
 
 
 def list_extractors() -> list[str]:
+    """The registered front-end kinds."""
     return sorted(_REGISTRY)
 
 

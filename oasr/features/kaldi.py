@@ -16,7 +16,9 @@ class KaldiFbank(FeatureExtractor):
     framing = StreamingFraming(span=_fbank.FRAME_LENGTH, hop=_fbank.FRAME_SHIFT, prefill=0)
 
     def online(self) -> _fbank.OnlineFbank:
+        """A fresh ``OnlineFbank`` (``accept`` / ``finish``)."""
         return _fbank.OnlineFbank()
 
     def extract(self, pcm):
+        """``fbank(pcm)``: the whole utterance's frames."""
         return _fbank.fbank(pcm)

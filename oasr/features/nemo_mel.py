@@ -135,6 +135,7 @@ class NemoMel(FeatureExtractor):
 
     @classmethod
     def from_checkpoint(cls, directory) -> NemoMel:
+        """The front end of a checkpoint directory (``NemoMelConfig.from_checkpoint``)."""
         return cls(NemoMelConfig.from_checkpoint(directory))
 
     def num_frames(self, num_samples: int) -> int:
@@ -149,6 +150,7 @@ class NemoMel(FeatureExtractor):
         return torch.log(power @ self.mel_filters.T + LOG_GUARD).numpy()
 
     def online(self) -> OnlineNemoMel:
+        """A fresh per-stream extractor."""
         return OnlineNemoMel(self)
 
 

@@ -102,10 +102,12 @@ class TransducerHead(nn.Module):
 
     # the checkpoint names the joint ``joint.head``; ``joint`` is also the method below
     def state_dict(self, *args, **kwargs):
+        """torch's ``state_dict`` under the checkpoint's names (``joint.head.*``)."""
         sd = super().state_dict(*args, **kwargs)
         return type(sd)((k.replace("joint_net.", "joint.", 1), v) for k, v in sd.items())
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's ``load_state_dict`` from the checkpoint's names."""
         renamed = {(k.replace("joint.", "joint_net.", 1) if k.startswith("joint.") else k): v
                    for k, v in state_dict.items()}
         return super().load_state_dict(renamed, strict=strict, assign=assign)

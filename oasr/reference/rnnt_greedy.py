@@ -45,6 +45,7 @@ def check_inputs(head, enc: torch.Tensor, state: dict, num_frames, max_symbols):
 
 @torch.no_grad()
 def decode_chunk(head, enc: torch.Tensor, state: dict, num_frames=None, max_symbols=None):
+    """One chunk for ``B`` streams, stream by stream (see the module docstring)."""
     num_frames, max_symbols = check_inputs(head, enc, state, num_frames, max_symbols)
     blank = head.spec.blank_id
     e_all = head.project_encoder(enc)

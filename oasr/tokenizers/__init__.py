@@ -23,6 +23,7 @@ def register_tokenizer(kind: str, factory) -> None:
 
 
 def list_tokenizers() -> list[str]:
+    """The registered tokenizer kinds."""
     return sorted(_REGISTRY)
 
 

@@ -74,6 +74,7 @@ class HfJsonTokenizer:
         return cls(tok, blank_id, pad_id, config.get("clean_up_tokenization_spaces", False))
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of ``token`` (``None`` when it is not in the vocabulary)."""
         return self._tok.token_to_id(token)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
