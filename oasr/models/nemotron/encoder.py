@@ -69,6 +69,12 @@ class NemotronEncoder(nn.Module):
     def first_chunk_input_frames(self) -> int:
         return self.config.first_chunk_input_frames(self.lookahead)
 
+    def output_frames(self, input_frames: int, first: bool) -> int:
+        """Encoder frames a chunk of ``input_frames`` feature frames gives: ``ceil(n / factor)`` for a
+        stream's first chunk (zero causal padding), ``n // factor`` for a later one (the tails)."""
+        f = self.config.subsampling_factor
+        return -(-input_frames // f) if first else input_frames // f
+
     @property
     def streaming_state_specs(self) -> tuple:
         return self.subsampling.state_specs
