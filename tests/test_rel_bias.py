@@ -148,3 +148,86 @@ def test_distances_survive_a_table_shift(twin):
     moved = replace(c, block_table=table, cache_seqlens=c.cache_seqlens + 4, cache_seqstarts=c.cache_seqstarts + 4,
                     max_seqlen=c.max_seqlen + 4)
     assert torch.equal(twin.paged_attention(s.q, moved, s.chunk_lens, rel_bias=bias), out)
+
+
+# -- the fast twin's CPU paths against the reference ---------------------------------------------------------
+
+
+@pytest.fixture(params=["rows", "tiles", "small tiles"])
+def cpu_path(request):
+    """Each of the fast twin's CPU attention paths: the row loop, the vectorised tiles (one tile, and
+    tiles of two rows), whatever the size-based dispatch would pick."""
+    from unittest import mock
+
+    from oasr.fast import cpu_rows
+    from oasr.fast import paged_ops as fast_ops
+
+    rows = request.param == "rows"
+    group_bytes = 1 if request.param == "small tiles" else fast_ops._CPU_GROUP_BYTES
+    with mock.patch.object(cpu_rows, "use_row_loop", lambda cache, n, T: rows), \
+            mock.patch.object(cpu_rows, "use_decode_batch", lambda cache, n, T: False), \
+            mock.patch.object(fast_ops, "_CPU_GROUP_BYTES", group_bytes):
+        yield request.param
+
+
+def reference_and_fast(seed, fmt=None, dtype=torch.float32, **geometry):
+    """One scenario, its chunk appended by the reference, over pages of ``fmt`` (None: the model dtype)."""
+    from oasr.fast.kernels.testing import to_format, to_fp8
+    from oasr.reference import paged_ops as ref
+
+    s = make_scenario(seed, dtype=dtype, **geometry)
+    if fmt == "fp8_e4m3":
+        s = to_fp8(s)
+    elif fmt is not None:
+        s = to_format(s, fmt, dtype)
+    ref.append_kv(s.cache, s.k, s.v, s.chunk_lens)
+    return s
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fast_cpu_paths_match_the_reference(cpu_path, geometry, causal):
+    from oasr import fast, reference
+
+    B, Hkv, G, T, D, bs, hist = geometry
+    for seed in range(2):
+        s = reference_and_fast(seed, batch=B, n_kv_head=Hkv, group=G, num_frames=T, head_dim=D, block_size=bs,
+                               max_history=hist)
+        bias = poisoned_bias(s, required_columns(s.cache.max_span, T) + 2 * seed, seed, causal)
+        expected = reference.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, rel_bias=bias)
+        out = fast.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, rel_bias=bias, backend="torch")
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_decode_batch_matches_the_reference():
+    """One query frame per row over short spans: the batched decode path (a lookahead-0 chunk)."""
+    from oasr import fast, reference
+    from oasr.fast import cpu_rows
+
+    for seed in range(4):
+        s = reference_and_fast(seed, batch=5, n_kv_head=2, group=2, num_frames=1, head_dim=16, block_size=4,
+                               max_history=13)
+        assert cpu_rows.use_decode_batch(s.cache, 5, 1)
+        bias = poisoned_bias(s, required_columns(s.cache.max_span, 1) + seed, seed, False)
+        expected = reference.paged_attention(s.q, s.cache, s.chunk_lens, rel_bias=bias)
+        out = fast.paged_attention(s.q, s.cache, s.chunk_lens, rel_bias=bias, backend="torch")
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8", "q8_0", "affine4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_quantized_pages_match_the_reference(fmt, dtype):
+    """The term does not depend on the page format: quantized pages, the same bias, the same answer."""
+    from oasr import fast, reference
+
+    for seed in range(2):
+        s = reference_and_fast(seed, fmt, dtype, batch=4, n_kv_head=2, group=2, num_frames=4, head_dim=64,
+                               block_size=8, max_history=19)
+        bias = poisoned_bias(s, required_columns(s.cache.max_span, 4), seed, bool(seed))
+        expected = reference.paged_attention(s.q, s.cache, s.chunk_lens, causal=bool(seed), rel_bias=bias)
+        out = fast.paged_attention(s.q, s.cache, s.chunk_lens, causal=bool(seed), rel_bias=bias, backend="torch")
+        assert not out.isnan().any()
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)

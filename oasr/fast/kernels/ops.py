@@ -287,6 +287,8 @@ def paged_attention(
     causal: bool,
     num_splits: int | None = None,
     version: str | None = None,
+    *,
+    rel_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch paged_chunk_attention v1, v2 or v3 (and the combine kernel when the keys are split).
 
@@ -298,6 +300,8 @@ def paged_attention(
     _check_pool(cache)
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
+    if rel_bias is not None:
+        raise ValueError("fast paged_attention: no attention kernel takes rel_bias yet")
     if B > registry.MAX_GRID[2]:  # the attention grid is (q tiles x splits, n_kv_head, B)
         raise ValueError(
             f"fast paged_attention: B={B} rows, but the kernel's grid z is the batch and CUDA allows at most "
