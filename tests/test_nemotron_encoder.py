@@ -325,3 +325,16 @@ def test_full_size_configuration_streams_a_chunk_in_bf16():
     outs = [streams.tick({"s": c.bfloat16()})["s"] for c in chunks]
     assert [tuple(o.shape) for o in outs] == [(14, 1024)] * 2
     assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_built_from_the_layer_waist():
+    """No module of the encoder is a bare torch layer: every one comes from ``oasr.layers``."""
+    from torch import nn
+
+    from oasr.layers import BARE_TORCH_LAYERS
+
+    encoder = NemotronEncoder(NemotronEncoderConfig(**CONFIGS["h32-w9-a1"]))
+    bare = [name for name, m in encoder.named_modules()
+            if type(m).__name__ in BARE_TORCH_LAYERS and type(m).__module__.startswith("torch.")]
+    assert not bare, bare
+    assert any(isinstance(m, nn.Conv2d) for m in encoder.modules())  # the check sees the convolutions
