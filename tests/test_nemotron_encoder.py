@@ -233,6 +233,85 @@ def test_cohort_admitted_at_different_times_equals_each_alone(checkpoints, twin)
         assert max_diff(streams.outputs[sid], alone) <= 1e-6, sid
 
 
+# ---- the engine ----------------------------------------------------------------------------------------
+
+
+def engine_chunks(encoder, feats) -> list:
+    """How the engine cuts a stream's features: first chunk, whole later chunks, the rest."""
+    first, rest = encoder.first_chunk_input_frames, encoder.chunk_input_frames
+    cuts = [feats[:first]] + [feats[i: i + rest] for i in range(first, feats.shape[0], rest)]
+    return [c for i, c in enumerate(cuts) if encoder.output_frames(c.shape[0], first=i == 0)]  # a rest < factor: none
+
+
+def push_in_pieces(engine, sid, feats, seed):
+    g = torch.Generator().manual_seed(seed)
+    start = 0
+    while start < feats.shape[0]:
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        engine.push(sid, feats[start: start + n])
+        start += n
+
+
+@pytest.mark.parametrize("twin", TWINS)
+def test_engine_serves_a_cohort_equal_to_transformers(checkpoints, twin):
+    """Streams arriving at different ticks, fed in random pieces, batched: each equals the oracle."""
+    from oasr.engine.encoder_streams import EncoderStreamingEngine
+
+    path, oracle = checkpoints["h32-w9-a1"]
+    encoder = load(path)
+    engine = EncoderStreamingEngine(encoder, encoder.cache_config(max_batch_size=4), twin=twin)
+    feats = {sid: torch.randn(n, 16, generator=torch.Generator().manual_seed(20 + i))
+             for i, (sid, n) in enumerate({"a": 150, "b": 97, "c": 61, "d": 130}.items())}
+    arrival = {"a": 0, "b": 0, "c": 2, "d": 3}
+    for tick in range(4):
+        for sid, t in arrival.items():
+            if t == tick:
+                engine.add_stream(sid)
+                push_in_pieces(engine, sid, feats[sid], seed=tick)
+                engine.end_stream(sid)
+        engine.step()
+    engine.run()
+    for sid, f in feats.items():
+        assert engine.finished(sid)
+        ref = torch.cat(oracle_stream(oracle, engine_chunks(encoder, f), encoder.lookahead))
+        assert max_diff([engine.result(sid).float()], [ref]) <= FP32_ATOL, sid
+
+
+@pytest.mark.parametrize("kv", [None, "int8"])
+@pytest.mark.parametrize("twin", TWINS)
+def test_engine_suspend_resume_is_bit_identical(checkpoints, twin, kv):
+    from oasr.engine.encoder_streams import EncoderStreamingEngine
+
+    path, _ = checkpoints["h48-w13-a2"]
+    encoder = load(path)
+    feats = torch.randn(200, 20, generator=torch.Generator().manual_seed(30))
+
+    def engine():
+        return EncoderStreamingEngine(encoder, encoder.cache_config(max_batch_size=2, kv_cache_dtype=kv), twin=twin)
+
+    whole = engine()
+    whole.add_stream("s")
+    whole.push("s", feats)
+    whole.end_stream("s")
+    whole.run()
+    first = engine()
+    first.add_stream("s")
+    first.push("s", feats[:120])
+    for _ in range(3):
+        first.step()
+    before = first.result("s")
+    data = first.suspend("s")
+    assert first.num_active == 0 and first.pool.num_free_blocks == whole.pool.num_free_blocks
+    second = engine()
+    second.resume(data, "s")
+    second.push("s", feats[120:])
+    second.end_stream("s")
+    second.run()
+    assert torch.equal(torch.cat([before, second.result("s")]), whole.result("s"))
+    with pytest.raises(ValueError, match="not a suspended stream"):
+        engine().resume(b"junk", "t")
+
+
 # ---- the checkpoint registry --------------------------------------------------------------------------
 
 
