@@ -196,17 +196,18 @@ def test_bf16_error_is_the_oracles_own(checkpoints, name):
     assert ours <= 2 * own + 1e-2
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
-def test_quantized_pages_error_reported(checkpoints, kv):
+@pytest.mark.parametrize(("name", "kv"), [("h32-w9-a1", "fp8_e4m3"), ("h32-w9-a1", "int8"),
+                                         ("h64-w7-a0-f4", "q8_0"), ("h64-w7-a0-f4", "affine4")])
+def test_quantized_pages_error_reported(checkpoints, name, kv):
     """K/V stored quantized: the error against model-dtype pages is reported, and bounded loosely
     (a quantized cache is an approximation, not a bug; a wrong page would be O(1) off)."""
-    path, oracle = checkpoints["h32-w9-a1"]
+    path, oracle = checkpoints[name]
     encoder = load(path)
     chunks = chunks_of(encoder, 6, seed=4)
     exact = stream_alone(encoder, "reference", chunks)
     quantized = stream_alone(encoder, "reference", chunks, kv_cache_dtype=kv)
     err = max_diff(quantized, exact)
-    print(f"{kv} pages vs fp32 pages: max abs {err:.3e}")
+    print(f"{name} {kv} pages vs fp32 pages: max abs {err:.3e}")
     assert 0 < err < 0.25
 
 
