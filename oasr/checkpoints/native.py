@@ -14,6 +14,7 @@ class NativeConverter(CheckpointConverter):
     architecture = "streaming_conformer"
 
     def detect(self, ckpt_dir: Path) -> bool:
+        """True when ``model.safetensors``'s header says ``format: oasr-asr-1``."""
         from oasr.asr.checkpoint import FORMAT, read_header
 
         path = Path(ckpt_dir) / "model.safetensors"
@@ -25,6 +26,7 @@ class NativeConverter(CheckpointConverter):
             return False
 
     def build_config(self, ckpt_dir: Path):
+        """The ``AsrSpec`` in the file's header."""
         import json
 
         from oasr.asr.checkpoint import read_header

@@ -50,18 +50,23 @@ class CheckpointConverter:
     architecture: str = ""
 
     def detect(self, ckpt_dir: Path) -> bool:
+        """Does this format claim ``ckpt_dir``? Cheap: a config or a header, never the weights."""
         raise NotImplementedError
 
     def build_config(self, ckpt_dir: Path):
+        """The architecture's config from the directory (``ValueError`` naming what cannot be built)."""
         raise NotImplementedError
 
     def build_model(self, config, **options) -> nn.Module:
+        """The module for ``config``, weights not loaded yet; ``options`` are serving choices."""
         raise NotImplementedError
 
     def load_state_dict(self, ckpt_dir: Path, config, model: nn.Module) -> tuple:
+        """``(state_dict by the model's names, extra)``, checked strictly against ``model`` (``check_tensors``)."""
         raise NotImplementedError
 
     def convert(self, ckpt_dir: Path, dtype: torch.dtype | None = None, **options) -> Pretrained:
+        """build_config, build_model, load_state_dict, then the weights in (strict) and ``dtype``: a ``Pretrained``."""
         config = self.build_config(ckpt_dir)
         model = self.build_model(config, **options)
         state_dict, extra = self.load_state_dict(ckpt_dir, config, model)

@@ -99,6 +99,7 @@ class EncoderStreamingEngine:
         s.num_pending += features.shape[0]
 
     def end_stream(self, stream_id) -> None:
+        """No more input: the stream's rest becomes its last (possibly short) chunk."""
         self._stream(stream_id).ended = True
 
     def result(self, stream_id) -> torch.Tensor:
@@ -112,6 +113,7 @@ class EncoderStreamingEngine:
         return sum(s.state == "active" for s in self._streams.values())
 
     def finished(self, stream_id) -> bool:
+        """True once the stream ended, encoded everything it could and gave back its caches."""
         return self._stream(stream_id).state == "finished"
 
     # ---- the tick ----------------------------------------------------------------------------------------

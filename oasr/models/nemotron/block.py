@@ -34,6 +34,7 @@ class FeedForward(nn.Module):
         self.linear2 = layers.Linear(config.intermediate_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., d) -> (..., d)``."""
         return self.linear2(F.silu(self.linear1(x)))
 
 

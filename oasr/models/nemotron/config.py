@@ -91,10 +91,12 @@ class NemotronEncoderConfig:
     # ---- derived geometry --------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
+        """``hidden_size // num_attention_heads``."""
         return self.hidden_size // self.num_attention_heads
 
     @property
     def subsampling_stages(self) -> int:
+        """Strided convs in the subsampling stack: ``log2(subsampling_factor)``."""
         return int(math.log2(self.subsampling_factor))
 
     def freq_bins(self) -> list:
@@ -111,6 +113,7 @@ class NemotronEncoderConfig:
         return self.lookahead(lookahead) + 1
 
     def lookahead(self, lookahead: int | None = None) -> int:
+        """``lookahead``, checked, or the checkpoint's ``default_num_lookahead_tokens`` when None."""
         a = self.default_num_lookahead_tokens if lookahead is None else lookahead
         if isinstance(a, bool) or not isinstance(a, int) or a < 0:
             raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {a!r}")

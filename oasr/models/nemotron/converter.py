@@ -33,18 +33,22 @@ class NemotronConverter(CheckpointConverter):
         return None if config is None else config.get("model_type")
 
     def detect(self, ckpt_dir: Path) -> bool:
+        """``config.json``'s ``model_type`` is one of ``MODEL_TYPES``."""
         return self._model_type(ckpt_dir) in MODEL_TYPES
 
     def build_config(self, ckpt_dir: Path) -> NemotronEncoderConfig:
+        """The encoder's config from ``config.json``."""
         try:
             return NemotronEncoderConfig.from_hf_dict(read_config(ckpt_dir))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{Path(ckpt_dir) / 'config.json'}: cannot build the Nemotron encoder ({exc})") from None
 
     def build_model(self, config: NemotronEncoderConfig, lookahead: int | None = None) -> NemotronEncoder:
+        """A ``NemotronEncoder`` serving chunks of ``lookahead + 1`` frames (default: the checkpoint's)."""
         return NemotronEncoder(config, lookahead=lookahead)
 
     def load_state_dict(self, ckpt_dir: Path, config, model):
+        """The encoder's tensors (prefix stripped), checked strictly; the transducer's in ``extra['tensors']``."""
         prefix = MODEL_TYPES[self._model_type(ckpt_dir)]
         tensors = load_tensors(ckpt_dir)
         mine = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}

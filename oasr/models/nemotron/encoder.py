@@ -63,10 +63,12 @@ class NemotronEncoder(nn.Module):
 
     @property
     def chunk_input_frames(self) -> int:
+        """Feature frames of a later chunk (the cohort's input width): ``factor * C``."""
         return self.config.chunk_input_frames(self.lookahead)
 
     @property
     def first_chunk_input_frames(self) -> int:
+        """Feature frames of a stream's first chunk: ``1 + factor * a``."""
         return self.config.first_chunk_input_frames(self.lookahead)
 
     def output_frames(self, input_frames: int, first: bool) -> int:
@@ -77,10 +79,12 @@ class NemotronEncoder(nn.Module):
 
     @property
     def streaming_state_specs(self) -> tuple:
+        """The declared fixed-extent states: the subsampling tails."""
         return self.subsampling.state_specs
 
     @property
     def streaming_kind(self) -> str:
+        """``"paged"``: K/V in a paged window (``oasr.engine.streaming_backend``)."""
         return "paged"
 
     def cache_config(self, **overrides) -> CacheConfig:

@@ -75,6 +75,7 @@ class CausalConv2dSubsampling(nn.Module):
         )
 
     def zero_tails(self, batch: int, like: torch.Tensor) -> list:
+        """Zero tails for ``batch`` rows, ``like``'s dtype and device (a stream's initial state)."""
         return [like.new_zeros(spec.batch_shape(batch)) for spec in self.state_specs]
 
     def _strided(self, conv, h, tail, lens, first):
