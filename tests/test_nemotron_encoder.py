@@ -36,6 +36,9 @@ CONFIGS = {
     "h64-w7-a0-f4": dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=3, sliding_window=7,
                          default_num_lookahead_tokens=0, conv_kernel_size=9, subsampling_conv_channels=6,
                          subsampling_factor=4, num_mel_bins=24),
+    "h128-hd64": dict(hidden_size=128, num_attention_heads=2, num_hidden_layers=1, sliding_window=9,  # a kernel tile
+                      default_num_lookahead_tokens=1, conv_kernel_size=5, subsampling_conv_channels=4, num_mel_bins=16,
+                      intermediate_size=64),
     "h32-w6-a3": dict(hidden_size=32, num_attention_heads=8, num_hidden_layers=2, sliding_window=6,  # W=4 < 5
                       default_num_lookahead_tokens=3, conv_kernel_size=4, subsampling_conv_channels=5, num_mel_bins=17),
 }
@@ -232,6 +235,27 @@ def test_cohort_admitted_at_different_times_equals_each_alone(checkpoints, twin)
     for sid, (_, chunks) in plans.items():
         alone = stream_alone(encoder, twin, chunks)
         assert max_diff(streams.outputs[sid], alone) <= 1e-6, sid
+
+
+@pytest.mark.parametrize("kv", [None, "fp8_e4m3", "int8"])
+def test_emulated_kernels_serve_the_relative_term(checkpoints, monkeypatch, kv):
+    """The fast twin on the g++-emulated CUDA kernels (head_dim 64: a tile the kernels have): equal to
+    transformers on model-dtype pages, and to the reference twin on the same quantized pages. No
+    kernel gap is counted, so the kernel, not torch, served every attention call."""
+    from oasr.fast import backend, kernel_policy
+
+    path, oracle = checkpoints["h128-hd64"]
+    encoder = load(path)
+    chunks = chunks_of(encoder, 5, seed=7)
+    monkeypatch.setenv(backend.ENV_VAR, "emulated")
+    kernel_policy.reset_counts()
+    outs = stream_alone(encoder, "fast", chunks, kv_cache_dtype=kv)
+    assert backend.backends_used()["cpu"] == "emulated"
+    assert kernel_policy.gaps["paged-attention-head-dim"] == 0
+    monkeypatch.delenv(backend.ENV_VAR)
+    refs = (oracle_stream(oracle, chunks, encoder.lookahead) if kv is None
+            else stream_alone(encoder, "reference", chunks, kv_cache_dtype=kv))
+    assert max_diff(outs, refs) <= FP32_ATOL
 
 
 # ---- the engine ----------------------------------------------------------------------------------------
