@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 #: Modules whose import registers the built-in converters.
-BUILTIN = ("oasr.checkpoints.native", "oasr.models.nemotron.converter")
+BUILTIN = ("oasr.asr.native_format", "oasr.models.nemotron.converter")
 
 _CONVERTERS: dict[str, type] = {}
 
