@@ -267,3 +267,30 @@ def test_rnnt_decode_step_graph_replay_equals_eager_cuda():
             assert torch.equal(replay[2][name], eager[2][name])
             torch.testing.assert_close(replay[2][name].cpu(), ref[2][name], rtol=1e-4, atol=1e-5)
     assert len(graphs._graphs) == 1
+
+
+@pytest.mark.parametrize("twin", sorted(TWINS))
+def test_end_to_end_with_oasrs_encoder_equals_transformers(checkpoint, twin):
+    """Everything oasr's: front end, the Nemotron encoder over paged caches, the transducer, the tokenizer.
+    Several streams in one engine, audio in pieces: each text equals transformers' streaming generation, at
+    every trained lookahead, chunk tokens too."""
+    from oasr.asr.transducer import TransducerRecognizer
+
+    path, model, processor = checkpoint
+    clips = {sid: oracle.clip(index, seconds) for sid, (index, seconds) in enumerate(CLIPS)}
+    for lookahead in processor.supported_num_lookahead_tokens:
+        rec = TransducerRecognizer(path, None, lookahead, {"twin": twin}, max_batch_size=4)
+        for sid in clips:
+            rec.add_stream(sid)
+        for pos in range(0, max(len(c) for c in clips.values()), 3001):
+            for sid, pcm in clips.items():
+                if pos < len(pcm):
+                    rec.accept_audio(sid, pcm[pos : pos + 3001])
+                    if pos + 3001 >= len(pcm):
+                        rec.end_stream(sid)
+            rec.step()
+        rec.run()
+        for sid, pcm in clips.items():
+            tokens, where, enc_chunks, sequence = oracle.oracle_stream(model, _features(path, pcm), lookahead)
+            assert rec.chunk_tokens(sid) == _by_chunk(tokens, where, len(enc_chunks)), (lookahead, sid)
+            assert rec.text(sid) == processor.decode(sequence, skip_special_tokens=True)

@@ -17,7 +17,8 @@ padded ones too. A clip shorter than the first chunk follows the same rule (one 
 
 The encoder is any object with ``add_stream(sid)``, ``push(sid, features (n, bins))``, ``end_stream(sid)``
 and ``step() -> {sid: new encoder frames (n, hidden)}`` (``oasr.engine.encoder_streams.EncoderStreamingEngine``
-for oasr's Nemotron encoder); ``encoder_factory(directory, lookahead)`` builds it.
+for oasr's Nemotron encoder: :func:`oasr_encoder_streams`, the default); ``encoder_factory(directory,
+lookahead)`` builds it.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class _Stream:
 class TransducerRecognizer:
     """Many streams of one checkpoint (see the module docstring)."""
 
-    def __init__(self, directory, encoder_factory, lookahead: int | None = None, options=None,
+    def __init__(self, directory, encoder_factory=None, lookahead: int | None = None, options=None,
                  max_batch_size: int = 8):
         d = Path(directory)
         self.lookaheads = Lookaheads.from_checkpoint(d)
@@ -104,8 +105,11 @@ class TransducerRecognizer:
         if self.tokenizer.blank_id != self.head.spec.blank_id:
             raise ValueError(f"{d}: the tokenizer's blank id {self.tokenizer.blank_id} is not the model's "
                              f"{self.head.spec.blank_id}")
-        self.encoder = encoder_factory(d, self.lookahead)
         self.twin = importlib.import_module(f"oasr.{self.options.twin}")
+        if encoder_factory is None:
+            self.encoder = oasr_encoder_streams(d, self.lookahead, self.options.twin, max_batch_size)
+        else:
+            self.encoder = encoder_factory(d, self.lookahead)
         self._decode = importlib.import_module(f"oasr.{self.options.twin}.rnnt_greedy").decode_chunk
         self.states = self.twin.SlotStateCache(self.head.spec.state_specs(), max_batch_size)
         self._streams: dict = {}
@@ -200,7 +204,17 @@ class TransducerRecognizer:
         del self._streams[stream_id]
 
 
-def transcribe_file(directory, pcm, encoder_factory, lookahead: int | None = None, piece: int = 4000) -> str:
+def oasr_encoder_streams(directory, lookahead: int, twin: str = "fast", max_batch_size: int = 8):
+    """oasr's Nemotron encoder of the checkpoint (``oasr.from_pretrained``) at ``lookahead``, served over paged
+    caches by an ``EncoderStreamingEngine`` of ``max_batch_size`` slots."""
+    from oasr.checkpoints import from_pretrained
+    from oasr.engine.encoder_streams import EncoderStreamingEngine
+
+    encoder = from_pretrained(directory, lookahead=lookahead).model
+    return EncoderStreamingEngine(encoder, encoder.cache_config(max_batch_size=max_batch_size), twin=twin)
+
+
+def transcribe_file(directory, pcm, encoder_factory=None, lookahead: int | None = None, piece: int = 4000) -> str:
     """One clip through a :class:`TransducerRecognizer`, fed ``piece`` samples at a time; its final text."""
     rec = TransducerRecognizer(directory, encoder_factory, lookahead)
     rec.add_stream(0)

@@ -103,14 +103,15 @@ constexpr int kTileKeys = kWarp;  // one key per lane
 }  // namespace attn
 
 
-template <typename T, typename Page, int D>
+template <typename T, typename Page, int D, bool kRel = false>
 __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
     const T* __restrict__ q, const Page* __restrict__ k_cache, const Page* __restrict__ v_cache,
     const void* __restrict__ k_scale, const void* __restrict__ v_scale, const int* __restrict__ block_table,
     int table_stride, const int* __restrict__ cache_seqlens,
     const int* __restrict__ cache_seqstarts, const int* __restrict__ chunk_lens, T* __restrict__ out,
     float* __restrict__ part_acc, float* __restrict__ part_ml, int n_head, int n_kv_head, int num_frames,
-    int block_size, int num_splits, int split_len, float scale_log2, int causal) {
+    int block_size, int num_splits, int split_len, float scale_log2, int causal,
+    const float* __restrict__ rel_bias, int rel_len) {
     using namespace attn;
     static_assert(D % kWarp == 0 && D % kVec16<T> == 0 && D % PageTraits<Page>::kLoad == 0,
                   "head_dim must be a multiple of 32");
@@ -166,6 +167,11 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
     }
     const float* my_q = q_rows + warp * R * D;
     const long long table_row = static_cast<long long>(b) * table_stride;
+    RelRow rel[R];  // kRel: the warp's rows' tables of the relative-position term
+    if constexpr (kRel) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) rel[r] = rel_row(rel_bias, rel_len, cta, row0 + warp * R + r, n_head, num_frames);
+    }
 
     for (int tile = lo; tile < hi; tile += kTileKeys) {
         __syncthreads();  // q_rows written / previous tile fully consumed
@@ -213,6 +219,9 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
         for (int r = 0; r < R; ++r) {
             const int row = row0 + warp * R + r;
             const bool visible = kpos < hi && row < rows_valid && (!causal || kpos <= seqlen + row / group);
+            if constexpr (kRel) {  // + rel_bias[b, hq, t, (seqlen + t) - kpos + T - 1], in log2 units
+                if (visible) s[r] += rel_term_log2(rel[r], kpos, rel_len);
+            }
             s[r] = visible ? s[r] : neg_inf();
             scores[warp][r][lane] = s[r];
         }
