@@ -197,6 +197,44 @@ class TransducerRecognizer:
         """The text so far (a partial result mid-stream, the final text after the last chunk)."""
         return self.tokenizer.decode(self.tokens(stream_id))
 
+    def transcribe(self, items, piece_seconds: float = 0.1) -> list:
+        """Transcribe audio files or 16 kHz float arrays, up to ``max_batch_size`` at once, fed ``piece_seconds``
+        at a time; one ``oasr.asr.recognizer.Transcript`` each (``partials``: audio seconds, text when it changed)."""
+        from oasr.asr.audio import load_audio
+        from oasr.asr.recognizer import Transcript
+
+        clips = [load_audio(x) if isinstance(x, (str, Path)) else np.asarray(x, dtype=np.float32) for x in items]
+        piece = max(1, int(piece_seconds * self.frontend.sample_rate))
+        out: list = [None] * len(clips)
+        width = self.states.max_batch_size
+        for start in range(0, len(clips), width):
+            wave = {f"clip{i}": i for i in range(start, min(start + width, len(clips)))}
+            fed = dict.fromkeys(wave, 0)
+            partials = {sid: [] for sid in wave}
+            for sid in wave:
+                self.add_stream(sid)
+            while True:
+                for sid, i in wave.items():
+                    if fed[sid] < len(clips[i]):
+                        self.accept_audio(sid, clips[i][fed[sid] : fed[sid] + piece])
+                        fed[sid] += piece
+                    if fed[sid] >= len(clips[i]):
+                        self.end_stream(sid)
+                ran = self.step()
+                for sid in ran:
+                    text = self.text(sid)
+                    if not partials[sid] or partials[sid][-1][1] != text:
+                        secs = min(fed[sid], len(clips[wave[sid]])) / self.frontend.sample_rate
+                        partials[sid].append((secs, text))
+                if not ran and all(self._streams[s].ended for s in wave):
+                    break
+            for sid, i in wave.items():
+                text = self.text(sid)
+                out[i] = Transcript(id=i, text=text, first_pass=text,
+                                    audio_seconds=len(clips[i]) / self.frontend.sample_rate, partials=partials[sid])
+                self.free_stream(sid)
+        return out
+
     def free_stream(self, stream_id) -> None:
         """Forget the stream and give its slot back (its results go with it)."""
         self._stream(stream_id)

@@ -132,7 +132,7 @@ def read_hf_transducer(directory) -> TransducerHead:
     """The transducer head of a ``nemotron_asr_streaming`` checkpoint directory, weights loaded (safetensors only).
 
     One-line ``ValueError`` for a directory without ``config.json``, another model type, a missing weights
-    file, or missing/unexpected transducer tensors (named).
+    file, or missing, unexpected or wrongly shaped transducer tensors (named).
     """
     d = Path(directory)
     path = d / "config.json"
@@ -150,6 +150,12 @@ def read_hf_transducer(directory) -> TransducerHead:
     missing, unexpected = sorted(want - set(tensors)), sorted(set(tensors) - want)
     if missing or unexpected:
         raise ValueError(f"{d}: transducer tensors missing {missing or '[]'}, unexpected {unexpected or '[]'}")
+    shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    wrong = [f"{k} {tuple(tensors[k].shape)} (config.json implies {shapes[k]})" for k in sorted(shapes)
+             if tuple(tensors[k].shape) != shapes[k]]
+    if wrong:
+        raise ValueError(f"{d}: transducer tensors of the wrong shape: {'; '.join(wrong[:3])}"
+                         + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""))
     head.load_state_dict(tensors)
     return head.eval()
 
