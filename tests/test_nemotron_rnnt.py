@@ -294,3 +294,22 @@ def test_end_to_end_with_oasrs_encoder_equals_transformers(checkpoint, twin):
             tokens, where, enc_chunks, sequence = oracle.oracle_stream(model, _features(path, pcm), lookahead)
             assert rec.chunk_tokens(sid) == _by_chunk(tokens, where, len(enc_chunks)), (lookahead, sid)
             assert rec.text(sid) == processor.decode(sequence, skip_special_tokens=True)
+
+
+def test_full_size_transducer_decodes_a_chunk_on_the_cpu():
+    """The published configuration's transducer (transformers' defaults: 1025 symbols, a 2-layer 640-wide
+    predictor, encoder width 1024, 10 symbols per frame), random weights: a cohort's chunk in both twins."""
+    from transformers import NemotronAsrStreamingConfig
+
+    from oasr.models.transducer import TransducerHead
+
+    spec = TransducerSpec.from_hf_config(NemotronAsrStreamingConfig().to_dict())
+    assert (spec.vocab_size, spec.blank_id, spec.pred_hidden, spec.pred_layers, spec.encoder_dim,
+            spec.max_symbols_per_step) == (1025, 1024, 640, 2, 1024, 10)
+    torch.manual_seed(0)
+    head = TransducerHead(spec).eval()
+    enc = torch.randn(3, 4, spec.encoder_dim)
+    state = _zero_state(spec, 3)
+    want = ref_rnnt.decode_chunk(head, enc, state)
+    got = fast_rnnt.decode_chunk(head, enc, state)
+    assert got[0] == want[0] and all(len(t) <= 4 * 10 for t in got[0])
