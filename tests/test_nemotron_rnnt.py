@@ -313,3 +313,42 @@ def test_full_size_transducer_decodes_a_chunk_on_the_cpu():
     want = ref_rnnt.decode_chunk(head, enc, state)
     got = fast_rnnt.decode_chunk(head, enc, state)
     assert got[0] == want[0] and all(len(t) <= 4 * 10 for t in got[0])
+
+
+def test_recognizer_suspend_resume_elsewhere_gives_the_uninterrupted_text(checkpoint):
+    """oasr's encoder: a stream suspended mid-clip (encoder caches, predictor slot state, front-end state, tokens)
+    and resumed in another recognizer goes on to transformers' text; the other stream is unaffected."""
+    from oasr.asr.transducer import TransducerRecognizer
+
+    path, model, processor = checkpoint
+    lookahead = processor.supported_num_lookahead_tokens[-1]
+    clips = {"x": oracle.clip(8, 1.4), "y": oracle.clip(9, 1.0)}
+    first = TransducerRecognizer(path, None, lookahead, max_batch_size=2)
+    second = TransducerRecognizer(path, None, lookahead, {"twin": "reference"}, max_batch_size=2)
+    for sid in clips:
+        first.add_stream(sid)
+    owner, data, pos = {"x": first, "y": first}, None, 0
+    while pos < max(len(c) for c in clips.values()):
+        for sid, pcm in clips.items():
+            if pos < len(pcm):
+                owner[sid].accept_audio(sid, pcm[pos : pos + 1999])
+                if pos + 1999 >= len(pcm):
+                    owner[sid].end_stream(sid)
+        first.step()
+        second.step()
+        pos += 1999
+        if pos == 3 * 1999:  # mid-clip, a few chunks in, and mid-chunk
+            assert first.chunk_tokens("x")
+            data = first.suspend("x")
+            with pytest.raises(KeyError):
+                first.text("x")
+            second.resume(data, "x")
+            owner["x"] = second
+    first.run()
+    second.run()
+    assert data is not None
+    for sid, pcm in clips.items():
+        *_, sequence = oracle.oracle_stream(model, _features(path, pcm), lookahead)
+        assert owner[sid].text(sid) == processor.decode(sequence, skip_special_tokens=True), sid
+    with pytest.raises(ValueError, match="not a suspended stream"):
+        second.resume(b"garbage", "z")

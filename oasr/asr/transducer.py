@@ -33,8 +33,11 @@ import torch
 
 from oasr.engine.decode_families import resolve_decode_family
 from oasr.features import NemoMel
+from oasr.features.nemo_mel import OnlineNemoMel
 from oasr.models.transducer import read_hf_transducer
 from oasr.tokenizers import build_tokenizer
+
+SUSPEND_FORMAT = "oasr-transducer-stream-1"
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,52 @@ class TransducerRecognizer:
                                     audio_seconds=len(clips[i]) / self.frontend.sample_rate, partials=partials[sid])
                 self.free_stream(sid)
         return out
+
+    def suspend(self, stream_id) -> bytes:
+        """Take the stream out: the encoder's suspended stream, the predictor's slot state, the front end's state
+        and the tokens so far, as safetensors bytes (nothing pickled); its slot is freed. The stream must have been
+        admitted by the encoder (a first chunk arrived)."""
+        from safetensors.torch import save
+
+        s = self._stream(stream_id)
+        encoded = self.encoder.suspend(stream_id)
+        tensors = {f"mel_{k}": v for k, v in s.mel.snapshot().items()}
+        tensors.update({k: v.gather().cpu().contiguous() for k, v in self.states.views([stream_id]).items()})
+        tensors["encoder"] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        meta = {"format": SUSPEND_FORMAT, "lookahead": str(self.lookahead), "frames_pushed": str(s.frames_pushed),
+                "ended": str(int(s.ended)), "chunks": json.dumps(s.chunks)}
+        self.states.free_stream(stream_id)
+        del self._streams[stream_id]
+        return save(tensors, metadata=meta)
+
+    def resume(self, data: bytes, stream_id) -> None:
+        """Put a suspended stream back (here or in another recognizer of the same checkpoint and lookahead); it
+        goes on as if never stopped. One-line ``ValueError`` for foreign bytes or another lookahead."""
+        import struct
+
+        from safetensors.torch import load
+
+        if stream_id in self._streams:
+            raise ValueError(f"TransducerRecognizer: stream {stream_id!r} exists")
+        try:
+            data = bytes(data)
+            tensors = load(data)
+            (header_bytes,) = struct.unpack("<Q", data[:8])  # safetensors: the JSON header's length, then it
+            meta = json.loads(data[8 : 8 + header_bytes]).get("__metadata__") or {}
+        except Exception as exc:
+            raise ValueError(f"TransducerRecognizer.resume: not a suspended stream ({exc})") from None
+        if meta.get("format") != SUSPEND_FORMAT:
+            raise ValueError(f"TransducerRecognizer.resume: format {meta.get('format')!r}, expected {SUSPEND_FORMAT!r}")
+        if int(meta["lookahead"]) != self.lookahead:
+            raise ValueError(f"TransducerRecognizer.resume: the stream ran at lookahead {meta['lookahead']}, this "
+                             f"recognizer at {self.lookahead}")
+        self.states.allocate_stream(stream_id)
+        for name, view in self.states.views([stream_id]).items():
+            view.scatter(tensors[name])
+        self.encoder.resume(tensors["encoder"].numpy().tobytes(), stream_id)
+        mel = OnlineNemoMel.restore(self.frontend, {k[4:]: v for k, v in tensors.items() if k.startswith("mel_")})
+        self._streams[stream_id] = _Stream(mel, int(meta["frames_pushed"]), bool(int(meta["ended"])),
+                                           json.loads(meta["chunks"]))
 
     def free_stream(self, stream_id) -> None:
         """Forget the stream and give its slot back (its results go with it)."""

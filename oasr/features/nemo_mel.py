@@ -196,6 +196,23 @@ class OnlineNemoMel:
         self._buffer = torch.cat([self._buffer, torch.zeros(self.mel.config.n_fft // 2)])
         return self._emit(self.mel.num_frames(self.received))
 
+    def snapshot(self) -> dict:
+        """The whole state as tensors (what a suspended stream carries): the buffered samples, the pre-emphasis's
+        last sample, the counters."""
+        last = torch.tensor([0.0 if self._last is None else float(self._last)])
+        return {"buffer": self._buffer.clone(), "last": last,
+                "counters": torch.tensor([self.received, self.emitted, int(self.finished), int(self._last is None)])}
+
+    @classmethod
+    def restore(cls, mel: NemoMel, snap: dict) -> OnlineNemoMel:
+        """An extractor that goes on from ``snapshot()``'s state, frame for frame as if never stopped."""
+        online = cls(mel)
+        received, emitted, finished, fresh = (int(x) for x in snap["counters"])
+        online.received, online.emitted, online.finished = received, emitted, bool(finished)
+        online._last = None if fresh else snap["last"][0].clone()
+        online._buffer = snap["buffer"].clone()
+        return online
+
     def _emit(self, upto: int) -> np.ndarray:
         count = upto - self.emitted
         if count <= 0:
