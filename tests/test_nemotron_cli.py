@@ -50,7 +50,7 @@ def test_transcribe_prints_transformers_text(made, capsys):
     root, model, processor, wavs = made
     ckpt = root / "ckpt"
     for lookahead, twin in [(None, "fast"), (0, "reference"), (1, "fast")]:
-        argv = ["--model", str(ckpt), "--twin", twin, *map(str, wavs)]
+        argv = ["--model", str(ckpt), "--twin", twin, "--kv-cache-dtype", "model", *map(str, wavs)]
         if lookahead is not None:
             argv += ["--lookahead", str(lookahead)]
         assert transcribe.main(argv) == 0
@@ -69,11 +69,13 @@ def test_eval_runs_on_a_checkpoint_directory(made, tmp_path, capsys):
     (testset / "transcripts.tsv").write_text("".join(f'{i:04d}\thello world\t{{"voice": "x"}}\n'
                                                      for i in range(len(wavs))))
     out = tmp_path / "r.json"
-    rc = evaluate.main(["--model", str(root / "ckpt"), "--testset", str(testset), "--json", str(out)])
+    rc = evaluate.main(["--model", str(root / "ckpt"), "--testset", str(testset), "--json", str(out),
+                        "--kv-cache-dtype", "int8"])
     if rc != 0:
         pytest.fail(capsys.readouterr().err)
     result = json.loads(out.read_text())
     assert result["utterances"] == 2 and result["configuration"]["decoder"] == "rnnt_greedy"
+    assert result["configuration"]["kv_cache_dtype"] == "int8"
 
 
 def test_refusals_are_one_line(made, tmp_path, capsys):
@@ -91,6 +93,7 @@ def test_refusals_are_one_line(made, tmp_path, capsys):
                                                        "trained: 2, 1, 0")
     refused(["--model", str(ckpt), "--rescore", "--beam", "3"], "does not take --rescore, --beam")
     refused(["--lookahead", "1"], "--lookahead applies to a Nemotron checkpoint directory")
+    refused(["--model", str(ckpt), "--kv-cache-dtype", "q8_0"], "head_dim=16 is not a multiple of 32")
     broken = tmp_path / "broken"
     shutil.copytree(ckpt, broken)
     (broken / "model.safetensors").write_bytes(b"\0" * 64)

@@ -97,7 +97,7 @@ class TransducerRecognizer:
     """Many streams of one checkpoint (see the module docstring)."""
 
     def __init__(self, directory, encoder_factory=None, lookahead: int | None = None, options=None,
-                 max_batch_size: int = 8):
+                 max_batch_size: int = 8, kv_cache_dtype: str | None = None):
         d = Path(directory)
         self.lookaheads = Lookaheads.from_checkpoint(d)
         self.lookahead = self.lookaheads.check(self.lookaheads.default if lookahead is None else lookahead)
@@ -110,7 +110,10 @@ class TransducerRecognizer:
                              f"{self.head.spec.blank_id}")
         self.twin = importlib.import_module(f"oasr.{self.options.twin}")
         if encoder_factory is None:
-            self.encoder = oasr_encoder_streams(d, self.lookahead, self.options.twin, max_batch_size)
+            self.encoder = oasr_encoder_streams(d, self.lookahead, self.options.twin, max_batch_size, kv_cache_dtype)
+        elif kv_cache_dtype is not None:
+            raise ValueError("TransducerRecognizer: kv_cache_dtype sets oasr's encoder pages; with your own "
+                             "encoder_factory, set it there")
         else:
             self.encoder = encoder_factory(d, self.lookahead)
         self._decode = importlib.import_module(f"oasr.{self.options.twin}.rnnt_greedy").decode_chunk
@@ -291,14 +294,17 @@ class TransducerRecognizer:
         del self._streams[stream_id]
 
 
-def oasr_encoder_streams(directory, lookahead: int, twin: str = "fast", max_batch_size: int = 8):
+def oasr_encoder_streams(directory, lookahead: int, twin: str = "fast", max_batch_size: int = 8,
+                         kv_cache_dtype: str | None = None):
     """oasr's Nemotron encoder of the checkpoint (``oasr.from_pretrained``) at ``lookahead``, served over paged
-    caches by an ``EncoderStreamingEngine`` of ``max_batch_size`` slots."""
+    caches (``kv_cache_dtype``: their page format, default the model dtype) by an ``EncoderStreamingEngine`` of
+    ``max_batch_size`` slots."""
     from oasr.checkpoints import from_pretrained
     from oasr.engine.encoder_streams import EncoderStreamingEngine
 
     encoder = from_pretrained(directory, lookahead=lookahead).model
-    return EncoderStreamingEngine(encoder, encoder.cache_config(max_batch_size=max_batch_size), twin=twin)
+    config = encoder.cache_config(max_batch_size=max_batch_size, kv_cache_dtype=kv_cache_dtype)
+    return EncoderStreamingEngine(encoder, config, twin=twin)
 
 
 def transcribe_file(directory, pcm, encoder_factory=None, lookahead: int | None = None, piece: int = 4000) -> str:

@@ -78,7 +78,7 @@ def check_transducer_options(parser: argparse.ArgumentParser, args: argparse.Nam
     unsupported = [flag for flag, given in (("--rescore", args.rescore), ("--full-context", args.full_context),
                                             ("--chunk-size", args.chunk_size is not None),
                                             ("--num-left-chunks", args.num_left_chunks is not None),
-                                            ("--kv-cache-dtype", args.kv_cache_dtype is not None),
+                                            ("--kv-cache-dtype auto", args.kv_cache_dtype == "auto"),
                                             ("--beam", args.beam != parser.get_default("beam")),
                                             ("--device", args.device != "cpu")) if given]
     if unsupported:
@@ -126,22 +126,27 @@ def recognizer(args: argparse.Namespace, **extra):
                       full_context=args.full_context, beam_size=args.beam, max_streams=args.max_streams, **extra)
 
 
-def transducer_recognizer(args: argparse.Namespace):
-    """A ``TransducerRecognizer`` for ``--model DIR`` (after :func:`check_transducer_options`)."""
+def transducer_recognizer(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """A ``TransducerRecognizer`` for ``--model DIR`` (after :func:`check_transducer_options`); what only building
+    it can find (e.g. a page format that does not serve the model's head size) is one line and exit 2."""
     import torch
 
     from oasr.asr.transducer import TransducerRecognizer
 
     torch.set_num_threads(args.threads)
-    return TransducerRecognizer(args.model, None, args.lookahead, {"twin": args.twin},
-                                max_batch_size=args.max_streams)
+    kv = None if args.kv_cache_dtype in (None, "model") else args.kv_cache_dtype
+    try:
+        return TransducerRecognizer(args.model, None, args.lookahead, {"twin": args.twin},
+                                    max_batch_size=args.max_streams, kv_cache_dtype=kv)
+    except ValueError as exc:
+        parser.error(f"--model {args.model}: {str(exc).splitlines()[0]}")
 
 
 def configuration(args: argparse.Namespace, rec) -> dict:
     """The configuration a result was measured under, with the model's defaults filled in."""
     if is_transducer(args):
         return {"model": str(Path(args.model)), "twin": args.twin, "device": args.device,
-                "lookahead": rec.lookahead, "decoder": "rnnt_greedy"}
+                "lookahead": rec.lookahead, "decoder": "rnnt_greedy", "kv_cache_dtype": args.kv_cache_dtype or "model"}
     cfg = rec.encoder.config
     streaming = not args.full_context
     return {"model": str(Path(args.model)) if args.model else "shipped", "twin": args.twin, "device": args.device,

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         clips = load_testset(args.testset, args.limit)
     except ValueError as exc:
         parser.error(str(exc))
-    rec = transducer_recognizer(args) if is_transducer(args) else recognizer(args)
+    rec = transducer_recognizer(args, parser) if is_transducer(args) else recognizer(args)
     result = evaluate(rec, clips)
     result["configuration"] = configuration(args, rec)
     print(f"{result['utterances']} utterances, {result['audio_seconds']:.0f} s of audio: "

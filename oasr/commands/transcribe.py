@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         except AudioError as exc:
             parser.error(str(exc))
     if is_transducer(args):
-        transcripts = transducer_recognizer(args).transcribe(audio)
+        transcripts = transducer_recognizer(args, parser).transcribe(audio)
     else:
         rec = recognizer(args, max_seconds=max(60.0, max(len(a) for a in audio) / 16000 + 1))
         transcripts = rec.transcribe(audio)
