@@ -224,9 +224,10 @@ class CacheLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """One block id: K and V of ``unit`` layers (fp8: data and scales)."""
+        """One block id: K and V of ``unit`` layers, each vector the page format's bytes (data and scale
+        plane: ``KVFormat.bytes_per_vector``, the one bytes rule ``oasr.memory`` uses too)."""
         cfg = self.config
-        per_vector = cfg.head_dim * element_size(cfg.kv_storage_dtype) + (4 if cfg.kv_quantized else 0)
+        per_vector = cfg.kv_format.bytes_per_vector(cfg.head_dim, cfg.dtype)
         return 2 * self.unit * cfg.block_size_frames * cfg.n_kv_head * per_vector
 
     def blocks_per_stream(self) -> list[int]:
