@@ -3,9 +3,8 @@
 ``KVFormat.bytes_per_vector`` (``oasr.kv_formats``) is the rule; ``oasr.memory`` (uniform configs) and
 ``CacheLayout`` (declared compositions) size pools, footprints and per-stream bytes with it. Each case
 below allocates the pool a budget sized and counts the bytes of every tensor it holds (data and scale
-planes). Issue 31, item 11: on the old main ``CacheLayout.bytes_per_block`` charged ``head_dim *
-element_size + 4`` for every quantized format, so a q8_0 composition at head_dim 96 overspent its budget
-(and affine4 pools came out 40-50% smaller than it allowed).
+planes). A rule of ``head_dim * element_size + 4`` for every quantized format would overspend with q8_0
+at head_dim != 64 and leave affine4 pools 40-50% smaller than the budget allows.
 """
 
 from __future__ import annotations

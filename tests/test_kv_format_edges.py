@@ -1,11 +1,10 @@
-"""The page formats' corner cases, one rule in every place that stores or reads them (issue 31).
+"""The page formats' corner cases, one rule in every place that stores or reads them.
 
 * q8_0's ``d = inf`` (a block whose amax passes 127 x 65520: GGML's own corner) is stored by append,
-  written by ``save_stream`` and accepted by the loader (item 10; the old loader refused it).
+  written by ``save_stream`` and accepted by the loader.
 * affine4 groups whose minimum is a zero store ``+0`` as their bias (and a zero scale as ``+0``) in the
-  reference, the fast twin and the kernels alike (item 9; they stored -0 or +0 as amin, aminmax and
-  fminf happened to pick).
-* NaN on the kernel path: what the kernels store, as documented in ``oasr.fast.paged_ops`` (item 8).
+  reference, the fast twin and the kernels alike (not whichever zero amin, aminmax or fminf picks).
+* NaN on the kernel path: what the kernels store, as documented in ``oasr.fast.paged_ops``.
 """
 
 from __future__ import annotations

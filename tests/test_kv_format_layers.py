@@ -4,8 +4,8 @@ A pool packs all layers in one tensor per plane, so layer ``l``'s scale plane st
 block_size x n_kv_head x scale bytes`` in: at odd block counts, block sizes and head counts that is not a
 multiple of 16 bytes. The kernels read one scale per access and need only the element's alignment
 (``ops._check_quant_planes``); these tests write and read every layer of such pools and compare the
-bytes with the reference twin's. Issue 31, item 6: on the old main the first append into layer 1 raised
-"the k_scale pool must be 16-byte aligned".
+bytes with the reference twin's (a 16-byte requirement on the scale planes refused layer 1 of such pools
+at its first append).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A composition's refusals name the user's specs and layers, never a band's internal values.
 
-Issue 31, item 12: with ``prefill_kv_window=True`` and a ``FullAttention(-1)`` layer, the old refusal
-quoted the band's internal config ("got num_left_chunks=-1") while the user's config said 2.
+With ``prefill_kv_window=True`` and a ``FullAttention(-1)`` layer, a band's own config would say
+"got num_left_chunks=-1" while the user's config says 2: the layout names the layer and its spec instead.
 """
 
 from __future__ import annotations
