@@ -65,3 +65,70 @@ def test_q8_0_loader_still_refuses_nan_and_negative_d():
         raw = S._encode_attention(type(kv)(kv.seqlen, kv.seqstart, kv.total_frames, kv.k, kv.v, scale, kv.v_scale))
         with pytest.raises(SessionError, match="K scale is negative or NaN"):
             _decode_attention(raw, session.geometry)
+
+
+# ---- item 9: affine4's signed zeros, one rule in the reference, the fast twin and the kernels ----------
+
+def _zero_groups(dtype, head_dim=64, frames=6, seed=0) -> torch.Tensor:
+    """(frames, head_dim) vectors whose 32-value groups have a zero minimum of either sign, or are all
+    zeros of mixed signs, or round their minimum to a zero in ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(frames, head_dim, generator=g) * 4
+    for f in range(frames):
+        signs = torch.randint(0, 2, (head_dim,), generator=g).bool()
+        zeros = torch.where(signs, torch.tensor(-0.0), torch.tensor(0.0))
+        where = torch.rand(head_dim, generator=g) < (0.3 + 0.1 * f)
+        x[f] = torch.where(where, zeros, x[f])
+    x[0] = torch.where(torch.rand(head_dim, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0))  # all zeros
+    x[1, :32] = -0.0  # a group of -0 only
+    x[1, 32:] = 0.0
+    x[2, 0] = -1e-30  # a tiny negative minimum: M(lo) rounds to -0 in fp16 (and fp32 keeps it)
+    x[2, 40] = -1e-30
+    return x.to(dtype)
+
+
+def _fast_append_bytes(fmt, dtype, k, v, backend):
+    from oasr.fast import paged_ops as fast_ops
+
+    cfg = CacheConfig(num_layers=1, n_kv_head=1, head_dim=64, chunk_size=k.shape[1], block_size_frames=8,
+                      max_num_blocks=4, max_batch_size=1, max_blocks_per_seq=4, num_left_chunks=-1,
+                      kv_cache_dtype=fmt, dtype=dtype)
+    pool = fast.BlockPool(cfg)
+    m = fast.AttentionCacheManager(pool, cfg)
+    m.allocate_stream("s")
+    m.prepare_chunk("s", k.shape[1])
+    fast_ops.append_kv(m.get_paged_caches(["s"])[0], k, v, backend=backend)
+    return pool.k_scale, pool.k_pool, pool.v_scale, pool.v_pool
+
+
+@pytest.mark.parametrize("fmt", ["affine4", "affine4_g64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_affine4_stores_a_zero_scale_and_bias_as_plus_zero(fmt, dtype):
+    from oasr.fast.kv_formats import quantize as fast_quantize
+    from oasr.kv_formats import get_format
+
+    x = _zero_groups(dtype)
+    want_codes, want = get_format(fmt).quantize(x, dtype)
+    got_codes, got = fast_quantize(fmt, x, dtype)
+    assert torch.equal(bits(got), bits(want)) and torch.equal(got_codes, want_codes)
+    zero = want.float() == 0
+    assert zero.any()
+    assert (bits(want)[zero] == 0).all()  # every zero scale and bias is +0
+    # the kernels (host emulation) store the same bytes through append_kv; the torch backend too
+    k = x[None, :, None, :]
+    v = -x.flip(0)[None, :, None, :]
+    ref_v_codes, ref_v = get_format(fmt).quantize(v[0, :, 0], dtype)
+    for backend in ("torch", "emulated"):
+        if backend == "emulated":
+            from oasr.fast.kernels import emulation
+
+            try:
+                emulation.emulation_toolchain()
+            except emulation.EmulationUnavailable as exc:
+                pytest.skip(f"kernel emulation unavailable: {exc}")
+        k_scale, k_pool, v_scale, v_pool = _fast_append_bytes(fmt, dtype, k, v, backend)
+        frames = x.shape[0]
+        assert torch.equal(bits(k_scale[0, 0, :frames, 0]), bits(want)), backend
+        assert torch.equal(k_pool[0, 0, :frames, 0], want_codes), backend
+        assert torch.equal(bits(v_scale[0, 0, :frames, 0]), bits(ref_v)), backend
+        assert torch.equal(v_pool[0, 0, :frames, 0], ref_v_codes), backend

@@ -104,6 +104,7 @@ from oasr.cache.validate import (
     as_id_list,
     check_count,
     check_dense_chunk,
+    check_kv_numbers,
     check_restore_lengths,
     check_restore_room,
 )
@@ -692,6 +693,7 @@ class AttentionCacheManager:
         cfg = self.config
         slot = self.slots.slot_of(stream_id)
         T = check_dense_chunk(cfg, kv_chunk)
+        check_kv_numbers("commit", cfg.kv_format, (("kv_chunk", kv_chunk),))  # before a block is taken
         bs = cfg.block_size_frames
         held, seqlen = int(self._num_blocks[slot]), int(self._seqlen[slot])
         need = max(0, -(-(seqlen + T) // bs) - held)

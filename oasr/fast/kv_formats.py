@@ -81,6 +81,8 @@ def quantize_affine4(x: torch.Tensor, model_dtype: torch.dtype | None = None, gr
     lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
     scale = (hi - lo).div_(15).to(dtype).float()
     bias = lo.to(dtype).float()
+    scale.masked_fill_(scale == 0, 0.0)  # a zero scale or bias is stored as +0, whichever zero aminmax gave
+    bias.masked_fill_(bias == 0, 0.0)
     flat = scale == 0
     codes = g.sub_(bias).div_(scale.masked_fill(flat, 1.0)).round_().clamp_(0, 15).masked_fill_(flat, 0.0)
     pairs = codes.to(torch.uint8).reshape(*x.shape[:-1], D // 2, 2)

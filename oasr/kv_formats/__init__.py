@@ -61,6 +61,7 @@ class KVFormat:
     group: int = 0  # values per scale (0: one scale per vector, or no scale)
     values_per_byte: int = 1  # 2 for 4-bit codes
     params_per_group: int = 1  # affine: scale and bias
+    refuses_nan: bool = False  # the rule refuses NaN input (int8, q8_0, affine4); fp8 leaves it unspecified
 
     @property
     def quantized(self) -> bool:
@@ -130,12 +131,13 @@ FORMATS: dict[str, KVFormat] = {
     for f in (
         KVFormat("model", model, "the model dtype itself (fp32, fp16 or bf16)"),
         KVFormat("fp8_e4m3", fp8_e4m3, "e4m3 bytes, one power-of-two fp32 scale per vector"),
-        KVFormat("int8", int8, "symmetric int8, one fp32 scale (amax / 127) per vector"),
-        KVFormat("q8_0", q8_0, "GGML q8_0: int8 in blocks of 32, one fp16 scale per block", group=32),
+        KVFormat("int8", int8, "symmetric int8, one fp32 scale (amax / 127) per vector", refuses_nan=True),
+        KVFormat("q8_0", q8_0, "GGML q8_0: int8 in blocks of 32, one fp16 scale per block", group=32,
+                 refuses_nan=True),
         KVFormat("affine4", affine4, "4-bit codes, scale and bias (model dtype) per group of 32",
-                 group=32, values_per_byte=2, params_per_group=2),
+                 group=32, values_per_byte=2, params_per_group=2, refuses_nan=True),
         KVFormat("affine4_g64", affine4, "4-bit codes, scale and bias (model dtype) per group of 64",
-                 group=64, values_per_byte=2, params_per_group=2),
+                 group=64, values_per_byte=2, params_per_group=2, refuses_nan=True),
     )
 }
 FORMAT_NAMES = tuple(FORMATS)
