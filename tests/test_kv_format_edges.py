@@ -47,6 +47,25 @@ def test_q8_0_infinite_d_saves_and_loads(src, dst):
     assert torch.equal(bits(att2.pool.k_scale), bits(att.pool.k_scale))
 
 
+@pytest.mark.parametrize("src,dst", [("reference", "fast"), ("fast", "reference")])
+def test_q8_0_infinite_d_in_decoder_rows_saves_and_loads(src, dst):
+    from oasr import decoder_session as DS
+    from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+
+    cfg = DecoderCacheConfig(num_layers=2, n_kv_head=2, head_dim=64, page_size=4, max_num_blocks=16, max_rows=2,
+                             max_self_tokens=8, max_cross_tokens=4, kv_cache_dtype="q8_0")
+    saved = TWINS[src].DecoderKVCacheManager(cfg)
+    (row,) = saved.admit([DecoderRequest(3, 2, 0)])
+    k, v = torch.randn(2, 3, 2, 64), torch.randn(2, 3, 2, 64)
+    v[1, 2, 0, 40] = -2e7  # d overflows fp16: GGML's d = inf
+    saved.prefill(row, k, v)
+    assert torch.isposinf(saved.pool.v_scale.float()).sum() == 1
+    raw = DS.encode_decoder_rows(DS.capture_paged(saved, [row]))
+    loaded = TWINS[dst].DecoderKVCacheManager(cfg)
+    (new,) = DS.restore_paged(DS.decode_decoder_rows(raw), loaded)
+    assert DS.encode_decoder_rows(DS.capture_paged(loaded, [new])) == raw
+
+
 def test_q8_0_loader_still_refuses_nan_and_negative_d():
     from oasr.session import SessionError, _decode_attention
 

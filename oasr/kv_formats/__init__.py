@@ -99,6 +99,17 @@ class KVFormat:
             n *= s
         return data + n * _itemsize(self.scale_dtype(model_dtype))
 
+    def scales_storable(self, scales: torch.Tensor) -> bool:
+        """Whether ``scales`` (a scale plane) holds only what this format's append stores from numbers:
+        scales >= 0 and finite (0 where a prefilled window was zeroed), q8_0's ``d`` also ``+inf`` (GGML's
+        corner for a block with amax >= 127 * 65520), affine biases finite. Loaders refuse anything else."""
+        if not self.quantized or not scales.numel():
+            return True
+        s = scales.float()
+        scale = s[..., 0] if self.params_per_group == 2 else s
+        finite = torch.isfinite(s) | torch.isposinf(s) if self.name == "q8_0" else torch.isfinite(s)
+        return bool((scale >= 0).all() and finite.all())
+
     def check_geometry(self, head_dim: int, model_dtype: torch.dtype) -> None:
         """``ValueError`` when this format's rule cannot cut a vector of ``head_dim`` (or take ``model_dtype``)."""
         if model_dtype not in MODEL_DTYPES:

@@ -432,14 +432,9 @@ def _decode_attention(raw: bytes, g: SessionGeometry) -> KVWindow:
         sshape, sdtype = shape[:-1] + config.kv_scale_shape, config.kv_scale_dtype
         ssize = math.prod(sshape) * sdtype.itemsize
         k_scale, v_scale = (tensor_from(r.take(ssize), sdtype, sshape) for _ in range(2))
-        # what append stores: scales >= 0 (0 where a prefilled window was zeroed), finite, except q8_0's
-        # d = +inf, GGML's own corner for a block with amax >= 127 * 65520 (oasr.kv_formats.q8_0)
-        inf_ok = config.kv_format.name == "q8_0"
-        for name, s in (("K", k_scale), ("V", v_scale)):
-            scale = s[..., 0] if config.kv_format.params_per_group == 2 else s  # affine: (scale, bias) pairs
-            bounded = (torch.isfinite(s) | torch.isposinf(s)) if inf_ok else torch.isfinite(s)
-            if s.numel() and not bool((scale >= 0).all() and bounded.all()):
-                what = "negative or NaN" if inf_ok else "negative, NaN or infinite"
+        for name, s in (("K", k_scale), ("V", v_scale)):  # what append stores (KVFormat.scales_storable)
+            if not config.kv_format.scales_storable(s):
+                what = "negative or NaN" if config.kv_format.name == "q8_0" else "negative, NaN or infinite"
                 raise SessionError(f"attention section: a {name} scale is {what}")
     r.done()
     return KVWindow(seqlen, seqstart, total, k, v, k_scale, v_scale)
