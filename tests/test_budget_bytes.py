@@ -1,6 +1,6 @@
 """One bytes rule for every page format: a budget-sized pool never spends more than its budget.
 
-``KVFormat.bytes_per_vector`` (``oasr.kv_formats``) is the rule; ``oasr.memory`` (uniform configs) and
+``KVFormat.bytes_per_vector`` (``oasr.kv_formats``) is the rule; ``oasr.cache.memory`` (uniform configs) and
 ``CacheLayout`` (declared compositions) size pools, footprints and per-stream bytes with it. Each case
 below allocates the pool a budget sized and counts the bytes of every tensor it holds (data and scale
 planes). A rule of ``head_dim * element_size + 4`` for every quantized format would overspend with q8_0
@@ -14,11 +14,11 @@ import dataclasses
 import pytest
 import torch
 
-from oasr.config import CacheConfig
+from oasr.cache.config import CacheConfig
+from oasr.cache.layer_specs import CacheLayout, FullAttention, SlidingWindow, layout_for_budget
+from oasr.cache.memory import bytes_per_kv_block, footprint
 from oasr.fast.layered_cache import LayeredCache
 from oasr.kv_formats import FORMAT_NAMES, get_format
-from oasr.layer_specs import CacheLayout, FullAttention, SlidingWindow, layout_for_budget
-from oasr.memory import bytes_per_kv_block, footprint
 from oasr.reference.block_pool import BlockPool
 
 HEAD_DIMS = (32, 64, 96, 128, 192)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from oasr import fast, reference
-from oasr import session as S
-from oasr.config import CacheConfig
+from oasr.cache.config import CacheConfig
 from oasr.fast.kernels.testing import bits
+from oasr.sessions import format as S
 
 TWINS = {"reference": reference, "fast": fast}
 
@@ -49,8 +49,8 @@ def test_q8_0_infinite_d_saves_and_loads(src, dst):
 
 @pytest.mark.parametrize("src,dst", [("reference", "fast"), ("fast", "reference")])
 def test_q8_0_infinite_d_in_decoder_rows_saves_and_loads(src, dst):
-    from oasr import decoder_session as DS
-    from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+    from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
+    from oasr.sessions import decoder_rows as DS
 
     cfg = DecoderCacheConfig(num_layers=2, n_kv_head=2, head_dim=64, page_size=4, max_num_blocks=16, max_rows=2,
                              max_self_tokens=8, max_cross_tokens=4, kv_cache_dtype="q8_0")
@@ -67,7 +67,7 @@ def test_q8_0_infinite_d_in_decoder_rows_saves_and_loads(src, dst):
 
 
 def test_q8_0_loader_still_refuses_nan_and_negative_d():
-    from oasr.session import SessionError, _decode_attention
+    from oasr.sessions.format import SessionError, _decode_attention
 
     config = CacheConfig(num_layers=1, n_kv_head=1, head_dim=32, hidden_dim=4, kernel_size=3, chunk_size=4,
                          num_left_chunks=2, block_size_frames=4, max_num_blocks=8, max_batch_size=1,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasr.config import CacheConfig
+from oasr.cache.config import CacheConfig
 from oasr.fast import paged_ops as fast
 from oasr.fast.attention_cache import AttentionCacheManager as FastManager
 from oasr.fast.block_pool import BlockPool as FastPool

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from oasr import fast, reference
-from oasr.config import CacheConfig
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.cache.config import CacheConfig
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 from oasr.fast import paged_ops as fast_ops
 from oasr.fast.kernels.testing import bits
 from oasr.kv_formats import get_format

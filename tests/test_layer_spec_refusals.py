@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from oasr.config import CacheConfig
+from oasr.cache.config import CacheConfig
+from oasr.cache.layer_specs import CacheLayout, FullAttention, SlidingWindow
 from oasr.fast.layered_cache import LayeredCache as FastLayered
-from oasr.layer_specs import CacheLayout, FullAttention, SlidingWindow
 from oasr.reference.layered_cache import LayeredCache as RefLayered
 
 

@@ -249,7 +249,7 @@ class CacheLayout:
     @property
     def bytes_per_block(self) -> int:
         """One block id: K and V of ``unit`` layers, each vector the page format's bytes (data and scale
-        plane: ``KVFormat.bytes_per_vector``, the one bytes rule ``oasr.memory`` uses too)."""
+        plane: ``KVFormat.bytes_per_vector``, the one bytes rule ``oasr.cache.memory`` uses too)."""
         cfg = self.config
         per_vector = cfg.kv_format.bytes_per_vector(cfg.head_dim, cfg.dtype)
         return 2 * self.unit * cfg.block_size_frames * cfg.n_kv_head * per_vector

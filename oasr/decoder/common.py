@@ -161,7 +161,7 @@ def check_kv(config: DecoderCacheConfig, k: torch.Tensor, v: torch.Tensor, op: s
     """``k, v`` must be ``(L, *lead, T, H, D)`` (``T`` free when ``lead`` ends with None) on the pool's device.
 
     Self writes keep the strict rule: the model dtype only. Cross fills convert (``convert=True``).
-    ``numbers``: refuse NaN for a format whose rule does (``oasr.validate.check_kv_numbers``), here, before
+    ``numbers``: refuse NaN for a format whose rule does (``oasr.cache.validate.check_kv_numbers``), here, before
     any layer is written; False where the kernels write (they read nothing back: the fast twin's kernel
     backends). Returns T.
     """

@@ -36,10 +36,10 @@ import math
 
 import torch
 
+from oasr.cache.validate import check_kv_numbers
 from oasr.decoder.common import as_index, check_cross_fill, check_kv, check_step_kv, select_sources
 from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 from oasr.kv_formats import get_format
-from oasr.cache.validate import check_kv_numbers
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
