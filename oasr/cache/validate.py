@@ -158,6 +158,8 @@ def check_kv_numbers(op: str, fmt, tensors, lens=None) -> None:
     for name, t in tensors:
         if not t.is_floating_point() or t.numel() == 0:
             continue
+        if not bool(t.sum().isnan()):  # one pass: no NaN anywhere (a NaN sum of inf - inf is checked below)
+            continue
         bad = t.isnan()
         if lens is not None:
             bad = bad.flatten(2).any(dim=-1)

@@ -194,8 +194,11 @@ def _append_kv_torch(cache: PagedKVCache, k, v, lens: torch.Tensor) -> None:
     offsets = positions % cache.block_size
     if cache.quantized:
         fmt = cache.format.name
-        cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize(fmt, k[valid], k.dtype)
-        cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize(fmt, v[valid], v.dtype)
+        checked = cache.format.refuses_nan  # append_kv refused NaN before this write
+        cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize(fmt, k[valid], k.dtype,
+                                                                                  nan_checked=checked)
+        cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize(fmt, v[valid], v.dtype,
+                                                                                  nan_checked=checked)
         return
     cache.k_cache[blocks, offsets] = k[valid].to(cache.k_cache.dtype)
     cache.v_cache[blocks, offsets] = v[valid].to(cache.v_cache.dtype)
