@@ -104,3 +104,14 @@ def test_refusals_are_one_line(made, tmp_path, capsys):
     (broken / "config.json").write_text(json.dumps(cfg))
     refused(["--model", str(broken)], "transducer tensors of the wrong shape: decoder.decoder_projector.bias (24,) "
                                       "(config.json implies (25,))")
+
+
+def test_demo_prints_the_lookahead_and_its_chunk(made, capsys):
+    root, _, _, _ = made
+    from oasr.commands import speech_demo
+
+    assert speech_demo.main(["--model", str(root / "ckpt"), "--lookahead", "1", "--clips", "2", "--show", "1",
+                             "--no-realtime"]) == 0
+    out = capsys.readouterr().out
+    assert "lookahead 1: 160 ms chunks; trained: 2 (240 ms chunks), 1 (160 ms chunks), 0 (80 ms chunks)" in out
+    assert "accuracy: WER" in out and "transducer)" in out
