@@ -93,6 +93,11 @@ def test_refusals_are_one_line(made, tmp_path, capsys):
                                                        "trained: 2, 1, 0")
     refused(["--model", str(ckpt), "--rescore", "--beam", "3"], "does not take --rescore, --beam")
     refused(["--lookahead", "1"], "--lookahead applies to a Nemotron checkpoint directory")
+    from oasr.commands import serve
+
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--model", str(ckpt)])
+    assert exc.value.code == 2 and "the server does not take one yet" in capsys.readouterr().err
     refused(["--model", str(ckpt), "--kv-cache-dtype", "q8_0"], "head_dim=16 is not a multiple of 32")
     broken = tmp_path / "broken"
     shutil.copytree(ckpt, broken)

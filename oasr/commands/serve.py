@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from oasr.commands import CommandParser
-from oasr.commands.asr_options import add_model_options, check_model_options, recognizer
+from oasr.commands.asr_options import add_model_options, check_model_options, is_transducer, recognizer
 
 
 def build_parser() -> CommandParser:
@@ -39,6 +39,9 @@ def build_parser() -> CommandParser:
 def check_args(parser: CommandParser, args) -> None:
     """Every option, before any work (one line on stderr, exit status 2 for a bad one)."""
     check_model_options(parser, args)
+    if is_transducer(args):  # the server drives Recognizer's stream API; TransducerRecognizer does not offer it yet
+        parser.error(f"--model {args.model}: a Nemotron checkpoint directory is served by transcribe, eval and demo; "
+                     f"the server does not take one yet")
     if args.full_context:
         parser.error("the server streams; --full-context is for python -m oasr eval")
     if not 0 <= args.port <= 65535:
