@@ -131,7 +131,11 @@ class TransducerRecognizer:
         if stream_id in self._streams:
             raise ValueError(f"TransducerRecognizer: stream {stream_id!r} exists")
         self.states.allocate_stream(stream_id)  # raises when every slot is taken; nothing registered then
-        self.encoder.add_stream(stream_id)
+        try:
+            self.encoder.add_stream(stream_id)
+        except Exception:
+            self.states.free_stream(stream_id)
+            raise
         self._streams[stream_id] = _Stream(self.frontend.online())
 
     def accept_audio(self, stream_id, pcm) -> None:
