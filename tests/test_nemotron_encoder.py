@@ -14,6 +14,8 @@ by 1e-2 and more). bf16: oasr's error against the fp32 oracle may be at most twi
 oracle's own error against it, plus a floor of 1e-2 (both round every activation to 8 bits).
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -191,8 +193,8 @@ def test_bf16_error_is_the_oracles_own(checkpoints, name):
     encoder = load(path, dtype=torch.bfloat16)
     chunks = chunks_of(encoder, 6, seed=3)
     exact = oracle_stream(oracle, chunks, encoder.lookahead)
-    oracle_bf16 = oracle_stream(oracle.to(torch.bfloat16), chunks, encoder.lookahead, torch.bfloat16)
-    oracle.float()
+    # a copy: casting the module-scoped oracle to bf16 and back would round its weights for every later test
+    oracle_bf16 = oracle_stream(copy.deepcopy(oracle).to(torch.bfloat16), chunks, encoder.lookahead, torch.bfloat16)
     own = max_diff(oracle_bf16, exact)
     ours = max_diff(stream_alone(encoder, "reference", [c.bfloat16() for c in chunks]), exact)
     print(f"bf16 {name}: oasr vs fp32 oracle {ours:.3e}, transformers bf16 vs fp32 {own:.3e}")
