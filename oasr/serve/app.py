@@ -64,7 +64,7 @@ class ServeOptions:
     model_name: str = "oasr"
     max_audio_seconds: float = 300.0
     max_upload_bytes: int = 64 << 20
-    drain_timeout: float = 10.0  # seconds shutdown waits for suspended sessions to be told
+    drain_timeout: float = 10.0  # seconds each shutdown step waits: the worker, the told sessions, its thread
 
 
 class ServeState:
@@ -140,7 +140,7 @@ def create_app(worker: EngineWorker, options: ServeOptions | None = None) -> Fas
         try:
             yield
         finally:
-            await asyncio.to_thread(worker.stop, 10.0)
+            await asyncio.to_thread(worker.stop, options.drain_timeout)
 
     app = FastAPI(title="oasr", summary="streaming speech recognition", lifespan=lifespan)
 
