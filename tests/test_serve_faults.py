@@ -39,7 +39,8 @@ from oasr.asr.testset import load_testset  # noqa: E402
 from oasr.serve import protocol  # noqa: E402
 from oasr.serve.app import ServeOptions, ServerThread, create_app  # noqa: E402
 from oasr.serve.client import LiveResult, stream_audio  # noqa: E402
-from oasr.serve.worker import EngineWorker, write_atomic  # noqa: E402
+from oasr.serve.state import SessionWriter, write_atomic  # noqa: E402
+from oasr.serve.worker import EngineWorker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60.0
@@ -350,7 +351,7 @@ def test_models_list_and_float_frames_equal_the_upload(clips, tmp_path):
 
 # ---- checkpoints and crashes -------------------------------------------------------------------------------
 def test_write_atomic_leaves_the_old_file_when_a_write_fails(tmp_path, monkeypatch):
-    import oasr.serve.worker as worker_module
+    import oasr.serve.state as state_module
 
     path = tmp_path / "s.session"
     write_atomic(path, b"old")
@@ -358,10 +359,23 @@ def test_write_atomic_leaves_the_old_file_when_a_write_fails(tmp_path, monkeypat
     def failing_fsync(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(worker_module.os, "fsync", failing_fsync)
+    monkeypatch.setattr(state_module.os, "fsync", failing_fsync)
     with pytest.raises(OSError, match="No space"):
         write_atomic(path, b"new bytes")
     assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["s.session"]
+
+
+def test_session_writer_keeps_the_order_asked(tmp_path):
+    writer = SessionWriter()
+    a, b = tmp_path / "a.session", tmp_path / "b.session"
+    for k in range(20):
+        writer.write(a, b"a%d" % k)
+    writer.write(b, b"b")
+    writer.delete(b)
+    assert writer.flush(30)
+    assert a.read_bytes() == b"a19" and not b.exists()  # the newest state of each file, deletes after writes
+    assert writer.stats["written"] + writer.stats["superseded"] == 21 and writer.stats["failed"] == 0
+    writer.close(30)
 
 
 def test_a_checkpoint_resumes_exactly_and_leaves_the_stream_running(clips):
@@ -431,9 +445,30 @@ def test_a_live_stream_survives_sigkill_of_the_server(clips, tmp_path):
         assert result.transcript == expected
         (first, *later) = result.connections
         assert not first[1] and later and later[-1][1] and 0 < later[-1][2] < len(pcm)  # resumed mid-stream
-        assert not list(tmp_path.glob("*.session"))  # the finished stream's checkpoint is gone
+        deadline = time.monotonic() + TIMEOUT  # the finished stream's checkpoint goes (on the writer's thread)
+        while list(tmp_path.glob("*.session")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not list(tmp_path.glob("*.session"))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_the_serving_docs_client_example_runs(clips, monkeypatch):
+    """docs/serving.md's ``stream_audio`` example, pointed at a test server, prints the offline transcript."""
+    import re
+
+    _, offline = clips
+    page = (ROOT / "docs" / "serving.md").read_text()
+    (code,) = [b for b in re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL) if "stream_audio" in b]
+    srv = start()
+    printed: list = []
+    try:
+        monkeypatch.chdir(ROOT)
+        exec(compile(code.replace("http://127.0.0.1:8000", srv.url), "docs/serving.md", "exec"),
+             {"print": lambda *a: printed.append(" ".join(map(str, a)))})
+    finally:
+        srv.stop()
+    assert printed[0] == offline[0]

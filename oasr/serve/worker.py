@@ -37,11 +37,12 @@ transcript. A later worker on the same ``state_dir`` resumes a saved stream when
 reconnects with the id (``open(stream_id=..., resume=True)``).
 
 Crashes (``checkpoint_every``): every live stream's session is also written to the same file
-every ``checkpoint_every`` seconds of wall time while it changes (``Recognizer.checkpoint``;
-``write_atomic``: a file is whole or absent). After a SIGKILL a new worker on the directory
-resumes the stream from its last checkpoint; ``transcription_session.created`` tells the client
-``samples_received``, the audio to send again from. The file goes when the stream completes, is
-cancelled or fails; a resumed stream keeps its file while checkpoints are on (deleted otherwise).
+every ``checkpoint_every`` seconds of wall time while it changes (``Recognizer.checkpoint`` on
+this thread; ``oasr.serve.state.SessionWriter`` writes it on its own thread, whole or absent).
+After a SIGKILL a new worker on the directory resumes the stream from its last checkpoint;
+``transcription_session.created`` tells the client ``samples_received``, the audio to send again
+from. The file goes when the stream completes, is cancelled or fails; a resumed stream keeps its
+file while checkpoints are on (deleted otherwise).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import queue
 import threading
 import time
@@ -60,6 +60,7 @@ from pathlib import Path
 from oasr.asr.audio import AudioError
 from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE
 from oasr.cache.errors import StreamCapacityError
+from oasr.serve.state import SessionWriter, write_atomic
 
 logger = logging.getLogger("oasr.serve")
 STATS_KEPT = 1024  # engine TickStats kept (the newest); older ones are dropped as the server runs
@@ -78,34 +79,6 @@ def latency_percentiles(seconds) -> dict:
     p50, p95, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 95, 99])
     return {"p50": round(float(p50), 1), "p95": round(float(p95), 1), "p99": round(float(p99), 1),
             "chunks": len(seconds)}
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all: a temporary file, fsync, rename, fsync of the folder.
-
-    A crash at any point leaves either the previous file or the new one (never a part); on an
-    error the temporary file is removed and the previous file is untouched.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return  # a folder that cannot be opened (some platforms): the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Busy(RuntimeError):
@@ -182,7 +155,9 @@ class WorkerStats:
     accepting: bool = True
     # streams ended since start: completed / cancelled / suspended / failed
     ended: dict = field(default_factory=dict)
-    checkpoints: dict = field(default_factory=dict)  # written, bytes, seconds (blob + write), failed
+    # taken (sessions made on the engine thread), session_seconds (their time), and the writer's written,
+    # bytes, write_seconds, superseded, failed
+    checkpoints: dict = field(default_factory=dict)
 
     @property
     def real_time_factor(self) -> float:
@@ -223,7 +198,8 @@ class EngineWorker:
         self.max_streams = recognizer.cache_config.max_batch_size
         self._saved = set(self.saved_sessions())  # sessions on disk whose stream is not live here
         self._ended = {"completed": 0, "cancelled": 0, "suspended": 0, "failed": 0}
-        self._checkpoints = {"written": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        self._checkpoints = {"taken": 0, "session_seconds": 0.0}
+        self.writer = SessionWriter() if self.state_dir is not None else None
         self._checkpointed: dict = {}  # stream id -> (time, samples, frames done) of its last checkpoint
         self.last_failure: dict | None = None  # {"stream", "message", "at" (time.time())}
         self.stats = WorkerStats(pool=recognizer.pool_usage(), suspended_on_disk=len(self._saved),
@@ -263,6 +239,8 @@ class EngineWorker:
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.error("the engine worker did not stop within %g s; leaving it behind", timeout)
+        elif self.writer is not None:
+            self.writer.close(timeout)  # the deletes of the streams it dropped
         self._thread = None
 
     async def open(self, stream_id: str, kind: str = "live", resume: bool = False) -> StreamHandle:
@@ -501,19 +479,18 @@ class EngineWorker:
             self._ended["cancelled"] += 1
 
     def _forget_session(self, sid) -> None:
-        """The stream is over here: its checkpoint file (if any) goes."""
+        """The stream is over here: its checkpoint file (if any) goes, after any write still queued for it."""
         self._checkpointed.pop(sid, None)
-        if self.state_dir is not None and sid not in self._saved:
-            try:
-                self.session_path(sid).unlink(missing_ok=True)
-            except OSError:
-                logger.exception("could not delete the session file of stream %r", sid)
+        if self.writer is not None and sid not in self._saved:
+            self.writer.delete(self.session_path(sid))
 
     def _do_suspend_live(self, future) -> None:
         self._accepting = False
         for request in self._opens:
             _settle(request.future, exc=Busy("the server is shutting down", retry_after=5))
         self._opens.clear()
+        if self.writer is not None:  # no queued checkpoint may land over a suspended stream's file
+            self.writer.flush(10.0)
         saved = 0
         for sid, handle in list(self._handles.items()):
             if self.rec.engine.input_ended(sid) or handle.kind != "live":
@@ -542,7 +519,7 @@ class EngineWorker:
 
     def _checkpoint_due(self) -> None:
         """Write the session of every live stream whose last checkpoint is ``checkpoint_every`` old and
-        that changed since (``Recognizer.checkpoint``, ``write_atomic``)."""
+        that changed since (``Recognizer.checkpoint`` here, the write on ``SessionWriter``'s thread)."""
         if self.checkpoint_every is None:
             return
         now = time.monotonic()
@@ -561,17 +538,10 @@ class EngineWorker:
             except Exception as exc:
                 self._fail(sid, exc, "its checkpoint")
                 continue
-            try:
-                write_atomic(self.session_path(sid), blob)
-            except OSError:
-                self._checkpoints["failed"] += 1
-                logger.exception("checkpoint of stream %r not written", sid)
-                self._checkpointed[sid] = (now, *last[1:])  # retry after another period, not every loop
-                continue
+            self.writer.write(self.session_path(sid), blob)  # whole or absent, on the writer's thread
             self._checkpointed[sid] = (now, stream.samples, stream.frames_done)
-            self._checkpoints["written"] += 1
-            self._checkpoints["bytes"] += len(blob)
-            self._checkpoints["seconds"] += time.perf_counter() - t0
+            self._checkpoints["taken"] += 1
+            self._checkpoints["session_seconds"] += time.perf_counter() - t0
 
     def _tick(self) -> bool:
         """One engine tick if any stream is open; True if it encoded or finished something."""
@@ -618,4 +588,4 @@ class EngineWorker:
             engine_waiting=engine.num_waiting, pool=self.rec.pool_usage(), ticks=engine.tick,
             audio_seconds=self._audio_seconds, busy_seconds=self.rec.busy_seconds,
             suspended_on_disk=len(self._saved), accepting=self._accepting, ended=dict(self._ended),
-            checkpoints=dict(self._checkpoints))
+            checkpoints={**self._checkpoints, **(self.writer.stats if self.writer is not None else {})})
