@@ -26,7 +26,8 @@ oasr_checkpoint_seconds_total      counter    worker time spent on them (session
 oasr_tick_seconds                  histogram  wall time of the engine ticks that encoded audio
 oasr_requests_total{endpoint,      counter    finished requests; ``status`` is the HTTP status,
 status}                                       or for WebSockets completed / disconnected /
-                                              suspended / an HTTP status for a refusal
+                                              suspended / failed / gone / an HTTP status for
+                                              a refusal
 =================================  =========  ==============================================
 """
 
