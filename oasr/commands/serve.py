@@ -33,7 +33,7 @@ def build_parser() -> CommandParser:
                              "(default: none; live streams are dropped at shutdown)")
     parser.add_argument("--checkpoint-every", type=float, default=None,
                         help=f"seconds between checkpoints of each live stream in --state-dir, so a stream "
-                             f"survives a crash of the server (0: off; default {DEFAULT_CHECKPOINT_EVERY:g} with "
+                             f"survives a crash of the server; 0: off (default: {DEFAULT_CHECKPOINT_EVERY:g} with "
                              f"--state-dir, off without)")
     parser.add_argument("--shutdown-timeout", type=float, default=60.0,
                         help="seconds from SIGTERM or Ctrl-C to the end of the process, whatever the engine "
