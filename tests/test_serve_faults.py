@@ -407,6 +407,19 @@ def test_a_checkpoint_resumes_exactly_and_leaves_the_stream_running(clips):
         rec.checkpoint("s")  # finished and gone
 
 
+@pytest.mark.parametrize("twin", ["reference", "fast"])
+def test_a_checkpoint_is_the_suspension_s_bytes(clips, twin):
+    """``checkpoint`` then ``suspend`` of the same state: the same bytes, on both twins, admitted or not."""
+    audio, _ = clips
+    rec = Recognizer(twin=twin, max_streams=2, max_seconds=60.0)
+    for samples in (3200, 3 * 16000):  # less than a chunk (never admitted: features), then mid-stream
+        stream = rec.open_stream(f"s{samples}")
+        stream.accept(audio[0][:samples])
+        rec.step()
+        assert rec.engine.admitted(stream.id) == (samples > 3200)
+        assert rec.checkpoint(stream.id) == rec.suspend(stream.id)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
