@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import oasr
-from oasr import memory
 from oasr import reference as ref
+from oasr.cache import memory
 
 torch.manual_seed(0)
 cfg = oasr.CacheConfig(num_layers=2, n_kv_head=2, head_dim=8, hidden_dim=16, kernel_size=3,

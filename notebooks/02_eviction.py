@@ -17,7 +17,7 @@
 #
 # Because blocks are freed whole, the first visible position can sit *inside* the
 # first held block; that is why a paged view carries `cache_seqstarts` as well as
-# `cache_seqlens` (the arithmetic is drawn once, in `oasr/config.py`).
+# `cache_seqlens` (the arithmetic is drawn once, in `oasr/cache/config.py`).
 #
 # This notebook shows
 #

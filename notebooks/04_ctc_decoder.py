@@ -36,7 +36,7 @@
 #
 # Equal prefixes reached in different ways are merged by adding, and the `beam_size`
 # best by `pb + pnb` survive. Both twins do this in log space (float64). The exact rule,
-# the tie-break order and the emission-frame rule are in `oasr/ctc_config.py`.
+# the tie-break order and the emission-frame rule are in `oasr/ctc/config.py`.
 
 # %%
 import itertools
@@ -46,7 +46,7 @@ import random
 import matplotlib.pyplot as plt
 import torch
 
-from oasr.ctc_config import CtcDecoderConfig
+from oasr.ctc.config import CtcDecoderConfig
 from oasr.fast.ctc_decoder import StreamingCtcDecoder as FastDecoder
 from oasr.fast.ctc_state import CtcStateCacheManager as FastManager
 from oasr.reference.ctc_decoder import StreamingCtcDecoder as RefDecoder

@@ -28,8 +28,9 @@ import matplotlib.pyplot as plt
 import torch
 
 import oasr
-from oasr import fast, memory
+from oasr import fast
 from oasr import reference as ref
+from oasr.cache import memory
 from oasr.reference.fp8 import FP8_MAX, dequantize, quantize
 
 rows = []

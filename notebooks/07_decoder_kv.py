@@ -24,11 +24,12 @@
 import matplotlib.pyplot as plt
 import torch
 
-from oasr import fast, memory
+from oasr import fast
 from oasr import reference as ref
-from oasr.decoder_common import AdmissionError
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
-from oasr.errors import PoolExhaustedError
+from oasr.cache import memory
+from oasr.cache.errors import PoolExhaustedError
+from oasr.decoder.common import AdmissionError
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 
 cfg = DecoderCacheConfig(num_layers=2, n_kv_head=2, head_dim=8, page_size=4, max_num_blocks=16, max_rows=8,
                          max_self_tokens=24, max_cross_tokens=8)

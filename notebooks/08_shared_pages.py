@@ -28,7 +28,7 @@ import torch
 
 from oasr import fast
 from oasr import reference as ref
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 
 cfg = DecoderCacheConfig(num_layers=2, n_kv_head=2, head_dim=8, page_size=4, max_num_blocks=24, max_rows=4,
                          max_self_tokens=16)
@@ -113,13 +113,13 @@ assert all(torch.equal(f.gather_self(r), m.gather_self(r)) for r in beams)
 # Every beam of one utterance maps the same cross-attention pages (the encoder
 # output), and `shares_cross(rows)` says so. Those pages cannot change while more
 # than one row holds them (`fill_cross` refuses shared pages), so the fast twin's
-# decode group (`oasr.decoder_kv.PagedDecoderKV`) reads the region once per
+# decode group (`oasr.decoder.kv.PagedDecoderKV`) reads the region once per
 # search and attends every beam's queries in one grouped matmul. The oracle reads
 # each beam's pages itself (`SHARED_CROSS_READ`), so its paged beams equal dense
 # beams bit for bit; the two twins agree to float rounding.
 
 # %%
-from oasr.decoder_kv import PagedDecoderKV
+from oasr.decoder.kv import PagedDecoderKV
 
 xcfg = DecoderCacheConfig(num_layers=2, n_kv_head=2, head_dim=8, page_size=4, max_num_blocks=24, max_rows=4,
                           max_self_tokens=16, max_cross_tokens=10)

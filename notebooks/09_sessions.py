@@ -11,7 +11,7 @@
 #
 # A live stream's state is spread over several caches: K/V pages in the shared
 # pool, conv and subsampling tails in slot-indexed tensors, a CTC beam, and what
-# the engine itself keeps (input not yet encoded, counters). `oasr.session` puts
+# the engine itself keeps (input not yet encoded, counters). `oasr.sessions.format` puts
 # all of it in one versioned, checksummed byte string, so a stream can leave one
 # engine and go on in another, in the same process or elsewhere.
 #
@@ -26,9 +26,9 @@ import hashlib
 import matplotlib.pyplot as plt
 import torch
 
-from oasr import session as S
 from oasr.engine import StreamingEngine
 from oasr.models import ConformerConfig, StreamingConformer
+from oasr.sessions import format as S
 
 model = StreamingConformer(ConformerConfig(num_left_chunks=2, chunk_size=4, seed=3))
 feats = torch.randn(150, 20, generator=torch.Generator().manual_seed(1))

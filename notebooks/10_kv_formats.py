@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 import oasr
-from oasr import fast, memory
+from oasr import fast
 from oasr import reference as ref
+from oasr.cache import memory
 from oasr.fast import kv_formats as fast_formats
 from oasr.kv_formats import FORMATS, get_format
 

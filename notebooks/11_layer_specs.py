@@ -32,9 +32,9 @@
 import matplotlib.pyplot as plt
 import torch
 
+from oasr.cache.layer_specs import CacheLayout, FullAttention, SlidingWindow, uniform_specs
+from oasr.cache.memory import format_bytes
 from oasr.engine import StreamingEngine
-from oasr.layer_specs import CacheLayout, FullAttention, SlidingWindow, uniform_specs
-from oasr.memory import format_bytes
 from oasr.models import ConformerConfig, StreamingConformer, available_twins, twin_module
 
 TWINS = available_twins()

@@ -4,10 +4,10 @@ Two twins with one API: ``oasr.reference`` (readable pure torch, the oracle)
 and ``oasr.fast`` (slot-indexed persistent tensors, CUDA kernels).
 """
 
-from oasr.config import CacheConfig
-from oasr.ctc_config import CtcDecoderConfig, CtcHypothesis
-from oasr.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
-from oasr.paged import PagedKVCache
+from oasr.cache.config import CacheConfig
+from oasr.cache.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
+from oasr.cache.paged import PagedKVCache
+from oasr.ctc.config import CtcDecoderConfig, CtcHypothesis
 
 __all__ = [
     "CacheConfig",

@@ -14,9 +14,9 @@ import hashlib
 import pytest
 import torch
 
-from oasr import session as S
 from oasr.engine import StreamingEngine
 from oasr.models import ConformerConfig, StreamingConformer
+from oasr.sessions import format as S
 
 FORMATS = {
     "fp32": (torch.float32, None),

@@ -11,8 +11,8 @@ import torch
 
 from oasr.__main__ import main as oasr_main
 from oasr.asr.audio import AudioError, load_audio
-from oasr.asr.checkpoint import serving_chunking
-from oasr.asr.recognizer import Recognizer, default_model_path
+from oasr.asr.checkpoint import default_model_path, serving_chunking
+from oasr.asr.recognizer import Recognizer
 from oasr.asr.testset import load_testset
 
 torch.set_num_threads(1)

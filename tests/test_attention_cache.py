@@ -266,7 +266,7 @@ def test_paged_view_host_maxima(twin):
 
 def test_restore_stream_checks_everything_first(twin):
     """``restore_stream`` (sessions): same errors in both twins, and nothing changes on any of them."""
-    from oasr.errors import PoolExhaustedError, SlotsExhaustedError
+    from oasr.cache.errors import PoolExhaustedError, SlotsExhaustedError
 
     cfg = small_config(max_batch_size=2)  # chunk 4, window 8, block 4
     pool = twin.BlockPool(cfg)

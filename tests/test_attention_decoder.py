@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from oasr import fast, reference
-from oasr.ctc_config import CtcHypothesis
-from oasr.decoder_kv import PagedDecoderKV
+from oasr.ctc.config import CtcHypothesis
+from oasr.decoder.kv import PagedDecoderKV
 from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig, attention_rescore
 
 TWINS = {"reference": reference, "fast": fast}
@@ -36,7 +36,7 @@ def make_group(decoder, ops, storage, encs, max_new, kv_cache_dtype=None, backen
 def fp8_round(ops):
     from oasr.reference import fp8  # (imported here: the attribute exists only once the module is loaded)
 
-    q = fp8.quantize if ops is reference else fast.paged_ops.quantize_fp8
+    q = fp8.quantize if ops is reference else fast.kv_formats.quantize_fp8
 
     def rnd(x):
         data, scale = q(x)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import oasr
-from oasr.errors import PoolExhaustedError
+from oasr.cache.errors import PoolExhaustedError
 from tests.conftest import assert_same_snapshot, small_config, snapshot
 
 

@@ -247,7 +247,7 @@ def test_transcripts_label_the_shown_sequence_score():
     """With --rescore the shown tokens are the second pass's choice: their CTC score is theirs, not the
     first pass's best, and the heading says the sequences were rescored."""
     from oasr.commands import demo
-    from oasr.ctc_config import CtcDecoderConfig, CtcHypothesis
+    from oasr.ctc.config import CtcDecoderConfig, CtcHypothesis
 
     nbest = [CtcHypothesis([1, 2], -1.0, [0, 1]), CtcHypothesis([3], -2.5, [0])]
     result = types.SimpleNamespace(tokens=[3], nbest=nbest, first_pass=[1, 2])

@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oasr.ctc_config import CtcDecoderConfig, CtcHypothesis
+from oasr.ctc.config import CtcDecoderConfig, CtcHypothesis
 from oasr.fast import ctc_decoder as fast_mod
 from oasr.reference import ctc_decoder as ref_mod
 

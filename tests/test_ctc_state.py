@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from oasr.ctc_config import CtcDecoderConfig
+from oasr.ctc.config import CtcDecoderConfig
 from oasr.fast import ctc_decoder as fast_dec
 from oasr.fast import ctc_state as fast_state
 from oasr.reference import ctc_decoder as ref_dec

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from oasr import fast, reference
-from oasr.decoder_config import DecoderRequest
-from oasr.decoder_kv import PagedDecoderKV
+from oasr.decoder.config import DecoderRequest
+from oasr.decoder.kv import PagedDecoderKV
 from oasr.engine.decode_step import FastDecodeStep
 from oasr.fast.capture_check import CaptureSafetyChecker
 from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oasr import fast, reference
-from oasr.decoder_common import AdmissionError
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
-from oasr.errors import PoolExhaustedError
+from oasr.cache.errors import PoolExhaustedError
+from oasr.decoder.common import AdmissionError
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 from oasr.reference.fp8 import FP8_DTYPE, fp8_scales
 
 TWINS = {"reference": reference, "fast": fast}
@@ -251,7 +251,7 @@ def test_self_writes_keep_the_strict_dtype_rule(ops):
 @pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
 def test_cross_views_attend_exactly_the_extent(ops, kv_cache_dtype):
     """paged_attention over cross views with one query per row (T queries packed as heads) == textbook."""
-    from oasr.decoder_kv import PagedDecoderKV
+    from oasr.decoder.kv import PagedDecoderKV
 
     m = ops.DecoderKVCacheManager(dcfg(kv_cache_dtype=kv_cache_dtype))
     group = PagedDecoderKV.admit(m, [DecoderRequest(1, 1, 7), DecoderRequest(1, 1, 3)], ops)
@@ -403,7 +403,7 @@ def test_twins_identical(kv_cache_dtype):
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
 def test_footprint_reports_the_decoder_pool_pinned_to_allocations(ops, kv_cache_dtype):
-    from oasr import memory
+    from oasr.cache import memory
     from tests.conftest import small_config
 
     c = dcfg(kv_cache_dtype=kv_cache_dtype, dtype=torch.float16)
@@ -429,7 +429,7 @@ def test_fast_fp8_refusal_names_the_model_dtype():
 
 @pytest.mark.parametrize("captured", [True, False])
 def test_auto_storage_builds_paged_groups_for_captured_steps(ops, captured):
-    from oasr.decoder_kv import DenseDecoderKV, PagedDecoderKV, decode_group
+    from oasr.decoder.kv import DenseDecoderKV, PagedDecoderKV, decode_group
 
     c = dcfg(kv_storage="auto", graph_captured=captured)
     reqs = [DecoderRequest(2, 5, 4), DecoderRequest(1, 9, 3)]

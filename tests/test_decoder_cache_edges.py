@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from oasr import fast, reference
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
-from oasr.decoder_kv import PagedDecoderKV
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.kv import PagedDecoderKV
 
 TWINS = {"reference": reference, "fast": fast}
 PROMPT = list(range(1, 10))

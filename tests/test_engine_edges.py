@@ -22,8 +22,8 @@ import pytest
 import torch
 from session_helpers import engine_snapshot, features, make_engine, make_model, refused, same_snapshot, start
 
-from oasr import session as S
 from oasr.engine import StreamingEngine
+from oasr.sessions import format as S
 
 
 def demo_model(max_batch_size: int):

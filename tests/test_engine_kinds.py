@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasr.config import CacheConfig
+from oasr.cache.config import CacheConfig
+from oasr.cache.layer_specs import FullAttention, SlidingWindow
 from oasr.engine import StreamingEngine
 from oasr.engine.streaming_backend import SlotStreamingBackend
-from oasr.layer_specs import FullAttention, SlidingWindow
 from oasr.models import ConformerConfig, StreamingConformer
 from oasr.models.conv_recurrent import ConvRecurrentConfig, ConvRecurrentEncoder
 from tests.test_graph_runner import StandInCapture

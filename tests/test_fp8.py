@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import oasr
-from oasr import memory
-from oasr.fp8 import saturation_bound
+from oasr.cache import memory
+from oasr.kv_formats.fp8_e4m3 import saturation_bound
 from oasr.reference.fp8 import FP8_MAX, dequantize, quantize
 from tests.conftest import small_config
 from tests.test_paged_attention import make_case, sdpa_oracle

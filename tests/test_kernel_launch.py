@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
+from oasr.cache.paged import PagedKVCache
 from oasr.fast.kernels import emulation, nvrtc, ops, registry
-from oasr.paged import PagedKVCache
 
 
 class RecordingExecutor:

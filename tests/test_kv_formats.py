@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import oasr
-from oasr import memory
-from oasr.decoder_config import DecoderCacheConfig
+from oasr.cache import memory
+from oasr.decoder.config import DecoderCacheConfig
 from oasr.fast import kv_formats as fast_formats
 from oasr.kv_formats import FORMATS, auto_format, get_format
 from oasr.kv_formats import q8_0 as q8_0_rule
@@ -297,7 +297,7 @@ def test_dense_gather_dequantizes_like_the_reference(name):
 
 # ---- sessions record the format and refuse a foreign one --------------------------------------
 
-from oasr import session as S  # noqa: E402
+from oasr.sessions import format as S  # noqa: E402
 from tests.session_helpers import make_engine as _make_engine  # noqa: E402
 from tests.session_helpers import make_model, start  # noqa: E402
 
@@ -322,7 +322,7 @@ def test_sessions_carry_the_format_across_twins_and_refuse_another(name):
 
 # ---- the decoder cache takes the same formats ---------------------------------------------------
 
-from oasr.decoder_config import DecoderRequest  # noqa: E402
+from oasr.decoder.config import DecoderRequest  # noqa: E402
 from tests.test_decoder_cache import dcfg, shuffle_free_list  # noqa: E402
 from tests.test_decoder_cache import kv as decoder_kv  # noqa: E402
 

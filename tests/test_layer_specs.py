@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from oasr import fast, reference
-from oasr.config import CacheConfig
-from oasr.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
-from oasr.layer_specs import (
+from oasr.cache.config import CacheConfig
+from oasr.cache.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
+from oasr.cache.layer_specs import (
     CacheLayout,
     FixedState,
     FullAttention,
@@ -20,7 +20,7 @@ from oasr.layer_specs import (
     layout_for_budget,
     uniform_specs,
 )
-from oasr.memory import footprint
+from oasr.cache.memory import footprint
 
 TWINS = [reference, fast]
 
@@ -261,7 +261,7 @@ def test_layout_for_budget():
 
 
 def test_sessions_refuse_a_frame_window():
-    from oasr.session import SessionError, SessionGeometry
+    from oasr.sessions.format import SessionError, SessionGeometry
 
     with pytest.raises(SessionError, match="window_frames=6"):
         SessionGeometry.of(_config(window_frames=6))

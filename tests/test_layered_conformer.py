@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oasr import fast, reference
-from oasr.layer_specs import FullAttention, SlidingWindow
+from oasr.cache.layer_specs import FullAttention, SlidingWindow
 from oasr.models import ConformerConfig, StreamingConformer
 from oasr.models.conformer import chunk_attention_mask, window_attention_mask
 

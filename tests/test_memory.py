@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import oasr
-from oasr import memory
+from oasr.cache import memory
 from tests.conftest import small_config
 
 

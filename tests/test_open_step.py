@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from oasr import fast, reference
-from oasr.decoder_common import ViewStep
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.common import ViewStep
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 from oasr.fast.decoder_cache import HostStep
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from oasr import fast
-from oasr.config import POOL_HEADROOM_FRACTION, CacheConfig
-from oasr.layer_specs import CacheLayout, FullAttention, SlidingWindow
-from oasr.memory import bytes_per_kv_block
+from oasr.cache.config import POOL_HEADROOM_FRACTION, CacheConfig
+from oasr.cache.layer_specs import CacheLayout, FullAttention, SlidingWindow
+from oasr.cache.memory import bytes_per_kv_block
 
 GEOMETRY = dict(num_layers=4, n_kv_head=2, head_dim=8, hidden_dim=16, kernel_size=3, chunk_size=4,
                 block_size_frames=4, max_batch_size=2, max_blocks_per_seq=32, num_left_chunks=2)
@@ -29,7 +29,7 @@ def test_cpu_needs_a_budget():
 
 def test_budget_sizes_the_pool_and_the_log_says_so(caplog):
     budget = 300_000
-    with caplog.at_level(logging.INFO, logger="oasr.config"):
+    with caplog.at_level(logging.INFO, logger="oasr.cache.config"):
         cfg = CacheConfig(max_num_blocks=None, pool_budget_bytes=budget, **GEOMETRY)
     per = bytes_per_kv_block(cfg)
     assert cfg.max_num_blocks == budget // per - 1
@@ -44,7 +44,7 @@ def test_budget_sizes_the_pool_and_the_log_says_so(caplog):
 def test_cuda_sizes_from_free_memory_less_headroom(monkeypatch, caplog):
     free, total = 3 << 30, 8 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
-    with caplog.at_level(logging.INFO, logger="oasr.config"):
+    with caplog.at_level(logging.INFO, logger="oasr.cache.config"):
         cfg = CacheConfig(max_num_blocks=None, device="cuda", **GEOMETRY)
     budget = int(free - POOL_HEADROOM_FRACTION * total)
     assert cfg.max_num_blocks == budget // bytes_per_kv_block(cfg) - 1

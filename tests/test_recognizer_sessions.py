@@ -121,8 +121,7 @@ def test_bad_bytes_are_refused_and_change_nothing(recognizer, clips):
 def test_foreign_model_is_refused(recognizer, clips, tmp_path):
     import torch
 
-    from oasr.asr.checkpoint import load_checkpoint, save_checkpoint
-    from oasr.asr.recognizer import default_model_path
+    from oasr.asr.checkpoint import default_model_path, load_checkpoint, save_checkpoint
 
     encoder, decoder, spec, cmvn, info = load_checkpoint(default_model_path())
     with torch.no_grad():

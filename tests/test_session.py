@@ -32,12 +32,12 @@ from session_helpers import (
     with_checksum,
 )
 
-from oasr import session as S
-from oasr.ctc_config import BeamEntry, BeamSnapshot, CtcDecoderConfig
+from oasr.cache.errors import PoolExhaustedError, StreamCapacityError
+from oasr.ctc.config import BeamEntry, BeamSnapshot, CtcDecoderConfig
 from oasr.engine import StreamingEngine
-from oasr.errors import PoolExhaustedError, StreamCapacityError
 from oasr.fast.ctc_decoder import StreamingCtcDecoder as FastDecoder
 from oasr.reference.ctc_decoder import StreamingCtcDecoder as RefDecoder
+from oasr.sessions import format as S
 
 DECODERS = {"reference": RefDecoder, "fast": FastDecoder}
 
@@ -432,7 +432,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from oasr import fast, reference  # noqa: E402
-from oasr.config import CacheConfig  # noqa: E402
+from oasr.cache.config import CacheConfig  # noqa: E402
 
 TWIN_MODULES = {"reference": reference, "fast": fast}
 
@@ -495,17 +495,15 @@ def test_any_history_moves_between_any_twins(src, dst, left, prefill, block, chu
 
 @pytest.mark.parametrize("src,dst", [("reference", "fast"), ("fast", "reference")])
 def test_stream_context_save_and_load(src, dst):
-    from oasr.stream_context import StreamContext
-
     model = make_model()
     a = make_engine(model, src)
     start(a)
-    data = a._contexts["a"].save(a.states)
+    data = S.save_context(a._contexts["a"], a.states)
     b = make_engine(model, dst)
-    ctx = StreamContext.load(data, "moved", b.att, b.cnn, b.ctc, states=b.states)
-    assert ctx.save(b.states) == data and ctx.cached_frames() == a._contexts["a"].cached_frames()
+    ctx = S.load_context(data, "moved", b.att, b.cnn, b.ctc, states=b.states)
+    assert S.save_context(ctx, b.states) == data and ctx.cached_frames() == a._contexts["a"].cached_frames()
     with pytest.raises(S.SessionError, match="states"):
-        StreamContext.load(data, "again", b.att, b.cnn, b.ctc)  # without the declared states: foreign
+        S.load_context(data, "again", b.att, b.cnn, b.ctc)  # without the declared states: foreign
     assert not b.att.has_stream("again")
 
 

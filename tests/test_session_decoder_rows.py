@@ -38,13 +38,13 @@ from session_helpers import (
     with_checksum,
 )
 
-from oasr import decoder_session as DS
-from oasr import session as S
-from oasr.decoder_common import AdmissionError
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.common import AdmissionError
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 from oasr.fast.decoder_cache import DecoderKVCacheManager as FastManager
 from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
 from oasr.reference.decoder_cache import DecoderKVCacheManager as RefManager
+from oasr.sessions import decoder_rows as DS
+from oasr.sessions import format as S
 
 ROOT = Path(__file__).resolve().parent.parent
 MANAGERS = {"reference": RefManager, "fast": FastManager}
@@ -374,7 +374,7 @@ def test_a_stream_suspended_mid_rescoring_resumes_in_a_fresh_process(rescoring_r
 @pytest.mark.parametrize("src,dst", [(a, b) for a in TWINS for b in TWINS])
 def test_a_job_resumed_at_any_step_ends_as_the_uninterrupted_one(src, dst):
     """``RescoreJob`` alone: saved after every step through the section's bytes, resumed on either twin."""
-    from oasr.ctc_config import CtcHypothesis
+    from oasr.ctc.config import CtcHypothesis
     from oasr.engine.rescoring import RescoreJob
     from oasr.models.twins import twin_module
 

@@ -37,8 +37,8 @@ from session_helpers import (
     with_checksum,
 )
 
-from oasr import session as S
 from oasr.engine import rescoring
+from oasr.sessions import format as S
 
 
 def rescoring_engine(model, twin: str, rescore: bool = True):

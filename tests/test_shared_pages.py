@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from oasr import fast, reference
-from oasr.config import CacheConfig
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.cache.config import CacheConfig
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 
 TWINS = {"reference": reference, "fast": fast}
 
@@ -210,7 +210,7 @@ def test_fast_beams_read_their_shared_cross_region_once(monkeypatch, kv_cache_dt
     per search in the model dtype; a packed single-row read on quantized pages) and get what row-by-row
     reads give; the oracle reads row by row. A region refilled while one row holds it alone is read
     again, not from the kept copy."""
-    from oasr.decoder_kv import PagedDecoderKV
+    from oasr.decoder.kv import PagedDecoderKV
 
     def group(ops):
         m = ops.DecoderKVCacheManager(dcfg(kv_cache_dtype=kv_cache_dtype, max_num_blocks=40))
@@ -461,7 +461,7 @@ def test_prefix_hit_is_block_aligned_below_the_prompt_and_attends_like_a_cold_pr
 
 
 def test_a_hash_collision_never_aliases_two_prompts(ops, monkeypatch):
-    from oasr.prefix_cache import PrefixIndex
+    from oasr.decoder.prefix_cache import PrefixIndex
 
     monkeypatch.setattr(PrefixIndex, "hash_block", staticmethod(lambda parent, tokens: 7))  # every block collides
     m = ops.DecoderKVCacheManager(dcfg())

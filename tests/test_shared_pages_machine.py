@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from oasr import fast, reference
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 
 PAGE = 4
 CONFIG = dict(num_layers=2, n_kv_head=2, head_dim=8, page_size=PAGE, max_num_blocks=14, max_rows=4,

@@ -230,7 +230,7 @@ def test_cuda_graph_replay_equals_eager():
 
 
 def test_paged_backend_takes_a_layered_cache_for_per_layer_windows_only():
-    from oasr.layer_specs import FullAttention, SlidingWindow
+    from oasr.cache.layer_specs import FullAttention, SlidingWindow
 
     mixed = StreamingConformer(ConformerConfig(chunk_size=4, attention_specs=(SlidingWindow(6), FullAttention(2))))
     engine = StreamingEngine(mixed, mixed.config.cache_config(), twin="reference")
@@ -245,7 +245,7 @@ def test_paged_backend_takes_a_layered_cache_for_per_layer_windows_only():
 @pytest.mark.parametrize("twin", ["reference", "fast"])
 def test_engine_streams_a_frame_window_equal_to_offline(twin):
     """A window of 6 frames (chunk 4) through the engine's own tick: CacheConfig.window_frames end to end."""
-    from oasr.layer_specs import SlidingWindow
+    from oasr.cache.layer_specs import SlidingWindow
 
     model = StreamingConformer(ConformerConfig(chunk_size=4, attention_specs=(SlidingWindow(6),) * 2, seed=9))
     engine = StreamingEngine(model, model.config.cache_config(max_batch_size=2, block_size_frames=3), twin=twin,

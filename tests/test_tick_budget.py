@@ -9,7 +9,7 @@ the rest runs next tick, and every final result is identical to an unbudgeted ru
 import pytest
 import torch
 
-from oasr.ctc_config import CtcHypothesis
+from oasr.ctc.config import CtcHypothesis
 from oasr.engine import StreamingEngine
 from oasr.engine import rescoring as R
 from oasr.models import ConformerConfig, StreamingConformer

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -80,12 +81,15 @@ def read_header(path) -> dict:
         raise ValueError(f"{path}: not a safetensors file ({exc})") from None
 
 
+def default_model_path() -> Path:
+    """The model shipped with the package (``oasr/assets/model/model.safetensors``)."""
+    return Path(str(resources.files("oasr") / "assets" / "model" / "model.safetensors"))
+
+
 def serving_chunking(path=None) -> tuple[int, int]:
     """``(chunk_size, num_left_chunks)`` a checkpoint (default: the shipped model) serves with by default,
     read from its header alone."""
     if path is None:
-        from oasr.asr.recognizer import default_model_path
-
         path = default_model_path()
     enc = json.loads(read_header(path)["spec"])["encoder"]
     return int(enc["chunk_size"]), int(enc["num_left_chunks"])

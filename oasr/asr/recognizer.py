@@ -31,23 +31,17 @@ import json
 import struct
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from oasr.asr.audio import check_pcm, load_audio
-from oasr.asr.checkpoint import load_checkpoint
+from oasr.asr.checkpoint import default_model_path, load_checkpoint
 from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE, OnlineFbank
-from oasr.ctc_config import CtcDecoderConfig
+from oasr.ctc.config import CtcDecoderConfig
 
 STREAM_MAGIC = b"OASRAUD1"  # a suspended AudioStream (Recognizer.suspend)
-
-
-def default_model_path() -> Path:
-    """The model shipped with the package (``oasr/assets/model/model.safetensors``)."""
-    return Path(str(resources.files("oasr") / "assets" / "model" / "model.safetensors"))
 
 
 @dataclass
@@ -192,7 +186,7 @@ class Recognizer:
         geometry), live again under ``stream_id`` (default: its own id); feed it the audio that follows.
 
         The bytes are verified whole (checksum, layout, model) before anything changes; corrupt,
-        truncated or foreign bytes raise ``ValueError`` (``oasr.session.SessionError`` for the engine's
+        truncated or foreign bytes raise ``ValueError`` (``oasr.sessions.format.SessionError`` for the engine's
         part), an id in use ``ValueError``. Latencies start afresh (the resumed stream's first chunk is
         timed from the resume)."""
         meta, tail, payload = self._read_stream_blob(data)

@@ -23,7 +23,7 @@ NOTES = ("WER in % on the shipped held-out set; kv_bytes: mean K/V bytes a strea
 
 def kv_bytes_per_stream(rec, clips_frames: list[int]) -> float:
     """Mean K/V bytes a stream of ``rec``'s cache config holds at its end, over clips of ``clips_frames`` frames."""
-    from oasr.memory import bytes_per_kv_block
+    from oasr.cache.memory import bytes_per_kv_block
 
     cfg = rec.cache_config
     per_frame = bytes_per_kv_block(cfg) / cfg.block_size_frames
@@ -34,8 +34,8 @@ def kv_bytes_per_stream(rec, clips_frames: list[int]) -> float:
 
 def run(config: dict, clips, model_path=None) -> dict:
     """One row: transcribe ``clips`` under ``config`` (``Recognizer`` keyword arguments)."""
+    from oasr.asr.evaluation import evaluate
     from oasr.asr.recognizer import Recognizer
-    from oasr.commands.evaluate import evaluate
 
     rec = Recognizer(model_path, **config)
     t0 = time.perf_counter()

@@ -13,8 +13,8 @@ import math
 import torch
 
 from oasr.bench import paired_ms
+from oasr.cache.paged import PagedKVCache
 from oasr.fast import cpu_rows
-from oasr.paged import PagedKVCache
 
 LAYERS, N_KV, N_HEAD, HEAD_DIM, CHUNK, BLOCK = 12, 4, 4, 64, 16, 16
 NOTES = (

@@ -42,9 +42,9 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from oasr.cache.paged import PagedKVCache
 from oasr.fast.kernels import ops, registry
 from oasr.fast.kernels.sass import ASR_SHAPE, PAGES, AttentionShape
-from oasr.paged import PagedKVCache
 
 HISTORIES = (256, 1024, 4096)
 DTYPE = torch.bfloat16
@@ -151,7 +151,7 @@ def make_cohort(history: int, page: str, device, seed: int = 0, streams: int | N
     v = torch.randn(pool_shape, device=device, dtype=DTYPE)
     scales = {}
     if page == "fp8":
-        from oasr.fast.paged_ops import quantize_fp8
+        from oasr.fast.kv_formats import quantize_fp8
 
         (k, k_scale), (v, v_scale) = quantize_fp8(k), quantize_fp8(v)
         scales = dict(k_scale=k_scale, v_scale=v_scale)
@@ -169,7 +169,7 @@ def gathered_kv(cache: PagedKVCache, keys: int) -> tuple[torch.Tensor, torch.Ten
     offsets = (pos % cache.block_size).expand_as(blocks)
     k, v = cache.k_cache[blocks, offsets], cache.v_cache[blocks, offsets]  # (B, keys, Hkv, D)
     if cache.quantized:
-        from oasr.fast.paged_ops import dequantize_fp8
+        from oasr.fast.kv_formats import dequantize_fp8
 
         k = dequantize_fp8(k, cache.k_scale[blocks, offsets], DTYPE)
         v = dequantize_fp8(v, cache.v_scale[blocks, offsets], DTYPE)
@@ -204,7 +204,7 @@ def flex_inputs(cache: PagedKVCache, q: torch.Tensor, keys: int):
     blocks, bs, n_kv, _ = cache.k_cache.shape
     k, v = cache.k_cache, cache.v_cache
     if cache.quantized:
-        from oasr.fast.paged_ops import dequantize_fp8
+        from oasr.fast.kv_formats import dequantize_fp8
 
         k, v = dequantize_fp8(k, cache.k_scale, q.dtype), dequantize_fp8(v, cache.v_scale, q.dtype)
     k_phys = k.permute(2, 0, 1, 3).reshape(1, n_kv, blocks * bs, D).contiguous()

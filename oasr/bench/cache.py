@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from oasr.bench import paired_ms
-from oasr.config import CacheConfig
+from oasr.cache.config import CacheConfig
 
 STREAMS = (1, 8, 32, 128, 512)
 NOTES = (

@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from oasr.bench import clock, sync
-from oasr.ctc_config import CtcDecoderConfig
+from oasr.ctc.config import CtcDecoderConfig
 from oasr.fast.ctc_decoder import StreamingCtcDecoder as FastDecoder
 from oasr.reference.ctc_decoder import StreamingCtcDecoder as ReferenceDecoder
 

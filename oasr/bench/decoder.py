@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from oasr.bench import median_ms
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 
 LAYERS, N_KV, N_HEAD, HEAD_DIM, PAGE, HISTORY = 4, 4, 8, 64, 16, 64
 

@@ -13,7 +13,7 @@ import torch
 
 from oasr.bench import median_ms
 from oasr.bench.attention import BLOCK, CHUNK, HEAD_DIM, LAYERS, N_KV, _cohort, _tick
-from oasr.paged import PagedKVCache
+from oasr.cache.paged import PagedKVCache
 from oasr.reference.fp8 import FP8_DTYPE
 
 

@@ -36,7 +36,7 @@ Two measurements, reference against fast:
   made once per twin, as a server holds one; the K/V written are drawn before
   the timing; the twins timed alternately. Rows share within one scope (one
   utterance's hypotheses, or a decoder without cross-attention: see
-  ``oasr.prefix_cache``).
+  ``oasr.decoder.prefix_cache``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ import statistics
 import torch
 
 from oasr.bench import alternating_samples, paired_ms
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
-from oasr.decoder_kv import PagedDecoderKV
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.kv import PagedDecoderKV
 
 STREAMS, SHARED, OWN, PAGE = 32, 48, 5, 16
 
@@ -84,9 +84,8 @@ def _decoders(quick: bool, device) -> list[tuple]:
     """``(label, decoder, encoder output, max_new_tokens)``: the shipped model's decoder on a shipped clip,
     and the seeded toy decoder on random frames."""
     from oasr.asr.audio import load_audio
-    from oasr.asr.checkpoint import load_checkpoint
+    from oasr.asr.checkpoint import default_model_path, load_checkpoint
     from oasr.asr.features import fbank
-    from oasr.asr.recognizer import default_model_path
     from oasr.asr.testset import load_testset
     from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
 

@@ -1,7 +1,7 @@
 """Serving speed of the trained model: real-time factor and per-chunk latency at 1, 8 and 64 streams,
 and the training recipe's throughput.
 
-Streams play shipped clips as live sources at real time (``oasr.commands.speech_demo.play``), all
+Streams play shipped clips as live sources at real time (``oasr.asr.playback.play``), all
 started together, so ``streams`` chunks are ready at each chunk boundary and the engine batches them.
 Latency is from the moment a chunk's last audio was sent to its partial result; when the engine
 cannot keep up, chunks queue and the latency grows with the audio, which the row shows. The training
@@ -20,9 +20,9 @@ NOTES = "rtf: compute seconds per second of audio; latency in ms (real-time play
 def serving_row(streams: int, device: str, clips_per_stream: int = 1) -> dict:
     """Real-time factor and chunk latency percentiles (ms) of ``streams`` live streams of shipped clips."""
     from oasr.asr.audio import load_audio
+    from oasr.asr.playback import play
     from oasr.asr.recognizer import Recognizer
     from oasr.asr.testset import load_testset
-    from oasr.commands.speech_demo import play
 
     clips = load_testset(limit=streams * clips_per_stream)
     audio = [load_audio(c.path) for c in clips]

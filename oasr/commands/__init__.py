@@ -85,7 +85,7 @@ def device_memory_bytes(device: str) -> int:
 
 def check_fits(parser: argparse.ArgumentParser, needed: int, device: str, what: str) -> None:
     """Refuse a run whose up-front allocations alone would take more than half the device's memory."""
-    from oasr.memory import format_bytes
+    from oasr.cache.memory import format_bytes
 
     available = device_memory_bytes(device)
     if needed > available // 2:

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from oasr.cache.config import CacheConfig
+from oasr.cache.memory import bytes_per_kv_block, footprint, format_bytes
 from oasr.commands import CommandParser, check_at_least, check_device, check_fits, check_output_path
-from oasr.config import CacheConfig
-from oasr.ctc_config import CtcDecoderConfig
+from oasr.ctc.config import CtcDecoderConfig
 from oasr.engine import StreamingEngine, decode_utterance, memory_utilisation
 from oasr.fast.kernels.registry import HEAD_DIMS as CUDA_HEAD_DIMS  # what the CUDA kernels tile
 from oasr.kv_formats import FORMAT_NAMES as KV_FORMAT_NAMES
 from oasr.kv_formats import get_format
-from oasr.memory import bytes_per_kv_block, footprint, format_bytes
 from oasr.models import ConformerConfig, StreamingConformer, twin_ready
 from oasr.reference.fp8 import dequantize, quantize
 

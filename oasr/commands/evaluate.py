@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
 
+from oasr.asr.evaluation import evaluate
 from oasr.commands import CommandParser, check_output_path
 from oasr.commands.asr_options import add_model_options, check_model_options, configuration, recognizer
 
@@ -20,22 +20,6 @@ def build_parser() -> CommandParser:
     parser.add_argument("--show", type=int, default=0, help="print the first N errors with their references")
     add_model_options(parser)
     return parser
-
-
-def evaluate(rec, clips) -> dict:
-    """Transcribe ``clips`` with ``rec``; WER/CER of the final and (if rescoring) first-pass texts, and timing."""
-    from oasr.asr.metrics import error_rates
-
-    t0 = time.perf_counter()
-    transcripts = rec.transcribe([c.path for c in clips])
-    wall = time.perf_counter() - t0
-    refs = [c.text for c in clips]
-    rates = error_rates(refs, [t.text for t in transcripts])
-    first = error_rates(refs, [t.first_pass for t in transcripts])
-    audio = sum(t.audio_seconds for t in transcripts)
-    return {**rates, "first_pass_wer": first["wer"], "first_pass_cer": first["cer"], "audio_seconds": audio,
-            "wall_seconds": wall, "rtf": wall / audio,
-            "hypotheses": [{"id": c.id, "ref": c.text, "hyp": t.text} for c, t in zip(clips, transcripts, strict=True)]}
 
 
 def main(argv=None) -> int:

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from oasr.config import CacheConfig
+    from oasr.cache.config import CacheConfig
     from oasr.fast.kv_formats import check_format_supported, supported_matrix
     from oasr.kv_formats import FORMATS, auto_format
 

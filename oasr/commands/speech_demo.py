@@ -12,10 +12,10 @@ the caches hold in memory.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+from oasr.asr.playback import play
 from oasr.commands import CommandParser, check_at_least, check_output_path
 from oasr.commands.asr_options import add_model_options, check_model_options, configuration, recognizer
 
@@ -35,53 +35,9 @@ def build_parser() -> CommandParser:
     return parser
 
 
-def play(rec, audio: list, concurrency: int, piece: int, realtime: bool) -> tuple[list, dict]:
-    """Stream ``audio`` (16 kHz arrays) through ``rec`` as staggered live sources; transcripts in order."""
-    rate = 16000
-    mean = float(np.mean([len(a) for a in audio])) / rate
-    starts = [i * mean / concurrency for i in range(len(audio))]
-    results, live, peak = {}, {}, 0
-    t0 = time.perf_counter()
-    virtual = 0.0
-    next_clip = 0
-    while next_clip < len(audio) or live or rec.streams:
-        now = (time.perf_counter() - t0) if realtime else virtual
-        while next_clip < len(audio) and starts[next_clip] <= now:
-            live[rec.open_stream().id] = [next_clip, 0]
-            next_clip += 1
-        t_feed = time.perf_counter()
-        for sid, entry in list(live.items()):
-            index, fed = entry
-            pcm = audio[index]
-            due = len(pcm) if not realtime else min(len(pcm), int((now - starts[index]) * rate) // piece * piece)
-            while fed < due:  # one push per piece, as a live source sends them
-                rec.streams[sid].accept(pcm[fed : fed + piece])
-                fed += piece
-            entry[1] = fed
-            if fed >= len(pcm) and not rec.engine.input_ended(sid):
-                rec.streams[sid].end()
-        rec.busy_seconds += time.perf_counter() - t_feed
-        peak = max(peak, len(rec.streams))
-        while True:  # every chunk that is ready now
-            done = rec.step()
-            for transcript in done:
-                results[live.pop(transcript.id)[0]] = transcript
-            if not rec.engine.stats[-1].cohort and not done:
-                break
-        if realtime:
-            wake = now + piece / rate  # the next piece is due, or the next stream starts, whichever is first
-            if next_clip < len(audio):
-                wake = min(wake, starts[next_clip])
-            time.sleep(max(0.0, t0 + wake - time.perf_counter()))
-        else:
-            virtual = now + piece / rate
-    wall = time.perf_counter() - t0
-    return [results[i] for i in range(len(audio))], {"wall_seconds": wall, "peak_streams": peak}
-
-
 def memory_lines(rec) -> list[str]:
     """The run's memory lines: the caches by component and the pool's peak occupancy."""
-    from oasr.memory import bytes_per_kv_block, footprint, format_bytes
+    from oasr.cache.memory import bytes_per_kv_block, footprint, format_bytes
 
     engine, cfg = rec.engine, rec.cache_config
     fp = footprint(cfg, scratch_blocks=1, pad_lanes=1)

@@ -56,7 +56,7 @@ def decode_utterance(log_probs: torch.Tensor, decoder: str = "beam", ctc_config=
     """
     if decoder == "greedy":
         return greedy_ctc_collapse(log_probs)[0]
-    from oasr.ctc_config import CtcDecoderConfig
+    from oasr.ctc.config import CtcDecoderConfig
     from oasr.reference.ctc_decoder import StreamingCtcDecoder
 
     search = StreamingCtcDecoder(ctc_config or CtcDecoderConfig(beam_size=4))

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oasr.config import CacheConfig
+from oasr.cache.config import CacheConfig
 from oasr.models.twins import twin_module
-from oasr.session import load_stream, model_digest, save_stream
+from oasr.sessions.format import load_stream, model_digest, save_stream
 
 SUSPEND_FORMAT = "oasr-encoder-stream-1"
 

@@ -17,7 +17,7 @@ Utilisation is live frames over reserved frames; bytes are frames times
 
 from __future__ import annotations
 
-from oasr.memory import bytes_per_kv_block
+from oasr.cache.memory import bytes_per_kv_block
 
 
 def memory_utilisation(engine) -> dict:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from oasr.decoder_config import DecoderRequest
+from oasr.decoder.config import DecoderRequest
 
 
 class RescoreJob:
@@ -99,12 +99,12 @@ class RescoreJob:
     @classmethod
     def resume(cls, decoder, nbest, ctc_weight: float, ops, steps: int, scores: torch.Tensor, enc=None,
                rows=None) -> RescoreJob:
-        """A job that goes on from a session (``oasr.session.RescoreProgress``): before its first step
+        """A job that goes on from a session (``oasr.sessions.format.RescoreProgress``): before its first step
         from the encoder output ``enc``; after it from its dense decoder rows ``rows``
-        (``oasr.decoder_session.DecoderRows``: every row ``steps`` tokens over the same cross K/V). It
+        (``oasr.sessions.decoder_rows.DecoderRows``: every row ``steps`` tokens over the same cross K/V). It
         then runs the steps left exactly as the saved job would have (``SessionError`` if the rows do
         not fit this decoder)."""
-        from oasr.decoder_session import restore_dense
+        from oasr.sessions.decoder_rows import restore_dense
 
         if steps == 0:
             job = cls(decoder, enc, nbest, ctc_weight, ops)

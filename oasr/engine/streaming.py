@@ -57,15 +57,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from oasr.config import CacheConfig
-from oasr.ctc_config import CtcDecoderConfig
+from oasr.cache.config import CacheConfig
+from oasr.cache.errors import StreamCapacityError
+from oasr.cache.stream_context import StreamContext
+from oasr.ctc.config import CtcDecoderConfig
 from oasr.engine.decoding import GreedyCtcDecoder
 from oasr.engine.rescoring import RescoreJob
 from oasr.engine.streaming_backend import STREAMING_BACKENDS, check_streamable
 from oasr.engine.tick import FastModelTick
-from oasr.errors import StreamCapacityError
 from oasr.models.twins import twin_module, twin_name
-from oasr.session import (
+from oasr.sessions.format import (
     EngineStream,
     RescoreProgress,
     SessionError,
@@ -78,7 +79,6 @@ from oasr.session import (
     read_session,
     restore_stream,
 )
-from oasr.stream_context import StreamContext
 
 WAITING, ACTIVE, RESCORING, FINISHED = "waiting", "active", "rescoring", "finished"
 STREAM_ID_BITS = 64  # an int id is stored as a signed 64-bit integer in a session
@@ -747,7 +747,7 @@ class StreamingEngine:
         return any(self._ready(self._streams[sid]) or self._streams[sid].session is not None
                    for sid in self._waiting) and self.can_admit()
 
-    # ---- sessions (oasr.session) ------------------------------------------------------------
+    # ---- sessions (oasr.sessions.format) ------------------------------------------------------------
     def _claim_id(self, stream_id):
         """``stream_id``, or a fresh int id for None; ``ValueError`` if it is not an int or a str
         (``check_stream_id``) or is in use."""
@@ -784,7 +784,7 @@ class StreamingEngine:
         return self._model_digest
 
     def suspend(self, stream_id) -> bytes:
-        """Take a stream out of the engine as session bytes (``oasr.session``); its blocks and slot are freed.
+        """Take a stream out of the engine as session bytes (``oasr.sessions.format``); its blocks and slot are freed.
 
         The session holds the stream's caches and what the engine keeps of it: unconsumed
         input, whether it ended, its counters, its partial hypothesis, (with
@@ -834,7 +834,7 @@ class StreamingEngine:
         """Add a suspended stream back; it carries its state and is admitted ahead of new arrivals, as
         soon as there is room, whether or not it has input yet (module docstring).
 
-        ``data`` is verified whole first (``oasr.session.read_session``: truncated, corrupt or
+        ``data`` is verified whole first (``oasr.sessions.format.read_session``: truncated, corrupt or
         foreign bytes raise ``SessionError`` naming what differs), then against this engine:
         geometry, K/V format, declared states, decoder and its configuration, the model's
         weights, and rescoring: a session carries the kept encoder output exactly when it was
@@ -842,7 +842,7 @@ class StreamingEngine:
         pass needs every encoder frame; the rescorer and ``ctc_weight`` are this engine's own).
         ``stream_id`` None takes the id the session was saved under (or a fresh one if
         that was neither an int nor a str); an id in use raises ``ValueError``. Nothing changes
-        on an error. Admission then restores the caches (``oasr.session.restore_stream``) in
+        on an error. Admission then restores the caches (``oasr.sessions.format.restore_stream``) in
         new slots and blocks; the stream goes on exactly as if it had never left. Returns its id.
         """
         self._check_open()
@@ -851,7 +851,7 @@ class StreamingEngine:
         e = session.engine
         if e is None:
             raise SessionError("session has no engine stream section: it was saved from caches, not an engine "
-                               "(use oasr.session.load_stream)")
+                               "(use oasr.sessions.format.load_stream)")
         if session.rescoring:
             return self._resume_rescoring(session, stream_id)
         rescoring = self._rescoring_difference(session)  # first: it also explains a differing n-best size
@@ -966,7 +966,7 @@ class StreamingEngine:
 
     def _suspend_rescoring(self, s: _Stream) -> bytes:
         """``suspend`` of a stream whose rescoring job runs: the job's state, no caches (they are freed)."""
-        from oasr.decoder_session import capture_dense
+        from oasr.sessions.decoder_rows import capture_dense
 
         i, job = next((i, job) for i, (sid, job) in enumerate(self._rescoring) if sid == s.stream_id)
         e = self._engine_stream(s, torch.zeros(0, self.input_dim, dtype=self.config.dtype))

@@ -51,8 +51,8 @@ from contextlib import nullcontext
 
 import torch
 
+from oasr.cache.layer_specs import ATTENTION_SPECS
 from oasr.engine.tick import engine_widths
-from oasr.layer_specs import ATTENTION_SPECS
 from oasr.models.twins import twin_module
 
 logger = logging.getLogger("oasr.engine")

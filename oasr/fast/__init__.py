@@ -6,6 +6,8 @@ sequence. Bookkeeping is vectorised over a cohort and reaches the device
 through one staged copy per call (``oasr.fast.staging``).
 """
 
+from oasr.cache.state_spec import StreamStateSpec
+from oasr.cache.stream_context import StreamContext
 from oasr.fast.attention_cache import AttentionCacheManager, StreamKVInfo
 from oasr.fast.block_pool import BlockPool
 from oasr.fast.ctc_decoder import CtcBeamState, StreamingCtcDecoder
@@ -15,8 +17,6 @@ from oasr.fast.layered_cache import LayeredCache
 from oasr.fast.paged_ops import append_kv, paged_attention
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.slot_state import CnnCacheManager, SlotStateCache, StateView
-from oasr.state_spec import StreamStateSpec
-from oasr.stream_context import StreamContext
 
 SUPPORTS_FP8 = True  # fp8 e4m3 K/V pages (oasr.fast.paged_ops; kernels for head_dim 64 / 128)
 

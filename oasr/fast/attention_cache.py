@@ -3,7 +3,7 @@
 Fast twin of ``oasr.reference.attention_cache.AttentionCacheManager``: same
 methods, same errors, same atomicity, and the same block ids in the same table
 columns for the same op sequence. The position arithmetic is drawn once in
-``oasr.config``.
+``oasr.cache.config``.
 
 Where the state lives
 ---------------------
@@ -83,7 +83,7 @@ reads the same addresses on every replay. Unlike the reference's fresh
 ``torch.cat``, those buffers are rewritten by the next ``get_paged_caches`` of
 the same width; a view is a snapshot valid until then.
 
-Beyond ``oasr.memory.footprint`` (tables and lengths), a manager holds the
+Beyond ``oasr.cache.memory.footprint`` (tables and lengths), a manager holds the
 per-width view buffers, an eviction scratch of ``2 * max_batch_size * (K + 1)``
 int32 and its stagers (a few KiB of device memory and of pinned host memory
 each, four host copies per stager on CUDA).
@@ -97,20 +97,20 @@ import math
 import numpy as np
 import torch
 
-from oasr.config import CacheConfig
-from oasr.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream
-from oasr.fast.block_pool import BlockPool
-from oasr.fast.kv_formats import quantize
-from oasr.fast.slot_pool import StreamSlotPool
-from oasr.fast.staging import Stager
-from oasr.paged import PagedKVCache, StreamKVInfo
-from oasr.validate import (
+from oasr.cache.config import CacheConfig
+from oasr.cache.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream
+from oasr.cache.paged import PagedKVCache, StreamKVInfo
+from oasr.cache.validate import (
     as_id_list,
     check_count,
     check_dense_chunk,
     check_restore_lengths,
     check_restore_room,
 )
+from oasr.fast.block_pool import BlockPool
+from oasr.fast.kv_formats import quantize
+from oasr.fast.slot_pool import StreamSlotPool
+from oasr.fast.staging import Stager
 
 _I32, _I64 = torch.int32, torch.int64
 _logger = logging.getLogger("oasr.fast")

@@ -37,13 +37,13 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from oasr.block_owners import NO_OWNER, OwnerRegistry
-from oasr.config import CacheConfig
-from oasr.errors import PoolExhaustedError
+from oasr.cache.block_owners import NO_OWNER, OwnerRegistry
+from oasr.cache.config import CacheConfig
+from oasr.cache.errors import PoolExhaustedError
+from oasr.cache.validate import check_count, gather_range
 from oasr.fast.kv_formats import check_format_supported
 from oasr.fast.paged_ops import gather_kv_blocks as _gather_kv_blocks
 from oasr.fast.staging import Stager
-from oasr.validate import check_count, gather_range
 
 _FEW_IDS = 16  # free_array takes the element loop up to this many ids
 
@@ -146,7 +146,7 @@ class BlockPool:
         with self._lock:
             return self._ring[self._ring_positions(self._head, self._count)].tolist()
 
-    # ---- ownership (tags and messages: oasr.block_owners) ----------------------
+    # ---- ownership (tags and messages: oasr.cache.block_owners) ----------------------
     def new_owner(self, name: str) -> int:
         """Register an owner (a manager) and return its tag for ``allocate`` / ``free``; its name in
         errors is ``"<name>#<tag>"``. Tags count from 1 in registration order."""

@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from oasr.paged import PagedKVCache
+from oasr.cache.paged import PagedKVCache
 
 # Dispatch rule (measured with ``python -m oasr bench`` on a 2-core CPU, fp32, 12 layers, head_dim 64):
 # the row loop wins for up to ROW_LOOP_MAX_ROWS rows at any history, and for any number of rows
@@ -92,7 +92,7 @@ _OFFSETS: dict[int, torch.Tensor] = {}  # block size -> arange(block_size), int6
 
 
 def _plan(cache: PagedKVCache):
-    """The view's ``HostPlan`` when it still describes the view's tensors, else None (``oasr.paged``)."""
+    """The view's ``HostPlan`` when it still describes the view's tensors, else None (``oasr.cache.paged``)."""
     plan = cache.host
     return plan if plan is not None and plan.describes(cache) else None
 

@@ -3,7 +3,7 @@
 It must agree with ``oasr.reference.ctc_decoder`` (the oracle): same n-best
 token sequences and emission frames, scores within 1e-5, same errors. The
 search rule, tie-break order and emission-frame rule live in
-``oasr.ctc_config``; the batched search below implements them without a
+``oasr.ctc.config``; the batched search below implements them without a
 Python loop over streams, rows or beams (the only loop is over the frames of
 a chunk). Tiny CPU cohorts take a host loop instead (see "Two paths").
 
@@ -88,7 +88,7 @@ from typing import NamedTuple
 
 import torch
 
-from oasr.ctc_config import (
+from oasr.ctc.config import (
     BeamEntry,
     BeamSnapshot,
     CtcDecoderConfig,
@@ -414,7 +414,7 @@ def _extend_key(key: int, token: int) -> int:
 
 # A host-loop prefix: (tokens, frames, log_pb, log_pnb, key, parent_key), tokens and frames as tuples.
 def _advance_host(beam: list, lp_row, lp_blank: float, cands: list, lp_cands: list, frame: int, beam_size: int):
-    """One frame of one row on the host: the rule of ``oasr.ctc_config``, merging by token tuple."""
+    """One frame of one row on the host: the rule of ``oasr.ctc.config``, merging by token tuple."""
     entries: dict = {}  # tokens -> [stay_pb, stay_pnb, stay_frames, ext_pnb, ext_frames, key, parent_key]
     for tokens, frames, pb, pnb, key, parent_key in beam:
         score = _logaddexp(pb, pnb)

@@ -3,7 +3,7 @@
 Fast twin of ``oasr.reference.decoder_cache.DecoderKVCacheManager``: same
 methods, same errors, same atomicity, and the same block ids in the same table
 columns for the same op sequence. Geometry and admission are drawn in
-``oasr.decoder_config`` and ``oasr.decoder_common``.
+``oasr.decoder.config`` and ``oasr.decoder.common``.
 
 Where the state lives (``R = max_rows``)::
 
@@ -23,7 +23,7 @@ quantize-and-scatter per layer with fp8), and one ``index_add_`` that advances
 the lengths. Decode attention is ``oasr.fast.paged_ops.paged_attention`` with
 one query per row (GQA rows packed by the chunk kernel), on any backend.
 
-A decode group's step (``open_step``, what ``oasr.decoder_kv.PagedDecoderKV``
+A decode group's step (``open_step``, what ``oasr.decoder.kv.PagedDecoderKV``
 runs): ``prepare_step`` and a handle that writes and reads every layer. On a
 CPU device with model-dtype pages and the torch backend the handle is a
 ``HostStep``: the write slots and the read vectors of all rows, computed once
@@ -34,7 +34,7 @@ views and calls the twin's ops, as the reference's does.
 Block ownership goes through ``_take`` / ``_drop`` (the pool) and ``_bind`` /
 ``_unbind`` (table entries) as in the reference; pages are reference-counted in
 the pool and forked rows share them. A step's copy-on-write copies
-(``oasr.decoder_common``) are taken in the step's one allocation and made by one
+(``oasr.decoder.common``) are taken in the step's one allocation and made by one
 block copy per pool tensor (``pool._copy_ids``), before the step's writes.
 
 A beam (at most ``_FEW_ROWS`` rows) takes element-wise paths with the same
@@ -53,7 +53,8 @@ from collections import Counter
 import numpy as np
 import torch
 
-from oasr.decoder_common import (
+from oasr.cache.paged import HostPlan, PagedKVCache
+from oasr.decoder.common import (
     Admission,
     AdmissionError,
     DecoderRowInfo,
@@ -73,8 +74,9 @@ from oasr.decoder_common import (
     judge_restore,
     select_sources,
 )
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
-from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.kv import DenseDecoderKV as DenseDecoderKVBase
+from oasr.decoder.prefix_cache import PrefixIndex, check_tokens
 from oasr.fast.backend import resolve_backend
 from oasr.fast.block_pool import BlockPool
 from oasr.fast.cpu_rows import attend_gathered
@@ -83,8 +85,6 @@ from oasr.fast.kv_formats import dequantize as _dequantize
 from oasr.fast.kv_formats import quantize as _quantize
 from oasr.fast.paged_ops import append_kv, paged_attention
 from oasr.fast.staging import Stager
-from oasr.paged import HostPlan, PagedKVCache
-from oasr.prefix_cache import PrefixIndex, check_tokens
 
 _I32, _I64 = torch.int32, torch.int64
 _FEW_ROWS = 8  # _prepare: up to this many rows (a beam), Python scalars beat the numpy calls' setup
@@ -533,7 +533,7 @@ class DecoderKVCacheManager:
 
     def read_cross(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The row's cross region as a decode group reads it when its rows share it (``SHARED_CROSS_READ``,
-        ``oasr.decoder_kv.PagedDecoderKV.attend_cross``): per layer ``(K^T (Hkv, D, S), V (Hkv, S, D))`` in
+        ``oasr.decoder.kv.PagedDecoderKV.attend_cross``): per layer ``(K^T (Hkv, D, S), V (Hkv, S, D))`` in
         fp32, fresh tensors. Model-dtype pages only (quantized pages: ``ValueError``). One gather of the
         row's pages per pool tensor and layer; the same values as ``gather_cross``."""
         r = self._row(row, "read_cross")
@@ -1157,7 +1157,7 @@ def _cancel_few(released: list[int], taken: list[int]) -> tuple[list[int], list[
 
 
 class DenseDecoderKV(DenseDecoderKVBase):
-    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the fast twin's rule of its format.
+    """Dense per-group storage (``oasr.decoder.kv``) quantizing with the fast twin's rule of its format.
 
     Its reads group the query heads of each KV head instead of repeating K and V per query head
     (``repeat_interleave`` copies the whole cache every layer and step): ``(B * Hkv, G * T, D)``

@@ -16,7 +16,7 @@ import torch
 
 from oasr.fast.backend import choose_backend
 from oasr.kv_formats import FORMATS, KERNEL_FORMATS, KERNEL_HEAD_DIMS, get_format
-from oasr.kv_formats.fp8_e4m3 import MODEL_DTYPES
+from oasr.kv_formats.fp8_e4m3 import FP8_DTYPE, MODEL_DTYPES, saturation_bound
 
 
 def _refuse_nan(x: torch.Tensor, name: str) -> None:
@@ -97,10 +97,51 @@ def dequantize_affine4(stored, params, dtype=torch.float32):
     return out.reshape(codes.shape).to(dtype)
 
 
+# -- fp8 (e4m3): the fast twin's vectorised form of oasr.kv_formats.fp8_e4m3 --------------------------
+
+
+def fp8_scales(amax: torch.Tensor, model_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-vector fp32 scales for absolute maxima ``amax`` (clamped first to ``saturation_bound(model_dtype)``):
+    the least power of two ``s`` with ``amax / s <= 448``, at least 2**-149, and 1 for ``amax == 0``
+    (the rule of ``oasr.kv_formats.fp8_e4m3``).
+
+    The kernels' exponent arithmetic (``fp8_scale`` in oasr/kernels_cu/common.cuh), vectorised:
+    ``amax = 1.f * 2**e`` gives ``s = 2**(e - 8)`` when ``1.f <= 1.75`` (fraction bits <= 0x600000),
+    else ``2**(e - 7)``; fp32 denormals are scaled by 2**64 first. NaN maxima get 1 (not specified).
+    """
+    amax = amax.float().clamp(max=saturation_bound(model_dtype)).contiguous()
+    tiny = amax < 2.0**-126
+    bits = torch.where(tiny, amax * 2.0**64, amax).view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127 - torch.where(tiny, 64, 0).to(torch.int32)
+    k = (exponent - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)).clamp(min=-149)
+    normal = (k.clamp(min=-126) + 127) << 23
+    subnormal = torch.ones_like(k) << (k + 149).clamp(0, 22)
+    scale = torch.where(k >= -126, normal, subnormal).view(torch.float32)
+    return torch.where(amax > 0, scale, 1.0)
+
+
+def quantize_fp8(x: torch.Tensor, model_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 data of x's shape, fp32 scales of x.shape[:-1])``, one scale per vector along the last dim.
+
+    ``model_dtype`` (default ``x``'s own) sets the saturation bound: values are clamped to
+    ``+-saturation_bound(model_dtype)`` first, so every one dequantizes to a finite value
+    (``oasr.kv_formats.fp8_e4m3``).
+    """
+    if model_dtype is None:
+        model_dtype = x.dtype
+    bound = saturation_bound(model_dtype)
+    x = x.float().clamp(-bound, bound)
+    scale = fp8_scales(x.abs().amax(dim=-1))
+    return (x / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``stored.float() * scale`` in fp32, rounded once to ``dtype``."""
+    return (stored.float() * scale.unsqueeze(-1)).to(dtype)
+
+
 def quantize(fmt: str, x: torch.Tensor, model_dtype: torch.dtype | None = None):
     """``(data, scale)`` of format ``fmt`` (scale None for the model dtype)."""
-    from oasr.fast.paged_ops import quantize_fp8
-
     f = get_format(fmt)
     if f.name == "model":
         return x.to(_model(x, model_dtype)), None
@@ -115,8 +156,6 @@ def quantize(fmt: str, x: torch.Tensor, model_dtype: torch.dtype | None = None):
 
 def dequantize(fmt: str, stored: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``stored`` (with its ``scale``) in format ``fmt`` back to values in ``dtype``."""
-    from oasr.fast.paged_ops import dequantize_fp8
-
     name = get_format(fmt).name
     if name == "model":
         return stored.to(dtype)

@@ -1,12 +1,12 @@
-"""The fast twin's ``LayeredCache``: ``oasr.layered_cache.LayeredCacheBase`` over this twin's pool and managers.
+"""The fast twin's ``LayeredCache``: ``oasr.cache.layered_cache.LayeredCacheBase`` over this twin's pool and managers.
 
 Its twin is ``oasr.reference.layered_cache``; both hand out the same blocks for the same op sequence.
 """
 
+from oasr.cache.layered_cache import LayeredCacheBase
 from oasr.fast.attention_cache import AttentionCacheManager
 from oasr.fast.block_pool import BlockPool
 from oasr.fast.slot_state import SlotStateCache
-from oasr.layered_cache import LayeredCacheBase
 
 
 class LayeredCache(LayeredCacheBase):

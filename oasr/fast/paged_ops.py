@@ -2,7 +2,7 @@
 
 This is the fast twin of ``oasr.reference.paged_ops`` and must agree with it:
 same signatures, same semantics (see the reference's docstring and the diagram
-in ``oasr.paged``), same errors. Each function takes one extra keyword-only
+in ``oasr.cache.paged``), same errors. Each function takes one extra keyword-only
 argument, ``backend``, which picks the CPU implementation (see
 ``oasr.fast.backend``)::
 
@@ -22,8 +22,8 @@ used as is, without a device-to-host read, and the kernels clamp it to
 Before capturing a CUDA graph, call ``load_kernels(device)`` (or run each op
 once) so that compilation and module loading happen outside the capture.
 
-fp8 pages (``cache.quantized``; the rule is stated in ``oasr.fp8`` and restated
-here, vectorised as the kernels compute it, by ``fp8_scales`` / ``quantize_fp8`` /
+fp8 pages (``cache.quantized``; the rule is stated in ``oasr.kv_formats.fp8_e4m3`` and restated
+here, vectorised as the kernels compute it, by ``oasr.fast.kv_formats``' ``fp8_scales`` / ``quantize_fp8`` /
 ``dequantize_fp8``)::
 
     append_kv          quantizes each written (frame, head) vector: e4m3 data + fp32 scale,
@@ -48,16 +48,15 @@ import math
 import torch
 import torch.nn.functional as F
 
+from oasr.cache.paged import PagedKVCache
+from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
 from oasr.fast import cpu_rows, kernel_policy
 from oasr.fast.backend import choose_backend, resolve_backend
 from oasr.fast.kernels import ops, registry
-from oasr.fast.kv_formats import check_format_supported, dequantize, quantize
-from oasr.fp8 import saturation_bound
+from oasr.fast.kv_formats import check_format_supported, dequantize, dequantize_fp8, quantize
 from oasr.kv_formats import get_format
-from oasr.paged import PagedKVCache
 from oasr.reference.paged_ops import paged_attention as reference_paged_attention  # serves a declared kernel gap
 from oasr.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
-from oasr.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
 
 FP8_DTYPE = registry.FP8_DTYPE
 FP8_HEAD_DIMS = registry.FP8_HEAD_DIMS
@@ -83,7 +82,7 @@ def load_kernels(device: torch.device | str, backend: str | None = None) -> None
 
 def _host_lens(cache: PagedKVCache, chunk_lens, num_frames: int, op: str, what: str = "frames") -> torch.Tensor:
     """``chunk_lens`` as a validated int32 CPU tensor (reads the values: host data only): each in
-    ``[0, T]`` and within the row's prepared frames (``oasr.validate.check_lens_values``)."""
+    ``[0, T]`` and within the row's prepared frames (``oasr.cache.validate.check_lens_values``)."""
     if isinstance(chunk_lens, torch.Tensor):
         chunk_lens = chunk_lens.cpu()
     lens = check_chunk_lens(chunk_lens, cache.batch_size, num_frames, "cpu")
@@ -134,45 +133,6 @@ def check_fp8_supported(
     name = choose_backend(torch.device(device), backend)
     if name != "torch":
         ops.check_fp8_geometry(int(head_dim), dtype, name)
-
-
-def fp8_scales(amax: torch.Tensor, model_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per-vector fp32 scales for absolute maxima ``amax`` (clamped first to ``saturation_bound(model_dtype)``):
-    the least power of two ``s`` with ``amax / s <= 448``, at least 2**-149, and 1 for ``amax == 0``
-    (the rule of ``oasr.fp8``).
-
-    The kernels' exponent arithmetic (``fp8_scale`` in oasr/kernels_cu/common.cuh), vectorised:
-    ``amax = 1.f * 2**e`` gives ``s = 2**(e - 8)`` when ``1.f <= 1.75`` (fraction bits <= 0x600000),
-    else ``2**(e - 7)``; fp32 denormals are scaled by 2**64 first. NaN maxima get 1 (not specified).
-    """
-    amax = amax.float().clamp(max=saturation_bound(model_dtype)).contiguous()
-    tiny = amax < 2.0**-126
-    bits = torch.where(tiny, amax * 2.0**64, amax).view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) - 127 - torch.where(tiny, 64, 0).to(torch.int32)
-    k = (exponent - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)).clamp(min=-149)
-    normal = (k.clamp(min=-126) + 127) << 23
-    subnormal = torch.ones_like(k) << (k + 149).clamp(0, 22)
-    scale = torch.where(k >= -126, normal, subnormal).view(torch.float32)
-    return torch.where(amax > 0, scale, 1.0)
-
-
-def quantize_fp8(x: torch.Tensor, model_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(e4m3 data of x's shape, fp32 scales of x.shape[:-1])``, one scale per vector along the last dim.
-
-    ``model_dtype`` (default ``x``'s own) sets the saturation bound: values are clamped to
-    ``+-saturation_bound(model_dtype)`` first, so every one dequantizes to a finite value (``oasr.fp8``).
-    """
-    if model_dtype is None:
-        model_dtype = x.dtype
-    bound = saturation_bound(model_dtype)
-    x = x.float().clamp(-bound, bound)
-    scale = fp8_scales(x.abs().amax(dim=-1))
-    return (x / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
-
-
-def dequantize_fp8(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``stored.float() * scale`` in fp32, rounded once to ``dtype``."""
-    return (stored.float() * scale.unsqueeze(-1)).to(dtype)
 
 
 # -- append_kv ---------------------------------------------------------------------------------

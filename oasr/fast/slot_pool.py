@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from oasr.errors import SlotsExhaustedError, duplicate_stream, unknown_stream
-from oasr.validate import check_count
+from oasr.cache.errors import SlotsExhaustedError, duplicate_stream, unknown_stream
+from oasr.cache.validate import check_count
 
 
 class StreamSlotPool:

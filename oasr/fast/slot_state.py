@@ -25,12 +25,12 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from oasr.cnn_cache import CnnCacheManagerBase
-from oasr.errors import duplicate_stream
+from oasr.cache.cnn_cache import CnnCacheManagerBase
+from oasr.cache.errors import duplicate_stream
+from oasr.cache.state_spec import StreamStateSpec
+from oasr.cache.validate import check_count
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.staging import Stager
-from oasr.state_spec import StreamStateSpec
-from oasr.validate import check_count
 
 _INDEX_CACHE_SIZE = 64
 
@@ -217,7 +217,7 @@ class SlotStateCache:
 
 
 class CnnCacheManager(CnnCacheManagerBase):
-    """The conv left context over this twin's ``SlotStateCache`` (see ``oasr.cnn_cache``)."""
+    """The conv left context over this twin's ``SlotStateCache`` (see ``oasr.cache.cnn_cache``)."""
 
     state_cache_cls = SlotStateCache
 

@@ -1,7 +1,7 @@
 """fp8 (e4m3) K/V quantization: the rule, stated once, and its readable implementation.
 
 Every fp8 user follows this rule: the reference twin (``oasr.reference.fp8`` is
-this module), the fast twin's vectorised ``oasr.fast.paged_ops.quantize_fp8``,
+this module), the fast twin's vectorised ``oasr.fast.kv_formats.quantize_fp8``,
 and the CUDA kernels (``fp8_saturate`` / ``fp8_scale`` in kernels_cu/common.cuh).
 A new fp8 cache (e.g. a decoder's K/V) calls ``quantize(x, model_dtype)`` and
 ``dequantize(stored, scale, model_dtype)``.

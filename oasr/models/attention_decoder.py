@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr import layers
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
-from oasr.decoder_kv import PagedDecoderKV
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.kv import PagedDecoderKV
 from oasr.models.layers import FeedForward, masked_attention
 
 
@@ -344,7 +344,7 @@ class AttentionDecoder(nn.Module):
         pages are bound, not recomputed; the rest is fed one token per ``step`` over the cache; the row is
         then ``retire``d so the next hypothesis can hit it. The log-probabilities of cached positions come
         from a host memo of this call. ``scope`` must name the utterance: past the first layer the K/V
-        depend on ``enc`` (``oasr.prefix_cache``). Returns ``(scores, tokens computed)``.
+        depend on ``enc`` (``oasr.decoder.prefix_cache``). Returns ``(scores, tokens computed)``.
         """
         cfg, device = self.config, self.out.weight.device
         memo: dict[tuple, torch.Tensor] = {}  # prefix tokens -> log-probs of the next token

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr import layers
-from oasr.config import CacheConfig
-from oasr.layer_specs import ATTENTION_SPECS, CacheLayout, FullAttention, conv_state_spec
+from oasr.cache.config import CacheConfig
+from oasr.cache.layer_specs import ATTENTION_SPECS, CacheLayout, FullAttention, conv_state_spec
 from oasr.models.layers import ConformerBlock, masked_attention, rope_cos_sin, rope_inv_freq
 from oasr.models.subsampling import CausalSubsampling4, last_valid_frames
 from oasr.models.twins import twin_module

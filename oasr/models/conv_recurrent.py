@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr import layers
+from oasr.cache.state_spec import StreamStateSpec
 from oasr.models.subsampling import last_valid_frames
-from oasr.state_spec import StreamStateSpec
 
 STREAMING_KINDS = ("slot", "stateful", "none")
 

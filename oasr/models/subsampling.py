@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr import layers
-from oasr.state_spec import StreamStateSpec
+from oasr.cache.state_spec import StreamStateSpec
 
 
 def last_valid_frames(extended: torch.Tensor, valid_lens: torch.Tensor, count: int) -> torch.Tensor:

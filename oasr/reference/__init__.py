@@ -4,6 +4,8 @@ This is the oracle every fast path and kernel is checked against. It stays
 naive on purpose; its fast twin is ``oasr.fast`` with the same names and API.
 """
 
+from oasr.cache.state_spec import StreamStateSpec
+from oasr.cache.stream_context import StreamContext
 from oasr.reference.attention_cache import AttentionCacheManager, StreamKVInfo
 from oasr.reference.block_pool import BlockPool
 from oasr.reference.ctc_decoder import CtcBeamState, StreamingCtcDecoder
@@ -13,8 +15,6 @@ from oasr.reference.layered_cache import LayeredCache
 from oasr.reference.paged_ops import append_kv, paged_attention
 from oasr.reference.slot_pool import StreamSlotPool
 from oasr.reference.slot_state import CnnCacheManager, SlotStateCache, StateView
-from oasr.state_spec import StreamStateSpec
-from oasr.stream_context import StreamContext
 
 __all__ = [
     "AttentionCacheManager",

@@ -2,7 +2,7 @@
 
 Readable oracle; its fast twin is ``oasr.fast.attention_cache``. The position
 arithmetic (table positions, ``cache_seqlens``, ``cache_seqstarts``, which
-blocks eviction frees) is drawn once in ``oasr.config``.
+blocks eviction frees) is drawn once in ``oasr.cache.config``.
 
 Per stream the reference keeps a plain Python record: its slot, its logical
 blocks (physical ids, oldest first), ``seqlen`` (table position one past the
@@ -34,18 +34,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oasr.config import CacheConfig
-from oasr.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream, unknown_stream
-from oasr.paged import PagedKVCache, StreamKVInfo
-from oasr.reference.block_pool import BlockPool
-from oasr.reference.slot_pool import StreamSlotPool
-from oasr.validate import (
+from oasr.cache.config import CacheConfig
+from oasr.cache.errors import PoolExhaustedError, StreamCapacityError, duplicate_stream, unknown_stream
+from oasr.cache.paged import PagedKVCache, StreamKVInfo
+from oasr.cache.validate import (
     as_id_list,
     check_count,
     check_dense_chunk,
     check_restore_lengths,
     check_restore_room,
 )
+from oasr.reference.block_pool import BlockPool
+from oasr.reference.slot_pool import StreamSlotPool
 
 
 @dataclass
@@ -142,7 +142,7 @@ class AttentionCacheManager:
 
         Takes a slot and ``ceil(seqlen / block_size_frames)`` zeroed blocks for table positions
         ``[0, seqlen)`` and returns their ids, oldest first: the caller writes the visible frames
-        ``[seqstart, seqlen)`` into them (``oasr.session``). The stream then behaves as the one the
+        ``[seqstart, seqlen)`` into them (``oasr.sessions.format``). The stream then behaves as the one the
         lengths came from. Everything is checked first (``check_restore_lengths``, the block
         ceiling, the pool, a free slot); on an error nothing changed.
         """

@@ -57,10 +57,10 @@ from collections import OrderedDict, deque
 
 import torch
 
-from oasr.block_owners import NO_OWNER, OwnerRegistry
-from oasr.config import CacheConfig
-from oasr.errors import PoolExhaustedError
-from oasr.validate import check_count, gather_range
+from oasr.cache.block_owners import NO_OWNER, OwnerRegistry
+from oasr.cache.config import CacheConfig
+from oasr.cache.errors import PoolExhaustedError
+from oasr.cache.validate import check_count, gather_range
 
 
 class BlockPool:
@@ -137,7 +137,7 @@ class BlockPool:
         with self._lock:
             return list(self._free)
 
-    # ---- ownership (tags and messages: oasr.block_owners) ----------------------
+    # ---- ownership (tags and messages: oasr.cache.block_owners) ----------------------
     def new_owner(self, name: str) -> int:
         """Register an owner (a manager) and return its tag for ``allocate`` / ``free``; its name in
         errors is ``"<name>#<tag>"``. Tags count from 1 in registration order."""

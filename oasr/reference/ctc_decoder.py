@@ -9,7 +9,7 @@ candidates), which must return the same n-best token sequences and emission
 frames, with scores within 1e-5.
 
 The search rule, the tie-break order and the emission-frame rule are written
-once, in ``oasr.ctc_config``; this file is a literal transcription of them::
+once, in ``oasr.ctc.config``; this file is a literal transcription of them::
 
     for each frame t:                      beam: [prefix, ...] in rank order
         entries = {}                       tokens -> candidate, in generation order
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oasr.ctc_config import (
+from oasr.ctc.config import (
     BeamEntry,
     BeamSnapshot,
     CtcDecoderConfig,
@@ -124,7 +124,7 @@ def frame_candidates(lp: list[float], config: CtcDecoderConfig) -> list[int]:
 
 
 def advance_beam(beam: list[Prefix], lp: list[float], t: int, config: CtcDecoderConfig) -> list[Prefix]:
-    """One frame of prefix beam search on one row (see ``oasr.ctc_config`` for the rule)."""
+    """One frame of prefix beam search on one row (see ``oasr.ctc.config`` for the rule)."""
     lp_blank = lp[config.blank_id]
     skip_extensions = lp_blank > config.blank_skip_log_threshold
     candidates = [] if skip_extensions else frame_candidates(lp, config)

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-from oasr.ctc_config import CtcDecoderConfig, check_snapshot, check_state_shape
-from oasr.errors import duplicate_stream, unknown_stream
+from oasr.cache.errors import duplicate_stream, unknown_stream
+from oasr.ctc.config import CtcDecoderConfig, check_snapshot, check_state_shape
 
 
 class StreamHandle:

@@ -1,8 +1,8 @@
 """Reference ``DecoderKVCacheManager``: an autoregressive decoder's K/V rows on their own pool.
 
 Readable oracle; its fast twin is ``oasr.fast.decoder_cache``. Geometry, regions
-and storage modes are drawn in ``oasr.decoder_config``; the admission rule is
-``oasr.decoder_common.judge``.
+and storage modes are drawn in ``oasr.decoder.config``; the admission rule is
+``oasr.decoder.common.judge``.
 
 Per row a plain Python record: its declared request, its self-attention pages
 (logical order), its cross-attention pages, ``length`` (tokens written to the
@@ -24,7 +24,7 @@ Pages are reference-counted in the pool: ``_take`` sets a count of 1, a shared
 bind (``_bind(..., share=True)``: a fork made by ``select``) raises it, ``_drop``
 lowers it and the pool frees a block at zero; no other method touches the
 pool's free list. A write into a shared page copies it first (copy-on-write,
-drawn in ``oasr.decoder_common``).
+drawn in ``oasr.decoder.common``).
 
 Invariants (tests check them after every operation):
   * held + free == max_num_blocks; the sum of reference counts equals the
@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oasr.decoder_common import (
+from oasr.cache.paged import PagedKVCache
+from oasr.decoder.common import (
     Admission,
     AdmissionError,
     DecoderRowInfo,
@@ -67,11 +68,10 @@ from oasr.decoder_common import (
     plan_select,
     reserved_pages,
 )
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
-from oasr.decoder_kv import DenseDecoderKV as DenseDecoderKVBase
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.kv import DenseDecoderKV as DenseDecoderKVBase
+from oasr.decoder.prefix_cache import PrefixIndex, check_tokens
 from oasr.kv_formats import get_format
-from oasr.paged import PagedKVCache
-from oasr.prefix_cache import PrefixIndex, check_tokens
 from oasr.reference.block_pool import BlockPool
 from oasr.reference.paged_ops import append_kv, paged_attention
 
@@ -86,7 +86,7 @@ class _Row:
 
 
 class DecoderKVCacheManager:
-    # Whether a decode group (``oasr.decoder_kv.PagedDecoderKV``) reads a cross region its rows share once
+    # Whether a decode group (``oasr.decoder.kv.PagedDecoderKV``) reads a cross region its rows share once
     # for all of them. The oracle reads every row's cross pages itself, so its paged beams compute what
     # dense beams compute, bit for bit; the fast twin reads shared regions once.
     SHARED_CROSS_READ = False
@@ -426,13 +426,13 @@ class DecoderKVCacheManager:
             append_kv(view, k[layer][:, None], v[layer][:, None])
         self.commit_step(ids)
 
-    # ---- sessions (oasr.decoder_session: a row's pages saved once, shared again on load) ----------------
+    # ---- sessions (oasr.sessions.decoder_rows: a row's pages saved once, shared again on load) ----------------
     def request(self, row: int) -> DecoderRequest:
         """The ``DecoderRequest`` an admitted row declared (``KeyError`` otherwise)."""
         return self._row(row, "request")[1].request
 
     def can_restore(self, requests, self_pages, cross_pages, lengths, num_pages: int, published=()) -> Admission:
-        """Would ``restore_rows`` succeed? Never mutates (``oasr.decoder_common.judge_restore``)."""
+        """Would ``restore_rows`` succeed? Never mutates (``oasr.decoder.common.judge_restore``)."""
         return judge_restore(self.config, check_requests(requests), self_pages, cross_pages, lengths, num_pages,
                              list(published), len(self._free_rows), self.pool.num_free_blocks, self.reserved_blocks)
 
@@ -464,12 +464,12 @@ class DecoderKVCacheManager:
                 self.pool.publish([blocks[p]], [key], self._owner)
         return rows, blocks
 
-    # ---- prefix caching (oasr.prefix_cache: publish, hit, retire, evict) ------------------------------
+    # ---- prefix caching (oasr.decoder.prefix_cache: publish, hit, retire, evict) ------------------------------
     def admit_prompt(self, row: int, tokens, scope=0) -> int:
         """Bind the longest published prefix of the row's prompt ``tokens`` (shared pages, counts up,
         parked blocks taken back) and return how many leading tokens are cached: whole pages, strictly
         fewer than the prompt. Then write the rest with ``extend(row, k[:, n:], v[:, n:])``. The row must
-        be freshly admitted (empty); nothing changes on a refusal. ``scope`` (``oasr.prefix_cache``): rows
+        be freshly admitted (empty); nothing changes on a refusal. ``scope`` (``oasr.decoder.prefix_cache``): rows
         share only within one scope; an attention decoder passes the utterance its rows attend to."""
         row, r = self._row(row, "admit_prompt")
         ids = check_tokens(tokens, "admit_prompt")
@@ -560,7 +560,7 @@ class DecoderKVCacheManager:
 
 
 class DenseDecoderKV(DenseDecoderKVBase):
-    """Dense per-group storage (``oasr.decoder_kv``) quantizing with the reference rule of its format."""
+    """Dense per-group storage (``oasr.decoder.kv``) quantizing with the reference rule of its format."""
 
     @staticmethod
     def quantize(fmt, x, model_dtype):

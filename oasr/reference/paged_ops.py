@@ -5,7 +5,7 @@ into a contiguous tensor and runs textbook fp32 attention. Its fast twin is
 ``oasr.fast.paged_ops`` (vectorised torch on CPU, the CUDA kernels in
 ``oasr/kernels_cu/`` on a GPU), which must agree with it.
 
-Semantics (see ``oasr.paged`` for the view)::
+Semantics (see ``oasr.cache.paged`` for the view)::
 
     append_kv:        row b, frame t < chunk_lens[b]  ->  table position cache_seqlens[b] + t
     paged_attention:  row b, query t < chunk_lens[b] attends to table positions
@@ -31,7 +31,7 @@ Queries past a row's length, and rows with nothing to attend to, get zeros.
 Softmax runs in fp32; the output has ``q``'s dtype. GQA: query head ``h`` reads
 KV head ``h // (n_head // n_kv_head)``.
 
-Arguments (the table with devices is in ``oasr.paged``; the checks in ``oasr.validate``)::
+Arguments (the table with devices is in ``oasr.cache.paged``; the checks in ``oasr.cache.validate``)::
 
     q        (B, n_head, T, head_dim)      heads before frames
     k, v     (B, T, n_kv_head, head_dim)   frames before heads
@@ -50,9 +50,9 @@ import math
 
 import torch
 
-from oasr.paged import PagedKVCache
+from oasr.cache.paged import PagedKVCache
+from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
 from oasr.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
-from oasr.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
 
 
 def _table_slots(cache: PagedKVCache, row: int, start: int, end: int):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import heapq
 
-from oasr.errors import SlotsExhaustedError, duplicate_stream, unknown_stream
-from oasr.validate import check_count
+from oasr.cache.errors import SlotsExhaustedError, duplicate_stream, unknown_stream
+from oasr.cache.validate import check_count
 
 
 class StreamSlotPool:

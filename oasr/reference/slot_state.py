@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from oasr.cnn_cache import CnnCacheManagerBase
-from oasr.errors import duplicate_stream
+from oasr.cache.cnn_cache import CnnCacheManagerBase
+from oasr.cache.errors import duplicate_stream
+from oasr.cache.state_spec import StreamStateSpec
+from oasr.cache.validate import check_count
 from oasr.reference.slot_pool import StreamSlotPool
-from oasr.state_spec import StreamStateSpec
-from oasr.validate import check_count
 
 
 class StateView:
@@ -148,7 +148,7 @@ class SlotStateCache:
 
 
 class CnnCacheManager(CnnCacheManagerBase):
-    """The conv left context over this twin's ``SlotStateCache`` (see ``oasr.cnn_cache``)."""
+    """The conv left context over this twin's ``SlotStateCache`` (see ``oasr.cache.cnn_cache``)."""
 
     state_cache_cls = SlotStateCache
 

@@ -564,7 +564,6 @@ def main(argv: list[str] | None = None) -> int:
     from oasr.asr.audio import load_audio
     from oasr.asr.recognizer import Recognizer
     from oasr.asr.testset import load_testset
-    from oasr.commands import check_at_least
 
     parser = argparse.ArgumentParser(prog="python -m oasr.serve.ray", description=main.__doc__)
     parser.add_argument("--engines", type=int, default=2, help="engine deployments (default 2)")
@@ -575,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance")
     parser.add_argument("--address", default=None, help="connect to this Ray cluster instead of starting one")
     args = parser.parse_args(argv)
-    check_at_least(parser, args, {"engines": 1, "clips": 1, "max_streams": 1})
+    for name in ("engines", "clips", "max_streams"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.engine_cpus > 0:
         parser.error(f"--engine-cpus must be > 0, got {args.engine_cpus}")
     torch.set_num_threads(1)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from oasr.asr.audio import AudioError
 from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE
-from oasr.errors import StreamCapacityError
+from oasr.cache.errors import StreamCapacityError
 
 logger = logging.getLogger("oasr.serve")
 STATS_KEPT = 1024  # engine TickStats kept (the newest); older ones are dropped as the server runs

@@ -27,9 +27,9 @@ import os
 
 import torch
 
+from oasr.cache.paged import PagedKVCache
 from oasr.fast.kernels import registry
 from oasr.kv_formats import get_format
-from oasr.paged import PagedKVCache
 from oasr.rel_bias import check_rel_bias_columns
 
 THREADS = 128  # every kernel runs 128-thread blocks
@@ -166,7 +166,7 @@ def append_kv(executor, cache: PagedKVCache, k, v, chunk_lens: torch.Tensor | No
     if cache.quantized:
         return _append_kv_quantized(executor, cache, k, v, chunk_lens)
     dtype = cache.k_cache.dtype
-    if k.dtype != dtype or v.dtype != dtype:  # paged_ops refuses these first (oasr.validate)
+    if k.dtype != dtype or v.dtype != dtype:  # paged_ops refuses these first (oasr.cache.validate)
         raise ValueError(f"append_kv: k and v must be the pool's {dtype}, got {k.dtype} and {v.dtype}")
     k = k.contiguous()
     v = v.contiguous()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from oasr.paged import PagedKVCache
+from oasr.cache.paged import PagedKVCache
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from oasr.config import CacheConfig
+from oasr.cache.config import CacheConfig
 
 _POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "conv_kernel_size",
              "subsampling_factor", "subsampling_conv_channels", "num_mel_bins", "subsampling_conv_kernel_size",

@@ -28,8 +28,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from oasr.config import CacheConfig
-from oasr.layer_specs import FullAttention, conv_state_spec
+from oasr.cache.config import CacheConfig
+from oasr.cache.layer_specs import FullAttention, conv_state_spec
 from oasr.models.conformer import DenseState, _row_values
 from oasr.models.nemotron.block import FastConformerBlock
 from oasr.models.nemotron.config import NemotronEncoderConfig

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr import layers
+from oasr.cache.state_spec import StreamStateSpec
 from oasr.models.nemotron.config import NemotronEncoderConfig
-from oasr.state_spec import StreamStateSpec
 
 
 class SubsamplingStage(nn.Module):

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 
 
 class AdmissionError(RuntimeError):

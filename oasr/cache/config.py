@@ -62,7 +62,7 @@ most blocks whose K/V (one scratch block included) fit in it. The budget is
 the device's free memory less a headroom of ``POOL_HEADROOM_FRACTION`` (10%) of its
 total memory, left for activations, CUDA graphs and the allocator; on the CPU there
 is no free-memory reading a pool may claim, so a budget is required. One INFO line
-on the ``oasr.config`` logger says which budget sized the pool and how many blocks
+on the ``oasr.cache.config`` logger says which budget sized the pool and how many blocks
 it gave; ``pool_sized_from`` and ``pool_budget`` keep the answer.
 """
 
@@ -76,7 +76,7 @@ import torch
 
 from oasr.kv_formats import FORMAT_NAMES, KVFormat, auto_format, get_format
 
-logger = logging.getLogger("oasr.config")
+logger = logging.getLogger("oasr.cache.config")
 
 POOL_HEADROOM_FRACTION = 0.10  # of the device's total memory, kept free when sizing the pool from free memory
 
@@ -268,8 +268,6 @@ class CacheConfig:
 
     def _size_pool(self) -> None:
         """``max_num_blocks=None``: the most blocks a budget holds (see the module docstring)."""
-        from oasr.memory import bytes_per_kv_block  # oasr.memory imports this module
-
         budget = self.pool_budget_bytes
         device = torch.device(self.device)
         if budget is not None:
@@ -381,3 +379,15 @@ class CacheConfig:
     def prefill_blocks(self) -> int:
         """Blocks allocated (and zeroed) at admission."""
         return math.ceil(self.prefill_frames / self.block_size_frames)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def bytes_per_kv_block(config: CacheConfig) -> int:
+    """K and V of one block id, across every layer: the format's bytes per vector (data plus its scale
+    plane, ``oasr.kv_formats``) per frame and KV head."""
+    per_vector = config.kv_format.bytes_per_vector(config.head_dim, config.dtype)
+    return 2 * config.num_layers * config.block_size_frames * config.n_kv_head * per_vector

@@ -203,7 +203,7 @@ class BeamSnapshot(NamedTuple):
     """A decoder state in neither twin's layout: ``rows[b]`` is row ``b``'s live prefixes, rank order.
 
     Both twins' ``snapshot_state`` produce it and ``restore_state`` accept it, so a state
-    taken from one twin continues in the other (``oasr.session`` serialises it).
+    taken from one twin continues in the other (``oasr.sessions.format`` serialises it).
     """
 
     batch: int

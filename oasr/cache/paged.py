@@ -38,7 +38,7 @@ read:
   for pages in the model dtype; for fp8 pages the manager's ``CacheConfig.dtype``.
   None on an fp8 view: K's own dtype serves, which must be fp32, fp16 or bf16.
 
-Tensor arguments of the ops (checked by ``oasr.validate``; the same in both twins)::
+Tensor arguments of the ops (checked by ``oasr.cache.validate``; the same in both twins)::
 
     argument          shape                          dtype                       device
     q                 (B, n_head, T, head_dim)       served_dtype (no casts)     the pool's
@@ -66,10 +66,9 @@ from functools import cached_property
 
 import torch
 
+# The argument checks live in oasr.cache.validate (one place for both twins); re-exported for old callers.
+from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_query  # noqa: F401
 from oasr.kv_formats import KVFormat, get_format
-
-# The argument checks live in oasr.validate (one place for both twins); re-exported for old callers.
-from oasr.validate import check_chunk_lens, check_kv_chunk, check_query  # noqa: F401
 
 
 class HostPlan:

@@ -31,7 +31,7 @@ API::
     capture_paged(manager, rows) -> DecoderRows     capture_dense(kv) -> DecoderRows   (change nothing)
     check_paged(rows_state, manager)                 check_dense(rows_state, config, batch, capacity, cross)
     restore_paged(rows_state, manager) -> row ids    restore_dense(rows_state, config, ops) -> DenseDecoderKV
-    encode_decoder_rows / decode_decoder_rows        the section's bytes (``oasr.session`` calls them)
+    encode_decoder_rows / decode_decoder_rows        the section's bytes (``oasr.sessions.format`` calls them)
 """
 
 from __future__ import annotations
@@ -42,18 +42,18 @@ from dataclasses import dataclass
 
 import torch
 
-from oasr.decoder_common import AdmissionError
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.common import AdmissionError
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 from oasr.kv_formats import get_format
-from oasr.session import (
+from oasr.sessions.codec import (
     KV_FORMAT_CODES,
     KV_FORMATS,
     MODEL_DTYPE_CODES,
     MODEL_DTYPES,
+    Reader,
     SessionError,
-    _Reader,
-    _tensor_bytes,
-    _tensor_from,
+    tensor_bytes,
+    tensor_from,
 )
 
 STORAGES = {1: "dense", 2: "paged"}
@@ -243,9 +243,9 @@ def capture_dense(kv) -> DecoderRows:
 
 
 def _page_bytes(p: DecoderPage) -> bytes:
-    parts = [_tensor_bytes(p.k), _tensor_bytes(p.v)]
+    parts = [tensor_bytes(p.k), tensor_bytes(p.v)]
     if p.k_scale is not None:
-        parts += [_tensor_bytes(p.k_scale), _tensor_bytes(p.v_scale)]
+        parts += [tensor_bytes(p.k_scale), tensor_bytes(p.v_scale)]
     return b"".join(parts)
 
 
@@ -270,7 +270,7 @@ def encode_decoder_rows(state: DecoderRows) -> bytes:
     return b"".join(parts)
 
 
-def _decode_geometry(r: _Reader) -> tuple[DecoderGeometry, int, int]:
+def _decode_geometry(r: Reader) -> tuple[DecoderGeometry, int, int]:
     layers, heads, head_dim, page, dtype, fmt, storage, reserved, num_pages, num_rows = r.unpack(
         _GEOMETRY.format[1:])
     if min(layers, heads, head_dim, page) < 1 or reserved:
@@ -287,7 +287,7 @@ def _decode_geometry(r: _Reader) -> tuple[DecoderGeometry, int, int]:
     return g, num_pages, num_rows
 
 
-def _decode_page(r: _Reader, g: DecoderGeometry, budget: int) -> DecoderPage:
+def _decode_page(r: Reader, g: DecoderGeometry, budget: int) -> DecoderPage:
     used, published, *reserved = r.unpack(_PAGE.format[1:])
     if used > g.page_size or published > 1 or any(reserved):
         raise SessionError(f"decoder rows section: a page of {used} tokens (page_size {g.page_size}), published "
@@ -301,12 +301,12 @@ def _decode_page(r: _Reader, g: DecoderGeometry, budget: int) -> DecoderPage:
         prefix = (scope, tuple(r.unpack(f"{n}i")))
     shape = (g.num_layers, used, g.n_kv_head, g.data_dim)
     size = math.prod(shape) * g.storage_dtype.itemsize
-    k, v = (_tensor_from(r.take(size), g.storage_dtype, shape) for _ in range(2))
+    k, v = (tensor_from(r.take(size), g.storage_dtype, shape) for _ in range(2))
     k_scale = v_scale = None
     if g.kv_cache_dtype is not None:
         sshape = shape[:-1] + tuple(g.scale_plane)
         ssize = math.prod(sshape) * g.scale_dtype.itemsize
-        k_scale, v_scale = (_tensor_from(r.take(ssize), g.scale_dtype, sshape) for _ in range(2))
+        k_scale, v_scale = (tensor_from(r.take(ssize), g.scale_dtype, sshape) for _ in range(2))
         for s in (k_scale, v_scale):
             if s.numel() and not bool(torch.isfinite(s.float()).all()):
                 raise SessionError("decoder rows section: a page's scale plane holds NaN or infinite values")
@@ -317,7 +317,7 @@ def _decode_page(r: _Reader, g: DecoderGeometry, budget: int) -> DecoderPage:
 
 def decode_decoder_rows(raw: bytes) -> DecoderRows:
     """Parse and verify a decoder rows section's payload (``SessionError`` for anything inconsistent)."""
-    r = _Reader(raw, "decoder rows")
+    r = Reader(raw, "decoder rows")
     g, num_pages, num_rows = _decode_geometry(r)
     if num_pages > len(raw) or num_rows > len(raw):  # each record costs bytes: refuse huge counts early
         raise SessionError(f"decoder rows section: {num_pages} pages and {num_rows} rows cannot fit in "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from oasr.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
-from oasr.fp8 import MODEL_DTYPES  # the dtypes a model runs in (CacheConfig.dtype)
+from oasr.cache.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError
+from oasr.kv_formats.fp8_e4m3 import MODEL_DTYPES  # the dtypes a model runs in (CacheConfig.dtype)
 
 
 def check_count(owner: str, name: str, value, minimum: int = 0) -> None:
@@ -165,7 +165,7 @@ def check_query(cache, q: torch.Tensor) -> None:
 def expected_kv_lengths(config, total_frames: int) -> tuple[int, int]:
     """``(seqlen, seqstart)`` a stream holds after committing ``total_frames`` frames since admission.
 
-    Eviction is a function of the frames written alone (``oasr.config``): of the
+    Eviction is a function of the frames written alone (``oasr.cache.config``): of the
     ``prefill_frames + total_frames`` table positions ever written, the whole blocks before the
     first visible position are gone, so the managers' lengths are determined by ``total_frames``.
     """

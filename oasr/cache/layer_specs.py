@@ -35,7 +35,7 @@ one band, and that band's config is the config itself: exactly the cache a plain
 ``AttentionCacheManager`` over a ``BlockPool(config)`` builds, block for block.
 
 Memory per stream follows the windows: a band with window ``W`` holds at most
-``max_logical_blocks(W)`` blocks of ``u`` layers (``oasr.config`` draws that
+``max_logical_blocks(W)`` blocks of ``u`` layers (``oasr.cache.config`` draws that
 arithmetic), so a local layer costs a fraction of a wide one.
 
 With an unlimited band (``FullAttention(-1)``) the pool left after the bounded
@@ -50,9 +50,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from oasr.config import CacheConfig
-from oasr.memory import Footprint, element_size
-from oasr.state_spec import StreamStateSpec
+from oasr.cache.config import CacheConfig
+from oasr.cache.memory import Footprint, element_size
+from oasr.cache.state_spec import StreamStateSpec
 
 FixedState = StreamStateSpec  # the fixed-extent kind is the existing per-stream state declaration
 

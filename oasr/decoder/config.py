@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasr.config import CacheConfig, _as_dtype, resolve_kv_format
+from oasr.cache.config import CacheConfig, _as_dtype, resolve_kv_format
 from oasr.kv_formats import get_format
 
 KV_STORAGES = ("paged", "dense", "auto")

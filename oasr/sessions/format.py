@@ -24,7 +24,7 @@ Layout (little-endian; ``docs/sessions.md`` has every field with its offset)::
 Sections: 1 attention (lengths, then K, V and, for a quantized format, their scale planes, of the visible
 window only), 2 slot states (named tensors), 3 CTC beam (flag bit 0), 4 engine
 stream (flag bit 1), 5 decoder rows (flag bit 2: the attention decoder's K/V rows as
-pages, each shared page once; ``oasr.decoder_session``), 6 encoder output
+pages, each shared page once; ``oasr.sessions.decoder_rows``), 6 encoder output
 (flag bit 3: the fp32 encoder frames a rescoring engine keeps for its second pass;
 only with section 4, one row per encoder frame the stream produced). A stream
 suspended mid-rescoring holds no caches: sections 4 (with the job's progress) and
@@ -57,12 +57,24 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from oasr.config import CacheConfig
-from oasr.ctc_config import BeamEntry, BeamSnapshot, CtcDecoderConfig, check_snapshot
-from oasr.validate import check_restore_lengths, check_restore_room
+from oasr.cache.config import CacheConfig
+from oasr.cache.validate import check_restore_lengths, check_restore_room
+from oasr.ctc.config import BeamEntry, BeamSnapshot, CtcDecoderConfig, check_snapshot
+from oasr.sessions import decoder_rows as rows_section
+from oasr.sessions.codec import (
+    DTYPE_CODES,
+    KV_FORMAT_CODES,
+    KV_FORMATS,
+    MODEL_DTYPE_CODES,
+    MODEL_DTYPES,
+    Reader,
+    SessionError,
+    dtype_of,
+    tensor_bytes,
+    tensor_from,
+)
 
 MAGIC = b"OASRSESS"
 VERSION = 1
@@ -73,7 +85,7 @@ CHECKSUM_BYTES = 32
 
 FLAG_CTC_BEAM = 1 << 0
 FLAG_ENGINE = 1 << 1
-FLAG_DECODER_ROWS = 1 << 2  # the attention decoder's K/V rows (oasr.decoder_session)
+FLAG_DECODER_ROWS = 1 << 2  # the attention decoder's K/V rows (oasr.sessions.decoder_rows)
 FLAG_ENCODER_OUT = 1 << 3  # the encoder output a rescoring engine keeps (StreamingEngine(rescore=True))
 KNOWN_FLAGS = FLAG_CTC_BEAM | FLAG_ENGINE | FLAG_DECODER_ROWS | FLAG_ENCODER_OUT
 
@@ -83,23 +95,8 @@ SECTION_NAMES = {1: "attention", 2: "slot states", 3: "CTC beam", 4: "engine str
 _FLAG_OF_SECTION = {SEC_CTC_BEAM: FLAG_CTC_BEAM, SEC_ENGINE: FLAG_ENGINE, SEC_DECODER_ROWS: FLAG_DECODER_ROWS,
                     SEC_ENCODER_OUT: FLAG_ENCODER_OUT}
 
-DTYPE_CODES = {
-    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
-    torch.int32: 5, torch.int64: 6, torch.uint8: 7, torch.int8: 8, torch.int16: 9, torch.bool: 10,
-}
-DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-MODEL_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
-MODEL_DTYPES = {code: dtype for dtype, code in MODEL_DTYPE_CODES.items()}
-# K/V format code -> CacheConfig.kv_cache_dtype (oasr.kv_formats). Codes are never reused: an older build
-# refuses a newer format's code instead of misreading its pages.
-KV_FORMATS = {0: None, 1: "fp8_e4m3", 2: "int8", 3: "q8_0", 4: "affine4", 5: "affine4_g64"}
-KV_FORMAT_CODES = {v: k for k, v in KV_FORMATS.items()}
 DECODERS = {1: "beam", 2: "greedy"}
 FINISH_REASONS = {1: "eos", 2: "length"}
-
-
-class SessionError(ValueError):
-    """A session that cannot be loaded here: truncated, corrupt, foreign or inconsistent (nothing changed)."""
 
 
 # ---- the parsed form ----------------------------------------------------------------------------------
@@ -211,7 +208,7 @@ class StreamSession:
     # (frames, hidden_dim) fp32: what a rescoring engine kept of the encoder output, one row per encoder
     # frame produced (``engine.offset`` rows); only with ``engine``
     encoder_out: torch.Tensor | None = None
-    decoder_rows: object = None  # oasr.decoder_session.DecoderRows: the attention decoder's K/V rows
+    decoder_rows: object = None  # oasr.sessions.decoder_rows.DecoderRows: the attention decoder's K/V rows
     decoder_row_ids: list | None = None  # set by a load: the rows the decoder cache gave them
 
     @property
@@ -231,60 +228,13 @@ class StreamSession:
 # ---- byte helpers -------------------------------------------------------------------------------------
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous().cpu()
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def _tensor_from(raw: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    flat = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
-    return flat.view(dtype).reshape(shape)
-
-
-class _Reader:
-    """Bounds-checked little-endian reads from one section's payload; any overrun is a SessionError."""
-
-    def __init__(self, data: bytes, where: str):
-        self.data, self.pos, self.where = data, 0, where
-
-    def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.data):
-            raise SessionError(f"{self.where} section: needs {n} more bytes at offset {self.pos}, "
-                               f"only {len(self.data) - self.pos} left")
-        out = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    def unpack(self, fmt: str):
-        try:
-            s = struct.Struct("<" + fmt)
-        except struct.error:  # a count too large to describe: it cannot fit in the section either
-            raise SessionError(f"{self.where} section: a count in {fmt[:24]!r} runs past the section") from None
-        return s.unpack(self.take(s.size))
-
-    def one(self, fmt: str):
-        return self.unpack(fmt)[0]
-
-    def done(self) -> None:
-        if self.pos != len(self.data):
-            raise SessionError(f"{self.where} section: {len(self.data) - self.pos} trailing bytes")
-
-
-def _dtype(code: int, where: str) -> torch.dtype:
-    if code not in DTYPES:
-        raise SessionError(f"{where}: unknown dtype code {code}")
-    return DTYPES[code]
-
-
 # ---- encoding -----------------------------------------------------------------------------------------
 
 
 def _encode_attention(kv: KVWindow) -> bytes:
-    parts = [struct.pack("<qqq", kv.seqlen, kv.seqstart, kv.total_frames), _tensor_bytes(kv.k), _tensor_bytes(kv.v)]
+    parts = [struct.pack("<qqq", kv.seqlen, kv.seqstart, kv.total_frames), tensor_bytes(kv.k), tensor_bytes(kv.v)]
     if kv.k_scale is not None:
-        parts += [_tensor_bytes(kv.k_scale), _tensor_bytes(kv.v_scale)]
+        parts += [tensor_bytes(kv.k_scale), tensor_bytes(kv.v_scale)]
     return b"".join(parts)
 
 
@@ -298,7 +248,7 @@ def _encode_states(states: list) -> bytes:
         parts.append(struct.pack("<H", len(name)) + name)
         parts.append(struct.pack("<BBBB", DTYPE_CODES[t.dtype], int(s.persistent), t.dim(), 0))
         parts.append(struct.pack(f"<{t.dim()}I", *t.shape))
-        raw = _tensor_bytes(t)
+        raw = tensor_bytes(t)
         parts.append(struct.pack("<Q", len(raw)) + raw)
     return b"".join(parts)
 
@@ -334,10 +284,10 @@ def _encode_engine(e: EngineStream) -> bytes:
         struct.pack("<qqq", e.offset, e.input_frames, e.max_extent),
         struct.pack(f"<I{len(e.partial)}i", len(e.partial), *e.partial),
         struct.pack(f"<I{len(e.greedy_tokens)}ii", len(e.greedy_tokens), *e.greedy_tokens, e.greedy_last),
-        struct.pack("<Bq", DTYPE_CODES[e.pending.dtype], e.pending.shape[0]), _tensor_bytes(e.pending),
+        struct.pack("<Bq", DTYPE_CODES[e.pending.dtype], e.pending.shape[0]), tensor_bytes(e.pending),
     ]
     if e.log_probs is not None:
-        parts += [struct.pack("<q", e.log_probs.shape[0]), _tensor_bytes(e.log_probs.float())]
+        parts += [struct.pack("<q", e.log_probs.shape[0]), tensor_bytes(e.log_probs.float())]
     if e.rescoring is not None:
         parts.append(_encode_rescoring(e.rescoring))
     return b"".join(parts)
@@ -353,14 +303,14 @@ def _encode_rescoring(r: RescoreProgress) -> bytes:
     scores = r.scores.detach().float().cpu()
     if scores.shape != (len(r.nbest),):
         raise ValueError(f"session: {tuple(scores.shape)} rescoring scores for {len(r.nbest)} hypotheses")
-    return b"".join(parts) + _tensor_bytes(scores)
+    return b"".join(parts) + tensor_bytes(scores)
 
 
 def _encode_encoder_out(t: torch.Tensor) -> bytes:
     if t.dtype != torch.float32 or t.dim() != 2:
         raise ValueError(f"session: the kept encoder output must be (frames, hidden_dim) float32, got "
                          f"{tuple(t.shape)} {t.dtype}")
-    return struct.pack("<qI", t.shape[0], t.shape[1]) + _tensor_bytes(t)
+    return struct.pack("<qI", t.shape[0], t.shape[1]) + tensor_bytes(t)
 
 
 def _check_host() -> None:
@@ -379,9 +329,8 @@ def encode_session(session: StreamSession) -> bytes:
     if session.engine is not None:
         sections.append((SEC_ENGINE, _encode_engine(session.engine)))
     if session.decoder_rows is not None:
-        from oasr.decoder_session import encode_decoder_rows
 
-        sections.append((SEC_DECODER_ROWS, encode_decoder_rows(session.decoder_rows)))
+        sections.append((SEC_DECODER_ROWS, rows_section.encode_decoder_rows(session.decoder_rows)))
     if session.encoder_out is not None:
         sections.append((SEC_ENCODER_OUT, _encode_encoder_out(session.encoder_out)))
     body = b"".join(SECTION.pack(kind, len(payload)) + payload for kind, payload in sections)
@@ -465,7 +414,7 @@ def _split_sections(body: bytes, num_sections: int, flags: int) -> dict:
 
 
 def _decode_attention(raw: bytes, g: SessionGeometry) -> KVWindow:
-    r = _Reader(raw, "attention")
+    r = Reader(raw, "attention")
     seqlen, seqstart, total = r.unpack("qqq")
     config = _geometry_config(g)
     try:
@@ -476,12 +425,12 @@ def _decode_attention(raw: bytes, g: SessionGeometry) -> KVWindow:
     storage = config.kv_storage_dtype
     shape = (g.num_layers, frames, g.n_kv_head, config.kv_data_dim)
     size = math.prod(shape) * storage.itemsize
-    k, v = _tensor_from(r.take(size), storage, shape), _tensor_from(r.take(size), storage, shape)
+    k, v = tensor_from(r.take(size), storage, shape), tensor_from(r.take(size), storage, shape)
     k_scale = v_scale = None
     if config.kv_quantized:
         sshape, sdtype = shape[:-1] + config.kv_scale_shape, config.kv_scale_dtype
         ssize = math.prod(sshape) * sdtype.itemsize
-        k_scale, v_scale = (_tensor_from(r.take(ssize), sdtype, sshape) for _ in range(2))
+        k_scale, v_scale = (tensor_from(r.take(ssize), sdtype, sshape) for _ in range(2))
         for name, s in (("K", k_scale), ("V", v_scale)):  # 0 where a prefilled window was zeroed
             scale = s[..., 0] if config.kv_format.params_per_group == 2 else s  # affine: (scale, bias) pairs
             if s.numel() and not bool(((scale >= 0) & torch.isfinite(scale)).all() and torch.isfinite(s).all()):
@@ -491,7 +440,7 @@ def _decode_attention(raw: bytes, g: SessionGeometry) -> KVWindow:
 
 
 def _decode_states(raw: bytes) -> list:
-    r = _Reader(raw, "slot states")
+    r = Reader(raw, "slot states")
     states, names = [], set()
     for _ in range(r.one("I")):
         try:
@@ -499,7 +448,7 @@ def _decode_states(raw: bytes) -> list:
         except UnicodeDecodeError:
             raise SessionError("slot states section: a state name is not UTF-8") from None
         code, persistent, ndim, reserved = r.unpack("BBBB")
-        dtype = _dtype(code, f"slot state {name!r}")
+        dtype = dtype_of(code, f"slot state {name!r}")
         if persistent > 1 or reserved:
             raise SessionError(f"slot state {name!r}: persistent byte {persistent}, reserved byte {reserved}")
         shape = r.unpack(f"{ndim}I")
@@ -509,13 +458,13 @@ def _decode_states(raw: bytes) -> list:
         if name in names:
             raise SessionError(f"slot states section: {name!r} appears twice")
         names.add(name)
-        states.append(NamedState(name, bool(persistent), _tensor_from(r.take(nbytes), dtype, shape)))
+        states.append(NamedState(name, bool(persistent), tensor_from(r.take(nbytes), dtype, shape)))
     r.done()
     return states
 
 
 def _decode_beam(raw: bytes) -> tuple[CtcDecoderConfig, BeamSnapshot]:
-    r = _Reader(raw, "CTC beam")
+    r = Reader(raw, "CTC beam")
     beam_size, blank, nbest, topk, skip, max_len = r.unpack("IIIIdI")
     try:
         config = CtcDecoderConfig(beam_size, blank, nbest, topk or None, skip or None, max_len)
@@ -548,7 +497,7 @@ def _decode_beam(raw: bytes) -> tuple[CtcDecoderConfig, BeamSnapshot]:
 
 
 def _decode_engine(raw: bytes) -> EngineStream:
-    r = _Reader(raw, "engine stream")
+    r = Reader(raw, "engine stream")
     kind = r.one("B")
     if kind == 1:
         stream_id = r.one("q")
@@ -573,10 +522,10 @@ def _decode_engine(raw: bytes) -> EngineStream:
     greedy_tokens = list(r.unpack(f"{r.one('I')}i"))
     greedy_last = r.one("i")
     code, frames = r.unpack("Bq")
-    dtype = _dtype(code, "engine stream pending input")
+    dtype = dtype_of(code, "engine stream pending input")
     if frames < 0:
         raise SessionError(f"engine stream section: {frames} pending frames")
-    pending = _tensor_from(r.take(frames * input_dim * dtype.itemsize), dtype, (frames, input_dim))
+    pending = tensor_from(r.take(frames * input_dim * dtype.itemsize), dtype, (frames, input_dim))
     if not pending.is_floating_point() or not bool(torch.isfinite(pending).all()):
         raise SessionError("engine stream section: pending input must be finite floating-point features")
     log_probs = None
@@ -584,7 +533,7 @@ def _decode_engine(raw: bytes) -> EngineStream:
         t = r.one("q")
         if t != offset:
             raise SessionError(f"engine stream section: {t} log-prob frames for {offset} encoder frames")
-        log_probs = _tensor_from(r.take(t * vocab * 4), torch.float32, (t, vocab))
+        log_probs = tensor_from(r.take(t * vocab * 4), torch.float32, (t, vocab))
     rescoring = _decode_rescoring(r, vocab, offset) if phase else None
     r.done()
     if any(not 0 <= tok < vocab for tok in partial + greedy_tokens + [greedy_last]):
@@ -596,8 +545,8 @@ def _decode_engine(raw: bytes) -> EngineStream:
                         max_extent, partial, pending, log_probs, greedy_tokens, greedy_last, rescoring)
 
 
-def _decode_rescoring(r: _Reader, vocab: int, offset: int) -> RescoreProgress:
-    from oasr.ctc_config import CtcHypothesis
+def _decode_rescoring(r: Reader, vocab: int, offset: int) -> RescoreProgress:
+    from oasr.ctc.config import CtcHypothesis
 
     reason, *reserved = r.unpack("BBBB")
     if reason not in FINISH_REASONS or any(reserved):
@@ -619,7 +568,7 @@ def _decode_rescoring(r: _Reader, vocab: int, offset: int) -> RescoreProgress:
             raise SessionError("engine stream section: a rescoring hypothesis with tokens outside the vocabulary, "
                                "frames outside the stream or out of order, or a score that is not finite")
         nbest.append(CtcHypothesis(tokens, score, frames))
-    scores = _tensor_from(r.take(4 * count), torch.float32, (count,))
+    scores = tensor_from(r.take(4 * count), torch.float32, (count,))
     if first_pass != nbest[0].tokens:
         raise SessionError("engine stream section: the first pass is not the best hypothesis of the n-best")
     if steps > max(len(h.tokens) for h in nbest) or not bool(torch.isfinite(scores).all()):
@@ -644,12 +593,12 @@ def _check_engine_frames(session: StreamSession) -> None:
 
 
 def _decode_encoder_out(raw: bytes, g: SessionGeometry) -> torch.Tensor:
-    r = _Reader(raw, "encoder output")
+    r = Reader(raw, "encoder output")
     frames, width = r.unpack("qI")
     if frames < 0 or width != g.hidden_dim:
         raise SessionError(f"encoder output section: {frames} frames of width {width}, expected frames >= 0 of "
                            f"hidden_dim {g.hidden_dim}")
-    out = _tensor_from(r.take(frames * width * 4), torch.float32, (frames, width))
+    out = tensor_from(r.take(frames * width * 4), torch.float32, (frames, width))
     r.done()
     if not bool(torch.isfinite(out).all()):
         raise SessionError("encoder output section: the kept encoder output holds NaN or infinite values")
@@ -730,9 +679,8 @@ def read_session(data, expect: SessionGeometry | None = None) -> StreamSession:
         session.engine = engine
         _check_engine_frames(session)
     if SEC_DECODER_ROWS in sections:
-        from oasr.decoder_session import decode_decoder_rows
 
-        session.decoder_rows = decode_decoder_rows(sections[SEC_DECODER_ROWS])
+        session.decoder_rows = rows_section.decode_decoder_rows(sections[SEC_DECODER_ROWS])
         if session.rescoring:
             _check_job_rows(session)
     if SEC_ENCODER_OUT in sections:
@@ -768,7 +716,7 @@ def _window_index(config: CacheConfig, blocks, seqstart: int, seqlen: int, devic
 def capture_stream(stream_id, att, slot_states, ctc=None, engine: EngineStream | None = None,
                    decoder_rows=None) -> StreamSession:
     """Read one stream's state out of the caches (changes nothing). ``decoder_rows``: the stream's
-    attention-decoder rows, captured with ``oasr.decoder_session.capture_paged`` (or ``capture_dense``)."""
+    attention-decoder rows, captured with ``oasr.sessions.decoder_rows.capture_paged`` (or ``capture_dense``)."""
     config = att.config
     info = att.describe(stream_id)
     pool = att.pool
@@ -841,9 +789,8 @@ def check_session(session: StreamSession, att, slot_states, ctc=None, stream_id=
         raise SessionError(f"foreign session: it {'has no' if session.decoder_rows is None else 'carries'} "
                            f"attention-decoder rows, {'a' if decoder is not None else 'no'} decoder cache is given")
     if decoder is not None:
-        from oasr.decoder_session import check_paged
 
-        check_paged(session.decoder_rows, decoder)
+        rows_section.check_paged(session.decoder_rows, decoder)
     if stream_id is not None:
         check_room(session, stream_id, att, caches, ctc)
 
@@ -880,9 +827,8 @@ def restore_stream(session: StreamSession, stream_id, att, slot_states, ctc=None
     if ctc is not None:
         ctc.restore_stream(stream_id, session.beam)
     if decoder is not None:
-        from oasr.decoder_session import restore_paged
 
-        session.decoder_row_ids = restore_paged(session.decoder_rows, decoder)
+        session.decoder_row_ids = rows_section.restore_paged(session.decoder_rows, decoder)
 
 
 def load_stream(data, stream_id, att, slot_states, ctc=None, decoder=None) -> StreamSession:
@@ -898,7 +844,7 @@ def model_digest(model: torch.nn.Module) -> bytes:
     h = hashlib.blake2b(digest_size=32)
     for name, t in model.state_dict().items():
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(_tensor_bytes(t))
+        h.update(tensor_bytes(t))
     return h.digest()
 
 
@@ -917,3 +863,17 @@ __all__ = [
     "restore_stream",
     "save_stream",
 ]
+
+
+def save_context(ctx, states=None) -> bytes:
+    """A ``StreamContext``'s session bytes: K/V window, conv cache, ``states`` (a ``SlotStateCache``), CTC beam."""
+    return save_stream(ctx.stream_id, ctx.att, [ctx.cnn] + ([states] if states is not None else []), ctx.ctc)
+
+
+def load_context(data, stream_id, att, cnn, ctc=None, states=None):
+    """Admit ``stream_id`` in every manager carrying the state in ``data`` and return its ``StreamContext``,
+    or raise and change nothing."""
+    from oasr.cache.stream_context import StreamContext
+
+    load_stream(data, stream_id, att, [cnn] + ([states] if states is not None else []), ctc)
+    return StreamContext(stream_id, att, cnn, ctc)

@@ -20,21 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from oasr.config import CacheConfig
-
-
-def element_size(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def bytes_per_kv_block(config: CacheConfig) -> int:
-    """K and V of one block id, across every layer: the format's bytes per vector (data plus its scale
-    plane, ``oasr.kv_formats``) per frame and KV head."""
-    per_vector = config.kv_format.bytes_per_vector(config.head_dim, config.dtype)
-    return 2 * config.num_layers * config.block_size_frames * config.n_kv_head * per_vector
+from oasr.cache.config import CacheConfig, bytes_per_kv_block, element_size
 
 
 def kv_pool_bytes(config: CacheConfig, scratch_blocks: int = 1) -> int:

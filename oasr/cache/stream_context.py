@@ -4,9 +4,9 @@ A thin facade binding a ``stream_id`` to the attention manager, the conv (slot
 state) manager and, optionally, the CTC state manager, so an engine's loop
 reads as one object per stream. It works with either twin: it only calls the
 managers' public API. ``StreamContext.allocate`` admits a stream in every
-manager or in none (a failure rolls back what was admitted). ``save`` /
-``StreamContext.load`` carry the stream's whole cache state through session
-bytes (``oasr.session``), to another set of managers of either twin. ``att`` and
+manager or in none (a failure rolls back what was admitted). A context's whole
+cache state travels as session bytes through ``oasr.sessions.format.save_context``
+/ ``load_context``, to another set of managers of either twin. ``att`` and
 ``cnn`` may be None for an encoder with no paged K/V and no conv manager (a
 fixed-extent runtime keeps its own state).
 """
@@ -39,20 +39,6 @@ class StreamContext:
             for manager in reversed(done):
                 manager.free_stream(stream_id)
             raise
-        return cls(stream_id, att, cnn, ctc)
-
-    def save(self, states=None) -> bytes:
-        """The stream's session bytes: K/V window, conv cache, ``states`` (another ``SlotStateCache``), CTC beam."""
-        from oasr.session import save_stream
-
-        return save_stream(self.stream_id, self.att, [self.cnn] + ([states] if states is not None else []), self.ctc)
-
-    @classmethod
-    def load(cls, data, stream_id, att, cnn, ctc=None, states=None):
-        """Admit ``stream_id`` in every manager carrying the state in ``data``, or raise and change nothing."""
-        from oasr.session import load_stream
-
-        load_stream(data, stream_id, att, [cnn] + ([states] if states is not None else []), ctc)
         return cls(stream_id, att, cnn, ctc)
 
     # ---- per chunk, paged --------------------------------------------------------

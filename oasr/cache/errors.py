@@ -18,7 +18,7 @@ paged view before first prepare  ``RuntimeError``
 
 Dtypes are refused, never cast: ``append_kv``'s K and V and ``paged_attention``'s
 q must be in the view's served dtype (the pool's; for fp8 pages the model dtype,
-``CacheConfig.dtype``). The checks live in ``oasr.validate``.
+``CacheConfig.dtype``). The checks live in ``oasr.cache.validate``.
 """
 
 from __future__ import annotations

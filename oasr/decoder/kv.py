@@ -36,8 +36,8 @@ import math
 
 import torch
 
-from oasr.decoder_common import as_index, check_cross_fill, check_kv, check_step_kv, select_sources
-from oasr.decoder_config import DecoderCacheConfig, DecoderRequest
+from oasr.decoder.common import as_index, check_cross_fill, check_kv, check_step_kv, select_sources
+from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 from oasr.kv_formats import get_format
 
 

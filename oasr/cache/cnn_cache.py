@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from oasr.config import CacheConfig
-from oasr.state_spec import StreamStateSpec
-from oasr.validate import as_id_list
+from oasr.cache.config import CacheConfig
+from oasr.cache.state_spec import StreamStateSpec
+from oasr.cache.validate import as_id_list
 
 
 class CnnCacheManagerBase:

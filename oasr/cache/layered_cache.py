@@ -5,7 +5,7 @@ and the slot-state cache only through their public API, and
 ``oasr.reference.LayeredCache`` / ``oasr.fast.LayeredCache`` bind the twin's own
 ``BlockPool``, ``AttentionCacheManager`` and ``SlotStateCache``. The layout (which
 layers share a table, how many layers a block id holds, each band's window) is
-``oasr.layer_specs.CacheLayout``; its diagram is drawn there.
+``oasr.cache.layer_specs.CacheLayout``; its diagram is drawn there.
 
 Per stream the cache holds one table row in every band and one slot in the state
 cache. Every call goes to every band in band order, so both twins hand out the
@@ -28,10 +28,16 @@ from __future__ import annotations
 
 import math
 
-from oasr.config import CacheConfig
-from oasr.errors import PoolExhaustedError, SlotsExhaustedError, StreamCapacityError, duplicate_stream, unknown_stream
-from oasr.layer_specs import CacheLayout
-from oasr.validate import as_id_list
+from oasr.cache.config import CacheConfig
+from oasr.cache.errors import (
+    PoolExhaustedError,
+    SlotsExhaustedError,
+    StreamCapacityError,
+    duplicate_stream,
+    unknown_stream,
+)
+from oasr.cache.layer_specs import CacheLayout
+from oasr.cache.validate import as_id_list
 
 
 class LayeredCacheBase:
