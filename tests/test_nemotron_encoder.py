@@ -41,6 +41,9 @@ CONFIGS = {
     "h128-hd64": dict(hidden_size=128, num_attention_heads=2, num_hidden_layers=1, sliding_window=9,  # a kernel tile
                       default_num_lookahead_tokens=1, conv_kernel_size=5, subsampling_conv_channels=4, num_mel_bins=16,
                       intermediate_size=64),
+    "h32-w3-a3-nohistory": dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, sliding_window=3,  # W=0
+                                default_num_lookahead_tokens=3, conv_kernel_size=5, subsampling_conv_channels=8,
+                                num_mel_bins=16),
     "h32-w6-a3": dict(hidden_size=32, num_attention_heads=8, num_hidden_layers=2, sliding_window=6,  # W=4 < 5
                       default_num_lookahead_tokens=3, conv_kernel_size=4, subsampling_conv_channels=5, num_mel_bins=17),
 }
@@ -107,7 +110,7 @@ class Streams:
         self.att = t.AttentionCacheManager(self.pool, self.cfg, pad_lanes=1)
         self.cnn = t.CnnCacheManager(self.cfg, pad_lanes=1)
         self.states = t.SlotStateCache(encoder.streaming_state_specs, self.cfg.max_batch_size, pad_lanes=1,
-                                       dtype=self.cfg.dtype)
+                                       device=self.cfg.device, dtype=self.cfg.dtype)
         self.offset, self.outputs = {}, {}
 
     def admit(self, sid):
@@ -120,7 +123,8 @@ class Streams:
         enc = self.encoder
         ids = list(chunks)
         width = width or len(ids)
-        xs = torch.zeros(width, enc.chunk_input_frames, enc.config.num_mel_bins, dtype=self.cfg.dtype)
+        xs = torch.zeros(width, enc.chunk_input_frames, enc.config.num_mel_bins, dtype=self.cfg.dtype,
+                         device=self.cfg.device)
         lens = [chunks[s].shape[0] for s in ids] + [0] * (width - len(ids))
         for row, sid in enumerate(ids):
             xs[row, : lens[row]] = chunks[sid]
@@ -135,7 +139,7 @@ class Streams:
         self.cnn.update(ids, new_conv, pad_to=width)
         outs = {}
         for row, sid in enumerate(ids):
-            outs[sid] = hidden[row, : out_lens[row]].float()
+            outs[sid] = hidden[row, : out_lens[row]].float().cpu()
             self.outputs[sid].append(outs[sid])
             self.offset[sid] += out_lens[row]
         return outs
@@ -257,6 +261,29 @@ def test_emulated_kernels_serve_the_relative_term(checkpoints, monkeypatch, kv):
     refs = (oracle_stream(oracle, chunks, encoder.lookahead) if kv is None
             else stream_alone(encoder, "reference", chunks, kv_cache_dtype=kv))
     assert max_diff(outs, refs) <= FP32_ATOL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernels_serve_nemotron(checkpoints, dtype, kv):
+    """The fast twin on a GPU (NVRTC kernels: append, attention with the relative term; head_dim 64) against
+    the reference twin on the same device and pages: within the dtype's rounding (bf16: twice the reference's
+    own bf16 error against fp32 transformers, plus a floor); fp32 model pages also against transformers."""
+    path, oracle = checkpoints["h128-hd64"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    encoder = load(path).to(dev, dtype)
+    chunks = [c.to(dev, dtype) for c in chunks_of(encoder, 6, seed=8)]
+    fast = stream_alone(encoder, "fast", chunks, device=dev, kv_cache_dtype=kv)
+    ref = stream_alone(encoder, "reference", chunks, device=dev, kv_cache_dtype=kv)
+    exact = oracle_stream(oracle, [c.float().cpu() for c in chunks], encoder.lookahead)
+    if dtype == torch.float32:
+        assert max_diff(fast, ref) <= 1e-4
+        if kv is None:
+            assert max_diff(fast, exact) <= 1e-4
+    else:
+        assert max_diff(fast, exact) <= 2 * max_diff(ref, exact) + 1e-2
 
 
 # ---- the engine ----------------------------------------------------------------------------------------
