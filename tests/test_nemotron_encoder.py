@@ -286,6 +286,35 @@ def test_cuda_kernels_serve_nemotron(checkpoints, dtype, kv):
         assert max_diff(fast, exact) <= 2 * max_diff(ref, exact) + 1e-2
 
 
+@pytest.mark.parametrize("twin", ["fast", "reference"])
+def test_chunk_core_is_capture_safe_on_the_fast_twin(twin):
+    """``paged_chunk_core`` on the fast twin does only what a CUDA graph can capture (no host sync, no
+    data-dependent shape, no pageable upload), a cohort mixing a first and a later chunk included; the
+    reference twin, which reads lengths on the host, is flagged (the checker can fail here)."""
+    from oasr.fast.capture_check import CaptureSafetyChecker
+
+    encoder = NemotronEncoder(NemotronEncoderConfig(**CONFIGS["h32-w9-a1"]))
+    streams = Streams(encoder, twin)
+    streams.admit("a")
+    streams.admit("b")
+    streams.tick({"a": chunks_of(encoder, 1, seed=9)[0]}, width=2)
+    ids = ["a", "b"]
+    lens = [encoder.chunk_input_frames, encoder.first_chunk_input_frames]
+    streams.att.prepare_chunks_batched(ids, [encoder.output_frames(lens[0], False),
+                                             encoder.output_frames(lens[1], True)])
+    caches, conv = streams.att.get_paged_caches(ids), streams.cnn.get_cache(ids)
+    views = streams.states.views(ids)
+    tails = [views[spec.name].gather() for spec in encoder.streaming_state_specs]
+    xs, offsets, input_lens = torch.randn(2, encoder.chunk_input_frames, 16), torch.tensor([2, 0]), torch.tensor(lens)
+    checker = CaptureSafetyChecker()
+    checker.declare_device(encoder, streams.pool, streams.att, streams.cnn, streams.states, xs, offsets, input_lens,
+                           caches, conv, tails)
+    with checker.region("nemotron chunk") as record:
+        encoder.paged_chunk_core(xs, offsets, input_lens, caches, conv, tails, twin)
+    assert record.num_ops > 100
+    assert (record.violations == []) == (twin == "fast"), record.summary()
+
+
 # ---- the engine ----------------------------------------------------------------------------------------
 
 
