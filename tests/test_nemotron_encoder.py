@@ -7,7 +7,7 @@ feature frames, then ``8(a + 1)``) with its caches carried across calls; oasr st
 the paged caches of a twin.
 
 Tolerances. fp32: the two differ only in summation order (one GEMM per projection against
-transformers' own, a gathered window against a concatenated one); measured 2e-7 .. 6e-7 on
+transformers' own, a gathered window against a concatenated one); measured 1.2e-7 .. 4.8e-7 on
 outputs of magnitude ~1 (each block ends in a LayerNorm), so ``FP32_ATOL = 1e-5`` leaves room for
 ordering noise and none for a wrong frame, position, distance or cache entry (those move outputs
 by 1e-2 and more). bf16: oasr's error against the fp32 oracle may be at most twice the bf16
