@@ -343,8 +343,8 @@ def test_engine_serves_a_cohort_equal_to_transformers(checkpoints, twin):
     encoder = load(path)
     engine = EncoderStreamingEngine(encoder, encoder.cache_config(max_batch_size=4), twin=twin)
     feats = {sid: torch.randn(n, 16, generator=torch.Generator().manual_seed(20 + i))
-             for i, (sid, n) in enumerate({"a": 150, "b": 97, "c": 61, "d": 130}.items())}
-    arrival = {"a": 0, "b": 0, "c": 2, "d": 3}
+             for i, (sid, n) in enumerate({"a": 150, "b": 97, "c": 61, "d": 130, "e": 5}.items())}
+    arrival = {"a": 0, "b": 0, "c": 2, "d": 3, "e": 1}  # e: a stream shorter than one first chunk
     for tick in range(4):
         for sid, t in arrival.items():
             if t == tick:
@@ -357,6 +357,28 @@ def test_engine_serves_a_cohort_equal_to_transformers(checkpoints, twin):
         assert engine.finished(sid)
         ref = torch.cat(oracle_stream(oracle, engine_chunks(encoder, f), encoder.lookahead))
         assert max_diff([engine.result(sid).float()], [ref]) <= FP32_ATOL, sid
+
+
+def test_engine_refuses_bad_input_and_changes_nothing(checkpoints):
+    from oasr.engine.encoder_streams import EncoderStreamingEngine
+
+    encoder = load(checkpoints["h32-w9-a1"][0])
+    engine = EncoderStreamingEngine(encoder, encoder.cache_config(max_batch_size=2), twin="reference")
+    sid = engine.add_stream("s")
+    with pytest.raises(ValueError, match=r"features must be \(n, 16\)"):
+        engine.push(sid, torch.zeros(4, 15))
+    with pytest.raises(ValueError, match="non-finite"):
+        engine.push(sid, torch.full((4, 16), float("nan")))
+    engine.push(sid, torch.zeros(3, 16))
+    engine.end_stream(sid)
+    with pytest.raises(ValueError, match="has ended"):
+        engine.push(sid, torch.zeros(4, 16))
+    with pytest.raises(ValueError, match="exists"):
+        engine.add_stream("s")
+    with pytest.raises(ValueError, match="cache_config|CacheConfig does not match"):
+        EncoderStreamingEngine(encoder, encoder.config.cache_config(lookahead=0), twin="reference")
+    engine.run()
+    assert engine.finished(sid) and tuple(engine.result(sid).shape) == (1, 32)  # 3 frames: one encoder frame
 
 
 @pytest.mark.parametrize("kv", [None, "int8"])
