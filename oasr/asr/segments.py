@@ -7,7 +7,7 @@ region to ``Recognizer.transcribe`` as a clip of its own (``max_streams`` at a t
 any length is served with the state of a few streams, and silence between sentences (however long)
 never reaches the model. A recording with no speech gives no segment.
 
-This is the *pre-segmenting* use of the endpointer (seed 001: the segmenter before the front end). It
+This is the *pre-segmenting* use of the endpointer (a segmenter before the front end). It
 needs the whole recording, so it serves files; a live stream's turns come from the same policy run
 over its own frames as they arrive.
 """

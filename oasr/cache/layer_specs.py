@@ -164,6 +164,8 @@ class CacheLayout:
         self.state_specs = tuple(states)
         self.windows = tuple(s.history_frames(config.chunk_size) for s in attention)
 
+        if config.prefill_kv_window:
+            self._check_prefill(config)
         groups: dict = {}
         for layer, window in enumerate(self.windows):
             groups.setdefault(window, []).append(layer)
@@ -184,7 +186,7 @@ class CacheLayout:
         built = {}
         worst = 0
         for layers, w in bounded:
-            cfg = _band_config(config, w, self.unit, config.max_blocks_per_seq)
+            cfg = self._band(config, layers, w, config.max_blocks_per_seq)
             built[layers] = cfg
             worst += cfg.max_logical_blocks
         if B * worst > N:
@@ -202,7 +204,7 @@ class CacheLayout:
                     f"bounded bands' worst case; one chunk needs {one_chunk} (raise max_num_blocks)"
                 )
             for layers, _ in unlimited:
-                built[layers] = _band_config(config, None, self.unit, cap)
+                built[layers] = self._band(config, layers, None, cap)
         if len(bands) == 1 and bands[0][1] == config.history_frames:  # uniform: the band is the config itself
             built = {bands[0][0]: config}
         self.bands = tuple(Band(layers, w, built[layers]) for layers, w in bands)
@@ -210,6 +212,28 @@ class CacheLayout:
         for b, band in enumerate(self.bands):
             for j, layer in enumerate(band.layers):
                 self.band_of_layer[layer] = (b, j)
+
+    def _check_prefill(self, config: CacheConfig) -> None:
+        """``prefill_kv_window=True`` prefills every layer's window: refuse, naming the layers and the specs
+        the caller wrote, a layer whose spec has no window (unlimited) or an empty one."""
+        bad = [f"layer {layer} is {spec!r} ({'unlimited history' if window is None else 'an empty window'})"
+               for layer, (spec, window) in enumerate(zip(self.attention_specs, self.windows, strict=True))
+               if not window]
+        if bad:
+            raise ValueError(
+                f"CacheLayout: CacheConfig.prefill_kv_window=True prefills every attention layer's window, but "
+                f"{'; '.join(bad)}: give every layer a window of at least one frame (FullAttention(left_chunks "
+                f">= 1) or SlidingWindow(window_frames >= 1)) or set prefill_kv_window=False"
+            )
+
+    def _band(self, config: CacheConfig, layers: tuple, window: int | None, max_blocks_per_seq: int) -> CacheConfig:
+        """``_band_config``, a refusal prefixed with the band's layers and the specs the caller wrote (the
+        band's config carries internal window values: a chunk-aligned window as num_left_chunks)."""
+        try:
+            return _band_config(config, window, self.unit, max_blocks_per_seq)
+        except ValueError as exc:
+            specs = sorted({repr(self.attention_specs[layer]) for layer in layers})
+            raise ValueError(f"CacheLayout: layers {list(layers)} ({', '.join(specs)}): {exc}") from None
 
     # ---- arithmetic ---------------------------------------------------------------------
     @property
@@ -224,9 +248,10 @@ class CacheLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """One block id: K and V of ``unit`` layers (fp8: data and scales)."""
+        """One block id: K and V of ``unit`` layers, each vector the page format's bytes (data and scale
+        plane: ``KVFormat.bytes_per_vector``, the one bytes rule ``oasr.cache.memory`` uses too)."""
         cfg = self.config
-        per_vector = cfg.head_dim * element_size(cfg.kv_storage_dtype) + (4 if cfg.kv_quantized else 0)
+        per_vector = cfg.kv_format.bytes_per_vector(cfg.head_dim, cfg.dtype)
         return 2 * self.unit * cfg.block_size_frames * cfg.n_kv_head * per_vector
 
     def blocks_per_stream(self) -> list[int]:

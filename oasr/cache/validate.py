@@ -141,6 +141,37 @@ def check_kv_chunk(cache, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"append_kv: {name} is on {t.device}, the pool on {cache.k_cache.device}")
 
 
+def check_kv_numbers(op: str, fmt, tensors, lens=None) -> None:
+    """Refuse NaN, before anything is written, for a page format whose rule refuses it
+    (``KVFormat.refuses_nan``: int8, q8_0, affine4; ``fmt`` a format or its name, None for the model dtype).
+
+    ``tensors``: ``(name, tensor)`` pairs, every value of which is written; with ``lens`` (``(B,)``
+    ints) the tensors are ``(B, T, ...)`` chunks and only frames ``t < lens[b]`` count (what
+    ``append_kv`` writes). Reads the values: the kernel path, which never reads a device tensor back,
+    does not call it (``oasr.fast.paged_ops`` documents what the kernels store instead). ``ValueError``
+    naming the op, the tensor and the first row and frame."""
+    from oasr.kv_formats import get_format
+
+    f = fmt if hasattr(fmt, "refuses_nan") else get_format(fmt)
+    if not f.refuses_nan:
+        return
+    for name, t in tensors:
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        if not bool(t.sum().isnan()):  # one pass: no NaN anywhere (a NaN sum of inf - inf is checked below)
+            continue
+        bad = t.isnan()
+        if lens is not None:
+            bad = bad.flatten(2).any(dim=-1)
+            frames = torch.arange(t.shape[1], device=t.device)
+            bad &= frames[None, :] < torch.as_tensor(lens, device=t.device).long()[:, None]
+        if bool(bad.any()):
+            at = [int(i) for i in bad.nonzero()[0].tolist()]
+            where = f" at row {at[0]}, frame {at[1]}" if lens is not None else f" at index {tuple(at)}"
+            raise ValueError(f"{op}: {name} holds NaN{where}; {f.name} K/V pages refuse NaN (K/V must be "
+                             f"numbers); nothing was written")
+
+
 def check_query(cache, q: torch.Tensor) -> None:
     """Checks shared by both twins' ``paged_attention``: ``q`` is ``(B, n_head, T, head_dim)`` (heads
     before frames, unlike K/V), ``n_head`` a multiple of ``n_kv_head``, in the view's served dtype, on

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from oasr.cache.validate import check_kv_numbers
 from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 
 
@@ -156,11 +157,13 @@ def check_pad_to(pad_to, rows: int, op: str) -> int:
 
 
 def check_kv(config: DecoderCacheConfig, k: torch.Tensor, v: torch.Tensor, op: str, lead: tuple,
-             convert: bool) -> int:
+             convert: bool, numbers: bool = True) -> int:
     """``k, v`` must be ``(L, *lead, T, H, D)`` (``T`` free when ``lead`` ends with None) on the pool's device.
 
     Self writes keep the strict rule: the model dtype only. Cross fills convert (``convert=True``).
-    Returns T.
+    ``numbers``: refuse NaN for a format whose rule does (``oasr.cache.validate.check_kv_numbers``), here, before
+    any layer is written; False where the kernels write (they read nothing back: the fast twin's kernel
+    backends). Returns T.
     """
     L, H, D = config.num_layers, config.n_kv_head, config.head_dim
     want = (L, *lead, "T", H, D)
@@ -179,17 +182,19 @@ def check_kv(config: DecoderCacheConfig, k: torch.Tensor, v: torch.Tensor, op: s
             raise ValueError(f"{op}: {name} is {t.dtype}, the decoder serves {config.dtype} (no silent conversion)")
     if k.shape != v.shape:
         raise ValueError(f"{op}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if numbers:
+        check_kv_numbers(op, config.kv_cache_dtype, (("k", k), ("v", v)))
     return k.shape[-3]
 
 
-def check_step_kv(config: DecoderCacheConfig, k, v, batch: int) -> None:
-    """``append``'s one token per row: ``k, v (L, B, H, D)`` in the model dtype."""
+def check_step_kv(config: DecoderCacheConfig, k, v, batch: int, numbers: bool = True) -> None:
+    """``append``'s one token per row: ``k, v (L, B, H, D)`` in the model dtype (``numbers`` as ``check_kv``'s)."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"append: {name} must be (L={config.num_layers}, B={batch}, "
                              f"H={config.n_kv_head}, D={config.head_dim}), got {got}")
-    check_kv(config, k[:, :, None], v[:, :, None], "append", (batch,), convert=False)
+    check_kv(config, k[:, :, None], v[:, :, None], "append", (batch,), convert=False, numbers=numbers)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ import math
 
 import torch
 
+from oasr.cache.validate import check_kv_numbers
 from oasr.decoder.common import as_index, check_cross_fill, check_kv, check_step_kv, select_sources
 from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 from oasr.kv_formats import get_format
@@ -149,6 +150,7 @@ class DenseDecoderKV:
                 raise ValueError(f"write: {name} is on {t.device}, the group on {cfg.device}")
             if t.dtype != cfg.dtype:
                 raise ValueError(f"write: {name} is {t.dtype}, the decoder serves {cfg.dtype} (no silent conversion)")
+        check_kv_numbers("write", cfg.kv_cache_dtype, (("k", k), ("v", v)))  # NaN: refused before K is stored
 
     def prefill(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write row ``b``'s prompt K/V ``(L, T, n_kv_head, head_dim)`` into its empty buffer (``ValueError``

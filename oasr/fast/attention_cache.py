@@ -104,6 +104,7 @@ from oasr.cache.validate import (
     as_id_list,
     check_count,
     check_dense_chunk,
+    check_kv_numbers,
     check_restore_lengths,
     check_restore_room,
 )
@@ -692,6 +693,7 @@ class AttentionCacheManager:
         cfg = self.config
         slot = self.slots.slot_of(stream_id)
         T = check_dense_chunk(cfg, kv_chunk)
+        check_kv_numbers("commit", cfg.kv_format, (("kv_chunk", kv_chunk),))  # before a block is taken
         bs = cfg.block_size_frames
         held, seqlen = int(self._num_blocks[slot]), int(self._seqlen[slot])
         need = max(0, -(-(seqlen + T) // bs) - held)
@@ -713,8 +715,10 @@ class AttentionCacheManager:
         pool = self.pool
         if cfg.kv_quantized:  # from the chunk's own values, as the reference's quantize(x) does
             fmt = cfg.kv_cache_dtype
-            pool.k_pool[:, block_d, offset_d], pool.k_scale[:, block_d, offset_d] = quantize(fmt, k, cfg.dtype)
-            pool.v_pool[:, block_d, offset_d], pool.v_scale[:, block_d, offset_d] = quantize(fmt, v, cfg.dtype)
+            k_data, k_scale = quantize(fmt, k, cfg.dtype, nan_checked=True)  # refused above
+            v_data, v_scale = quantize(fmt, v, cfg.dtype, nan_checked=True)
+            pool.k_pool[:, block_d, offset_d], pool.k_scale[:, block_d, offset_d] = k_data, k_scale
+            pool.v_pool[:, block_d, offset_d], pool.v_scale[:, block_d, offset_d] = v_data, v_scale
         else:
             pool.k_pool[:, block_d, offset_d] = k.to(cfg.dtype)
             pool.v_pool[:, block_d, offset_d] = v.to(cfg.dtype)

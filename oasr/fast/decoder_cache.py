@@ -556,6 +556,12 @@ class DecoderKVCacheManager:
         backend = self.backend if backend is None else backend
         return self._host_pages and resolve_backend(self.config.device, backend) == "torch"
 
+    def _torch_writes(self) -> bool:
+        """Whether this manager's page writes quantize with torch code (the torch backend), which refuses NaN
+        for a format whose rule does: then the write's checks refuse it before any layer is written. The
+        kernel backends read nothing back and store what ``oasr.fast.paged_ops`` documents."""
+        return self.config.kv_quantized and resolve_backend(self.config.device, self.backend) == "torch"
+
     def _write_host(self, table: np.ndarray, rows: np.ndarray, positions: np.ndarray, k: torch.Tensor,
                     v: torch.Tensor) -> None:
         """``k, v (L, N, H, D)`` at (``rows[i]``, ``positions[i]``) of ``table``'s region: the slots from the
@@ -589,7 +595,7 @@ class DecoderKVCacheManager:
     def fill_cross(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the row's cross K/V once (see the reference for the rules and why the dtype converts)."""
         r = self._row(row, "fill_cross")
-        T = check_kv(self.config, k, v, "fill_cross", (), convert=True)
+        T = check_kv(self.config, k, v, "fill_cross", (), convert=True, numbers=self._torch_writes())
         check_cross_fill(r, T, int(self._cross_ceiling[r]), int(self._cross_length[r]))
         blocks = self._cross_table[r, : self._cross_held[r]]
         shared = blocks[self.pool._refs[blocks] > 1].tolist()
@@ -605,7 +611,7 @@ class DecoderKVCacheManager:
     def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write an empty row's prompt K/V ``(L, T, n_kv_head, head_dim)`` (``ValueError`` past its ceiling)."""
         r = self._row(row, "prefill")
-        T = check_kv(self.config, k, v, "prefill", (), convert=False)
+        T = check_kv(self.config, k, v, "prefill", (), convert=False, numbers=self._torch_writes())
         if self._length[r]:
             raise ValueError(f"prefill: row {r} already holds {int(self._length[r])} tokens; prefill an empty row")
         if T > self._ceiling[r]:
@@ -615,7 +621,7 @@ class DecoderKVCacheManager:
     def extend(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """See the reference: ``T`` more tokens at the row's length; shared pages it writes are copied first."""
         r = self._row(row, "extend")
-        T = check_kv(self.config, k, v, "extend", (), convert=False)
+        T = check_kv(self.config, k, v, "extend", (), convert=False, numbers=self._torch_writes())
         if self._length[r] + T > self._ceiling[r]:
             raise ValueError(f"extend: row {r} holds {int(self._length[r])} tokens and declared "
                              f"{int(self._ceiling[r])}, got {T} more")
@@ -787,7 +793,7 @@ class DecoderKVCacheManager:
     def append(self, rows, k: torch.Tensor, v: torch.Tensor) -> None:
         """One decode step for many rows, ``k, v (L, B, H, D)``: one staged copy, one append_kv per layer."""
         ids = np.array(check_rows(rows, self._is_admitted, "append"), dtype=np.int64)
-        check_step_kv(self.config, k, v, ids.size)
+        check_step_kv(self.config, k, v, ids.size, numbers=self._torch_writes())
         if not ids.size:  # an empty cohort: nothing to write (the reference's loops run zero times)
             return
         self._prepare(ids)  # validates every row's ceiling before its one allocation

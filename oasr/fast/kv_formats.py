@@ -19,8 +19,8 @@ from oasr.kv_formats import FORMATS, KERNEL_FORMATS, KERNEL_HEAD_DIMS, get_forma
 from oasr.kv_formats.fp8_e4m3 import FP8_DTYPE, MODEL_DTYPES, saturation_bound
 
 
-def _refuse_nan(x: torch.Tensor, name: str) -> None:
-    if x.is_floating_point() and bool(x.isnan().any()):
+def _refuse_nan(x: torch.Tensor, name: str, checked: bool = False) -> None:
+    if not checked and x.is_floating_point() and bool(x.isnan().any()):
         raise ValueError(f"{name}.quantize: the input holds NaN; K/V must be numbers")
 
 
@@ -28,9 +28,9 @@ def _model(x: torch.Tensor, model_dtype: torch.dtype | None) -> torch.dtype:
     return model_dtype or (x.dtype if x.dtype in MODEL_DTYPES else torch.float32)
 
 
-def quantize_int8(x: torch.Tensor, model_dtype: torch.dtype | None = None):
+def quantize_int8(x: torch.Tensor, model_dtype: torch.dtype | None = None, *, nan_checked: bool = False):
     """int8: ``(q int8, scale fp32 per vector)``; scale = max(amax / 127, 2**-149), q = rne(x / scale)."""
-    _refuse_nan(x, "int8")
+    _refuse_nan(x, "int8", nan_checked)
     xf = x.to(_model(x, model_dtype)).to(torch.float32, copy=True)  # ours to change in place
     scale = xf.abs().amax(dim=-1).div_(127).clamp_(min=2.0**-149)
     q = xf.div_(scale.unsqueeze(-1)).round_().clamp_(-127, 127)
@@ -49,9 +49,9 @@ def _round_half_away(y: torch.Tensor) -> torch.Tensor:
     return torch.where(tie, torch.trunc(y) + torch.sign(y), r)
 
 
-def quantize_q8_0(x: torch.Tensor, model_dtype: torch.dtype | None = None):
+def quantize_q8_0(x: torch.Tensor, model_dtype: torch.dtype | None = None, *, nan_checked: bool = False):
     """q8_0 (GGML): ``(q int8, d fp16 per block of 32)``; q from the fp32 d through id = 1 / d."""
-    _refuse_nan(x, "q8_0")
+    _refuse_nan(x, "q8_0", nan_checked)
     D = x.shape[-1]
     if D % 32:
         raise ValueError(f"q8_0 K/V pages: head_dim must be a multiple of 32 (GGML blocks), got {D}")
@@ -70,9 +70,10 @@ def dequantize_q8_0(stored, scale, dtype=torch.float32):
     return blocks.mul_(scale.float().unsqueeze(-1)).reshape(stored.shape).to(dtype)
 
 
-def quantize_affine4(x: torch.Tensor, model_dtype: torch.dtype | None = None, group: int = 32):
+def quantize_affine4(x: torch.Tensor, model_dtype: torch.dtype | None = None, group: int = 32, *,
+                     nan_checked: bool = False):
     """affine4 (MLX's rule): ``(packed uint8 codes, (groups, 2) scale/bias in the model dtype)``."""
-    _refuse_nan(x, "affine4")
+    _refuse_nan(x, "affine4", nan_checked)
     D = x.shape[-1]
     if D % group:
         raise ValueError(f"affine4 K/V pages: head_dim must be a multiple of the group size {group}, got {D}")
@@ -81,6 +82,8 @@ def quantize_affine4(x: torch.Tensor, model_dtype: torch.dtype | None = None, gr
     lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
     scale = (hi - lo).div_(15).to(dtype).float()
     bias = lo.to(dtype).float()
+    scale.masked_fill_(scale == 0, 0.0)  # a zero scale or bias is stored as +0, whichever zero aminmax gave
+    bias.masked_fill_(bias == 0, 0.0)
     flat = scale == 0
     codes = g.sub_(bias).div_(scale.masked_fill(flat, 1.0)).round_().clamp_(0, 15).masked_fill_(flat, 0.0)
     pairs = codes.to(torch.uint8).reshape(*x.shape[:-1], D // 2, 2)
@@ -140,18 +143,20 @@ def dequantize_fp8(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return (stored.float() * scale.unsqueeze(-1)).to(dtype)
 
 
-def quantize(fmt: str, x: torch.Tensor, model_dtype: torch.dtype | None = None):
-    """``(data, scale)`` of format ``fmt`` (scale None for the model dtype)."""
+def quantize(fmt: str, x: torch.Tensor, model_dtype: torch.dtype | None = None, *, nan_checked: bool = False):
+    """``(data, scale)`` of format ``fmt`` (scale None for the model dtype). ``nan_checked``: the caller
+    refused NaN already (``oasr.cache.validate.check_kv_numbers``), so the formats that refuse it skip
+    their own look (a second pass over ``x``)."""
     f = get_format(fmt)
     if f.name == "model":
         return x.to(_model(x, model_dtype)), None
     if f.name == "fp8_e4m3":
         return quantize_fp8(x, _model(x, model_dtype))
     if f.name == "int8":
-        return quantize_int8(x, model_dtype)
+        return quantize_int8(x, model_dtype, nan_checked=nan_checked)
     if f.name == "q8_0":
-        return quantize_q8_0(x, model_dtype)
-    return quantize_affine4(x, model_dtype, group=f.group)
+        return quantize_q8_0(x, model_dtype, nan_checked=nan_checked)
+    return quantize_affine4(x, model_dtype, group=f.group, nan_checked=nan_checked)
 
 
 def dequantize(fmt: str, stored: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -19,6 +19,18 @@ CPU tensor for CUDA data); a ``chunk_lens`` tensor that lives on the GPU is
 used as is, without a device-to-host read, and the kernels clamp it to
 ``[0, T]``. Nothing on the CUDA path synchronises with the device.
 
+NaN in K/V. The torch backend refuses NaN in a written frame, before anything is written, for a
+format whose rule refuses it (int8, q8_0, affine4: ``KVFormat.refuses_nan``), as the reference does.
+The kernels (CUDA, "emulated") read nothing back, so they cannot refuse; they store NaN by this rule
+(the max / min reductions are fmaxf / fminf, which skip a NaN operand)::
+
+    int8      the scale from the vector's other values (2**-149 if all are NaN); a NaN stores q = -127
+    q8_0      d from the block's other values (0 if all are NaN); a NaN stores q = 0
+    affine4   scale and bias from the group's other values; a NaN stores code 0 (it reads back as the
+              bias); a group of NaN only stores scale = bias = NaN and codes 0 (it reads back as NaN)
+
+``tests/test_kv_nan_refusal.py`` checks both behaviours. fp8 pages leave NaN unspecified in every twin.
+
 Before capturing a CUDA graph, call ``load_kernels(device)`` (or run each op
 once) so that compilation and module loading happen outside the capture.
 
@@ -49,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from oasr.cache.paged import PagedKVCache
-from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
+from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_kv_numbers, check_lens_values, check_query
 from oasr.fast import cpu_rows, kernel_policy
 from oasr.fast.backend import choose_backend, resolve_backend
 from oasr.fast.kernels import ops, registry
@@ -155,11 +167,17 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
     if name == "torch":
         kernel_policy.serve_out_of_scope("append_kv", k.device.type)
         if cpu_rows.planned_decode_step(cache, B, T, chunk_lens):  # its plan answered the length checks
-            cpu_rows.append_kv_rows(cache, k, v, [1] * B)
+            rows, lens = True, [1] * B
         elif cpu_rows.use_row_loop(cache, B, T):  # dispatch by size: see oasr.fast.cpu_rows
-            cpu_rows.append_kv_rows(cache, k, v, _host_lens_list(cache, chunk_lens, T, "append_kv"))
+            rows, lens = True, _host_lens_list(cache, chunk_lens, T, "append_kv")
         else:
-            _append_kv_torch(cache, k, v, _host_lens(cache, chunk_lens, T, "append_kv"))
+            rows, lens = False, _host_lens(cache, chunk_lens, T, "append_kv")
+        if cache.format.refuses_nan:  # the torch rule refuses NaN before K is written (the kernels: module doc)
+            check_kv_numbers("append_kv", cache.format, (("k", k), ("v", v)), lens)
+        if rows:
+            cpu_rows.append_kv_rows(cache, k, v, lens)
+        else:
+            _append_kv_torch(cache, k, v, lens)
     else:
         if cache.quantized:
             check_format_supported(cache.format.name, cache.head_dim, k.device, backend=name)
@@ -177,8 +195,11 @@ def _append_kv_torch(cache: PagedKVCache, k, v, lens: torch.Tensor) -> None:
     offsets = positions % cache.block_size
     if cache.quantized:
         fmt = cache.format.name
-        cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize(fmt, k[valid], k.dtype)
-        cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize(fmt, v[valid], v.dtype)
+        checked = cache.format.refuses_nan  # append_kv refused NaN before this write
+        cache.k_cache[blocks, offsets], cache.k_scale[blocks, offsets] = quantize(fmt, k[valid], k.dtype,
+                                                                                  nan_checked=checked)
+        cache.v_cache[blocks, offsets], cache.v_scale[blocks, offsets] = quantize(fmt, v[valid], v.dtype,
+                                                                                  nan_checked=checked)
         return
     cache.k_cache[blocks, offsets] = k[valid].to(cache.k_cache.dtype)
     cache.v_cache[blocks, offsets] = v[valid].to(cache.v_cache.dtype)

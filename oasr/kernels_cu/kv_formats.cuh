@@ -25,6 +25,11 @@
 // bytes; the first lane of a group stores the group's scale (and bias). The rules, stated once in
 // their Python modules, are restated here line for line; tests/test_kv_format_kernels.py checks
 // the stored bytes bit for bit against the reference on a NaN-poisoned pool.
+//
+// NaN input, which the Python rules refuse and a kernel cannot (it reads nothing back to the host): the
+// reductions use fmaxf / fminf, which skip a NaN operand, so a NaN stores int8 q = -127, q8_0 q = 0 and
+// affine4 code 0, the scale (and bias) coming from the other values; an affine4 group of NaN only stores
+// scale = bias = NaN. The table is in oasr/fast/paged_ops.py; tests/test_kv_nan_refusal.py checks it.
 #pragma once
 
 #include "common.cuh"
@@ -180,8 +185,8 @@ struct Quantizer<T, Q8_0Page> {
     }
 };
 
-// affine4 (MLX): groups of G. scale = T((hi - lo) / 15), bias = T(lo), q = scale ? clamp(rne((x - bias)
-// / scale), 0, 15) : 0, two codes per byte (value 2i in the low nibble).
+// affine4 (MLX): groups of G. scale = T((hi - lo) / 15), bias = T(lo), each stored as +0 when zero,
+// q = scale ? clamp(rne((x - bias) / scale), 0, 15) : 0, two codes per byte (value 2i in the low nibble).
 template <typename T, int G>
 struct Quantizer<T, Affine4Page<T, G>> {
     static constexpr int kGroup = G;
@@ -199,7 +204,10 @@ struct Quantizer<T, Affine4Page<T, G>> {
         lo = group_min(lo, kGroup / E);
         hi = group_max(hi, kGroup / E);
         if (!active) return;
-        const T scale_t = Codec<T>::from_float((hi - lo) / 15.f), bias_t = Codec<T>::from_float(lo);
+        T scale_t = Codec<T>::from_float((hi - lo) / 15.f), bias_t = Codec<T>::from_float(lo);
+        // a zero is stored as +0, whichever zero fminf / fmaxf returned (the rule's signed-zero line)
+        if (Codec<T>::to_float(scale_t) == 0.f) scale_t = Codec<T>::from_float(0.f);
+        if (Codec<T>::to_float(bias_t) == 0.f) bias_t = Codec<T>::from_float(0.f);
         const float scale = Codec<T>::to_float(scale_t), bias = Codec<T>::to_float(bias_t);
         Pack<unsigned char, E / 2> p;
 #pragma unroll

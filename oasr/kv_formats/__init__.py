@@ -61,6 +61,7 @@ class KVFormat:
     group: int = 0  # values per scale (0: one scale per vector, or no scale)
     values_per_byte: int = 1  # 2 for 4-bit codes
     params_per_group: int = 1  # affine: scale and bias
+    refuses_nan: bool = False  # the rule refuses NaN input (int8, q8_0, affine4); fp8 leaves it unspecified
 
     @property
     def quantized(self) -> bool:
@@ -98,6 +99,17 @@ class KVFormat:
             n *= s
         return data + n * _itemsize(self.scale_dtype(model_dtype))
 
+    def scales_storable(self, scales: torch.Tensor) -> bool:
+        """Whether ``scales`` (a scale plane) holds only what this format's append stores from numbers:
+        scales >= 0 and finite (0 where a prefilled window was zeroed), q8_0's ``d`` also ``+inf`` (GGML's
+        corner for a block with amax >= 127 * 65520), affine biases finite. Loaders refuse anything else."""
+        if not self.quantized or not scales.numel():
+            return True
+        s = scales.float()
+        scale = s[..., 0] if self.params_per_group == 2 else s
+        finite = torch.isfinite(s) | torch.isposinf(s) if self.name == "q8_0" else torch.isfinite(s)
+        return bool((scale >= 0).all() and finite.all())
+
     def check_geometry(self, head_dim: int, model_dtype: torch.dtype) -> None:
         """``ValueError`` when this format's rule cannot cut a vector of ``head_dim`` (or take ``model_dtype``)."""
         if model_dtype not in MODEL_DTYPES:
@@ -130,12 +142,13 @@ FORMATS: dict[str, KVFormat] = {
     for f in (
         KVFormat("model", model, "the model dtype itself (fp32, fp16 or bf16)"),
         KVFormat("fp8_e4m3", fp8_e4m3, "e4m3 bytes, one power-of-two fp32 scale per vector"),
-        KVFormat("int8", int8, "symmetric int8, one fp32 scale (amax / 127) per vector"),
-        KVFormat("q8_0", q8_0, "GGML q8_0: int8 in blocks of 32, one fp16 scale per block", group=32),
+        KVFormat("int8", int8, "symmetric int8, one fp32 scale (amax / 127) per vector", refuses_nan=True),
+        KVFormat("q8_0", q8_0, "GGML q8_0: int8 in blocks of 32, one fp16 scale per block", group=32,
+                 refuses_nan=True),
         KVFormat("affine4", affine4, "4-bit codes, scale and bias (model dtype) per group of 32",
-                 group=32, values_per_byte=2, params_per_group=2),
+                 group=32, values_per_byte=2, params_per_group=2, refuses_nan=True),
         KVFormat("affine4_g64", affine4, "4-bit codes, scale and bias (model dtype) per group of 64",
-                 group=64, values_per_byte=2, params_per_group=2),
+                 group=64, values_per_byte=2, params_per_group=2, refuses_nan=True),
     )
 }
 FORMAT_NAMES = tuple(FORMATS)

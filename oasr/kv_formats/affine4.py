@@ -4,11 +4,16 @@ A vector of ``head_dim`` values is cut into groups of ``G`` consecutive values (
 ``affine4``, 64 for ``affine4_g64``). For each group ``x`` of a model in dtype ``M``
 (fp32, fp16 or bf16), arithmetic in fp32, ``M(.)`` rounding to nearest even::
 
-    lo, hi = min x, max x
-    scale  = M((hi - lo) / 15)              stored in the model dtype
-    bias   = M(lo)                          stored in the model dtype
+    lo, hi = min x, max x                   (-0 and +0 are one value: either may be the min)
+    scale  = M((hi - lo) / 15)              stored in the model dtype; a zero is stored as +0
+    bias   = M(lo)                          stored in the model dtype; a zero is stored as +0
     q      = 0 if scale == 0 else clamp(round_half_even((x - bias) / scale), 0, 15)
     x'     = float(q) * scale + bias        (fp32: q * scale first, then + bias), rounded to M
+
+Signed zeros. A group's minimum may be ``-0`` or ``+0`` (and ``M(lo)`` of a tiny negative ``lo`` rounds
+to ``-0``); which zero a min reduction returns depends on the implementation, so the rule stores a zero
+scale or bias as ``+0`` (reference: ``torch.where``, fast twin: the same, kernels: an explicit test).
+Every twin stores the same bytes; a dequantized value is the same number either way.
 
 ``q`` is computed with the *stored* scale and bias, so dequantization inverts exactly what
 was rounded: the error of a value is at most ``scale / 2`` plus what the rounding of the
@@ -21,7 +26,8 @@ the high nibble: ``head_dim / 2`` bytes of data. The scale plane holds, per vect
 bias (one interleaved plane, so a kernel reads one group's parameters with one access).
 Bytes per vector: ``head_dim / 2 + 2 * (head_dim / G) * sizeof(M)``.
 
-NaN inputs are refused by ``quantize`` (ValueError); infinite ones are outside the rule
+NaN inputs are refused by ``quantize`` (ValueError; the twins' ``append_kv`` before anything is written;
+what the kernels store instead is in ``oasr.fast.paged_ops``); infinite ones are outside the rule
 (as are groups whose range ``hi - lo`` overflows fp32).
 The fast twin is ``oasr.fast.kv_formats.quantize_affine4``; the kernels' is
 ``paged_kv_append_quant_kernel<T, Affine4Page<T, G>, D>``.
@@ -52,14 +58,19 @@ def quantize(x: torch.Tensor, model_dtype: torch.dtype | None = None, group: int
     groups = x.float().unflatten(-1, (x.shape[-1] // group, group))  # (..., n_groups, G)
     lo = groups.amin(dim=-1, keepdim=True)
     hi = groups.amax(dim=-1, keepdim=True)
-    scale = ((hi - lo) / LEVELS).to(dtype).float()
-    bias = lo.to(dtype).float()
+    scale = _plus_zero(((hi - lo) / LEVELS).to(dtype).float())
+    bias = _plus_zero(lo.to(dtype).float())
     codes = torch.round((groups - bias) / torch.where(scale == 0, 1.0, scale)).clamp(0, LEVELS)
     codes = torch.where(scale == 0, 0.0, codes).to(torch.uint8).flatten(-2)
     low, high = codes[..., 0::2], codes[..., 1::2]
     packed = low | (high << 4)
     params = torch.cat([scale, bias], dim=-1).to(dtype)  # (..., n_groups, 2)
     return packed, params
+
+
+def _plus_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every zero as ``+0`` (the rule's signed-zero line)."""
+    return torch.where(x == 0, torch.zeros_like(x), x)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

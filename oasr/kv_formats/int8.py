@@ -16,7 +16,8 @@ IEEE fp32 division rounded half to even, which the tests' numpy oracle recompute
 
 Bytes per vector: ``head_dim + 4``. Both twins and the kernels follow this rule:
 ``oasr.fast.kv_formats.quantize_int8`` and ``paged_kv_append_quant_kernel<T, Int8Page, D>``.
-NaN inputs are refused by ``quantize`` (ValueError); infinite ones are outside the rule.
+NaN inputs are refused by ``quantize`` (ValueError; the twins' ``append_kv`` before anything is written;
+what the kernels store instead is in ``oasr.fast.paged_ops``); infinite ones are outside the rule.
 """
 
 from __future__ import annotations

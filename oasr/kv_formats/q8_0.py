@@ -22,7 +22,9 @@ GGML's layout, which the tests compare byte for byte with gguf-py's ``Q8_0`` qua
 Corner cases (GGML's own): a zero block stores ``d = 0`` and zeros; a block with
 ``amax >= 127 * 65520`` (about 8.3e6, beyond fp16's range for d) stores ``d = inf`` and
 restores non-finite values, exactly as GGML does: q8_0 is for K/V well inside fp16's range.
-NaN inputs are refused by ``quantize`` (ValueError).
+NaN inputs are refused by ``quantize`` (ValueError; the twins' ``append_kv`` before anything is written;
+what the kernels store instead is in ``oasr.fast.paged_ops``). A stored ``d = inf`` is saved and
+loaded like any other scale (``oasr.sessions.format``).
 
 Bytes per vector: ``head_dim * 34 / 32``; ``head_dim`` must be a multiple of 32.
 The fast twin is ``oasr.fast.kv_formats.quantize_q8_0``; the kernels' is

@@ -41,6 +41,7 @@ from oasr.cache.validate import (
     as_id_list,
     check_count,
     check_dense_chunk,
+    check_kv_numbers,
     check_restore_lengths,
     check_restore_room,
 )
@@ -343,6 +344,7 @@ class AttentionCacheManager:
         cfg = self.config
         st = self._state(stream_id)
         T = check_dense_chunk(cfg, kv_chunk)
+        check_kv_numbers("commit", cfg.kv_format, (("kv_chunk", kv_chunk),))  # before a block is taken
         need = self._blocks_needed(st, T)
         self._check_capacity(stream_id, st, need)
         st.blocks.extend(self.pool.allocate(need, self._owner))

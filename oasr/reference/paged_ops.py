@@ -40,8 +40,9 @@ Arguments (the table with devices is in ``oasr.cache.paged``; the checks in ``oa
 K, V and q must be in the view's served dtype (the pool's; for fp8 pages the
 model dtype): anything else is refused, never cast. A row's chunk may not be
 longer than the frames prepared for it (``cache.prepared_frames``, when the
-view carries it). Every check runs before the first write: a refused call
-leaves the pool as it was.
+view carries it). A format whose rule refuses NaN (int8, q8_0, affine4) refuses
+a NaN in any written frame of K or V. Every check runs before the first write: a
+refused call leaves the pool as it was.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import math
 import torch
 
 from oasr.cache.paged import PagedKVCache
-from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_lens_values, check_query
+from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_kv_numbers, check_lens_values, check_query
 from oasr.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
 
 
@@ -73,6 +74,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, chunk_lens=
     B, T = k.shape[:2]
     lens = check_chunk_lens(chunk_lens, B, T, k.device)
     check_lens_values("append_kv", cache, lens, T)
+    check_kv_numbers("append_kv", cache.format, (("k", k), ("v", v)), lens)  # NaN: refused before K is written
     lens = lens.tolist()
     seqlens = cache.cache_seqlens.tolist()
     for b in range(B):

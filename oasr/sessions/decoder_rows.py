@@ -307,9 +307,10 @@ def _decode_page(r: Reader, g: DecoderGeometry, budget: int) -> DecoderPage:
         sshape = shape[:-1] + tuple(g.scale_plane)
         ssize = math.prod(sshape) * g.scale_dtype.itemsize
         k_scale, v_scale = (tensor_from(r.take(ssize), g.scale_dtype, sshape) for _ in range(2))
-        for s in (k_scale, v_scale):
-            if s.numel() and not bool(torch.isfinite(s.float()).all()):
-                raise SessionError("decoder rows section: a page's scale plane holds NaN or infinite values")
+        for s in (k_scale, v_scale):  # what append stores (KVFormat.scales_storable: q8_0's d may be +inf)
+            if not get_format(g.kv_cache_dtype).scales_storable(s):
+                raise SessionError("decoder rows section: a page's scale plane holds a negative, NaN or infinite "
+                                   "value that no append stores")
     elif k.is_floating_point() and k.numel() and not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
         raise SessionError("decoder rows section: a page holds NaN or infinite K/V values")
     return DecoderPage(used, k, v, k_scale, v_scale, prefix)

@@ -142,7 +142,8 @@ class KVWindow:
     """The stream's lengths and its visible frames ``[seqstart, seqlen)``, as stored in the pool.
 
     ``k``/``v`` are ``(num_layers, seqlen - seqstart, n_kv_head, head_dim)`` in the storage dtype
-    (fp8 bytes for fp8 pages); ``k_scale``/``v_scale`` ``(num_layers, frames, n_kv_head)`` fp32 or None.
+    (a quantized format's data: fp8 bytes, int8, packed 4-bit codes); ``k_scale``/``v_scale`` its scale planes
+    ``(num_layers, frames, n_kv_head, *kv_scale_shape)`` in ``kv_scale_dtype``, or None for the model dtype.
     """
 
     seqlen: int
@@ -431,10 +432,10 @@ def _decode_attention(raw: bytes, g: SessionGeometry) -> KVWindow:
         sshape, sdtype = shape[:-1] + config.kv_scale_shape, config.kv_scale_dtype
         ssize = math.prod(sshape) * sdtype.itemsize
         k_scale, v_scale = (tensor_from(r.take(ssize), sdtype, sshape) for _ in range(2))
-        for name, s in (("K", k_scale), ("V", v_scale)):  # 0 where a prefilled window was zeroed
-            scale = s[..., 0] if config.kv_format.params_per_group == 2 else s  # affine: (scale, bias) pairs
-            if s.numel() and not bool(((scale >= 0) & torch.isfinite(scale)).all() and torch.isfinite(s).all()):
-                raise SessionError(f"attention section: a {name} scale is negative, NaN or infinite")
+        for name, s in (("K", k_scale), ("V", v_scale)):  # what append stores (KVFormat.scales_storable)
+            if not config.kv_format.scales_storable(s):
+                what = "negative or NaN" if config.kv_format.name == "q8_0" else "negative, NaN or infinite"
+                raise SessionError(f"attention section: a {name} scale is {what}")
     r.done()
     return KVWindow(seqlen, seqstart, total, k, v, k_scale, v_scale)
 

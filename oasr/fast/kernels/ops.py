@@ -86,7 +86,12 @@ def _check_pool(cache: PagedKVCache) -> None:
 
 def _check_quant_planes(fmt, k_pool, v_pool, k_scale, v_scale) -> None:
     """Data and scale planes of an int8 / q8_0 / affine4 pool: the format's dtypes and shapes, contiguous,
-    on the pool's device, 16-byte aligned (the kernels read them with vector loads)."""
+    on the pool's device. The data planes must be 16-byte aligned (the kernels read and write a vector's
+    bytes with 16-byte accesses; a layer's data plane is a multiple of 16 bytes at the head_dims they tile,
+    so every layer of a pool is). The scale planes need only their element's alignment: the kernels read
+    and write one scale (int8: fp32; q8_0: fp16; affine4: a (scale, bias) pair of the model dtype, read as
+    two elements) per access, so a layer's plane may start anywhere the pool's packing puts it
+    (e.g. layer 1 of a q8_0 pool of 7 blocks x 5 frames x 1 head x 2 fp16: 140 bytes in)."""
     D = k_pool.shape[-1] * fmt.values_per_byte
     if k_pool.dtype != fmt.data_dtype(torch.float32) or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"{fmt.name} pages: the pools must be {fmt.data_dtype(torch.float32)}, got {k_pool.dtype}")
@@ -96,9 +101,12 @@ def _check_quant_planes(fmt, k_pool, v_pool, k_scale, v_scale) -> None:
             got = None if t is None else f"{tuple(t.shape)} {t.dtype}"
             raise ValueError(f"{fmt.name} pages: {name} must be a contiguous {shape} plane on {k_pool.device}, "
                              f"got {got}")
-    for name, t in (("k", k_pool), ("v", v_pool), ("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, t in (("k", k_pool), ("v", v_pool)):
         if t.data_ptr() % 16:
             raise ValueError(f"{fmt.name} pages: the {name} pool must be 16-byte aligned")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.data_ptr() % t.element_size():
+            raise ValueError(f"{fmt.name} pages: {name} must be aligned to its {t.element_size()}-byte elements")
 
 
 def _page_arg(cache_or_format, dtype: torch.dtype) -> str:
