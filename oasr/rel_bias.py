@@ -49,10 +49,18 @@ the term never unmasks a key, and a row with no key still gets zeros. The term i
 the page format (model dtype, fp8 and the other quantized formats alike).
 
 Who checks what (the same words in both twins): shape, dtype and device always; the column count
-wherever the rows' lengths are on the host (the reference, the fast twin's CPU backends, a view
-with a ``HostPlan``). The CUDA launcher cannot read the lengths without a device sync; there it
-checks ``R >= (view's max_span if a plan says so, else 0) + 2T - 1`` and the kernels give NaN to a
-query whose window needs a column past ``R`` (never an out-of-bounds read, never a silent clamp).
+against the rows' real widest history wherever their lengths are on the host (the reference, the
+fast twin's CPU backends, a view with a ``HostPlan``). On CUDA the fast twin reads no lengths
+(no device sync); it holds the table to the view's ``max_span`` instead, the host maximum every
+view carries (the engine's captured ticks pin it to the worst case), so a table of
+``required_columns(view.max_span, T)`` columns passes everywhere. If a stale ``max_span`` lets a
+short table by anyway, the kernels give NaN to each query whose window needs a missing column:
+never an out-of-bounds read, never a silent clamp.
+
+Kernels: attention v1 (every dtype and page format) and v3 (fp16 / bf16 queries, model-dtype and
+fp8 pages) have instances with the term (``oasr.fast.kernels.registry.REL_ARG``); v2 has none and
+refuses it by name. ``python -m oasr kernels --sass`` reports those instances as ``v1+rel`` and
+``v3+rel``; ``kernels --gaps`` states the coverage.
 """
 
 from __future__ import annotations
