@@ -17,5 +17,13 @@ __all__ = [
     "PoolExhaustedError",
     "SlotsExhaustedError",
     "StreamCapacityError",
+    "from_pretrained",
 ]
 __version__ = "0.1.0"
+
+
+def from_pretrained(ckpt_dir, **kwargs):
+    """Load a local checkpoint directory by its detected format (``oasr.checkpoints.from_pretrained``)."""
+    from oasr.checkpoints import from_pretrained as load
+
+    return load(ckpt_dir, **kwargs)

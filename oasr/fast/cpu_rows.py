@@ -180,8 +180,10 @@ def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: 
             v_flat.index_copy_(0, dest, v[b, :n])
 
 
-def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: float, causal: bool) -> torch.Tensor:
-    """Row ``b``'s first ``lens[b]`` queries attend to table positions ``[seqstart, seqlen + lens[b])``."""
+def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: float, causal: bool,
+                rel_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Row ``b``'s first ``lens[b]`` queries attend to table positions ``[seqstart, seqlen + lens[b])``
+    (``rel_bias``: plus the relative-position term, ``oasr.rel_bias``)."""
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
     G = H // Hkv
@@ -216,6 +218,9 @@ def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: fl
             k, v, qb = k.float(), v.float(), qb.float()
         qb = qb.reshape(Hkv, G * n, D)  # query head h = kv_head * G + g, rows (g, t)
         scores = torch.bmm(qb, k.transpose(1, 2)).mul_(scale)  # (Hkv, G * n, span)
+        if rel_bias is not None:  # query t, key start + j: column (seqlen + t) - (start + j) + T - 1
+            columns = _row_columns(seqlens[b] - start + T - 1, n, span)
+            scores += rel_bias[b, :, :n].gather(2, columns.expand(H, n, span)).view(Hkv, G * n, span)
         if causal:  # query t (position seqlen + t) sees keys up to its own position
             hidden = torch.arange(start, end)[None, :] > (seqlens[b] + torch.arange(n))[:, None]  # (n, span)
             scores.view(Hkv, G, n, span).masked_fill_(hidden, float("-inf"))
@@ -225,6 +230,11 @@ def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: fl
         else:
             out[b, :, :n] = torch.bmm(probs, v).view(H, n, D)
     return out
+
+
+def _row_columns(first: int, n: int, span: int) -> torch.Tensor:
+    """(n, span) int64 table columns of a row: ``first + t - j`` (query t, the row's j-th key)."""
+    return (torch.arange(first, first + n)[:, None] - torch.arange(span)[None, :])
 
 
 # Decode steps (one query frame per row) over short spans: one batched pass for all rows beats the
@@ -240,7 +250,7 @@ def use_decode_batch(cache: PagedKVCache, rows: int, num_frames: int) -> bool:
 
 
 def attend_decode_batch(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: float,
-                        causal: bool) -> torch.Tensor:
+                        causal: bool, rel_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``attend_rows`` for one query frame per row (``T == 1``), all rows in one pass.
 
     Every row's keys ``[seqstart, seqlen + 1)`` are gathered into a padded ``(B, Hkv, L, D)``: one
@@ -257,15 +267,21 @@ def attend_decode_batch(q: torch.Tensor, cache: PagedKVCache, lens: list[int], s
     # as a kernel reads its arguments, which a stand-in for graph capture checks on the CPU)
     L = max(max(ends), 1)
     vector, hidden, keyless = _memo(cache, ("decode", ends), lambda: _decode_indices(cache, ends, starts, L))
-    return attend_gathered(q, cache.k_cache, cache.v_cache, vector, hidden, keyless, scale)
+    bias = None
+    if rel_bias is not None:  # the one query sits at seqlen (T == 1): key j (table position j) reads column seqlen - j
+        columns = (cache.cache_seqlens.long()[:, None] - torch.arange(L)[None, :]).clamp_(0, rel_bias.shape[3] - 1)
+        bias = rel_bias[:, :, 0].gather(2, columns[:, None].expand(-1, q.shape[1], L))  # (B, H, L); hidden: masked
+    return attend_gathered(q, cache.k_cache, cache.v_cache, vector, hidden, keyless, scale, bias)
 
 
 def attend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, vector: torch.Tensor,
-                    hidden: torch.Tensor | None, keyless: torch.Tensor | None, scale: float) -> torch.Tensor:
+                    hidden: torch.Tensor | None, keyless: torch.Tensor | None, scale: float,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """The compute of ``attend_decode_batch``: one query per row ``q (B, H, 1, D)`` over the pool
     vectors ``vector (B * Hkv * L,)`` (row, KV head, key), ``hidden (B, L)`` the padding keys (None:
     none) and ``keyless (B, 1, 1, 1)`` the rows with no key (None: none), as ``_decode_indices``
-    builds them. Also the body of the fast decoder manager's host decode step."""
+    builds them; ``bias`` (B, H, L) fp32, added to the scaled scores before the mask (None: none).
+    Also the body of the fast decoder manager's host decode step."""
     B, H, T, D = q.shape
     Hkv = k_cache.shape[-2]
     G = H // Hkv
@@ -278,6 +294,8 @@ def attend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v.view(B, Hkv, L, D).masked_fill_(hidden[:, None, :, None], 0.0)  # NaN-safe: zeros, not 0 * NaN
     qf = q.float().reshape(B * Hkv, G, D)  # query head h = kv_head * G + g
     scores = torch.baddbmm(_NO_BIAS, qf, k.transpose(1, 2), beta=0.0, alpha=scale).view(B, Hkv, G, L)
+    if bias is not None:
+        scores += bias.view(B, Hkv, G, L)
     if hidden is not None:
         scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1)

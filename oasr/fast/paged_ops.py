@@ -68,6 +68,7 @@ from oasr.fast.kernels import ops, registry
 from oasr.fast.kv_formats import check_format_supported, dequantize, dequantize_fp8, quantize
 from oasr.kv_formats import get_format
 from oasr.reference.paged_ops import paged_attention as reference_paged_attention  # serves a declared kernel gap
+from oasr.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
 
 FP8_DTYPE = registry.FP8_DTYPE
 FP8_HEAD_DIMS = registry.FP8_HEAD_DIMS
@@ -213,6 +214,7 @@ def paged_attention(
     chunk_lens=None,
     softmax_scale: float | None = None,
     causal: bool = False,
+    rel_bias: torch.Tensor | None = None,
     *,
     backend=None,
     num_splits: int | None = None,
@@ -222,6 +224,13 @@ def paged_attention(
     ``q``: ``(B, n_head, T, head_dim)`` (heads first, unlike K/V) in the served dtype; ``chunk_lens``
     as for ``append_kv``. Returns ``(B, n_head, T, head_dim)`` in ``q``'s dtype.
 
+    ``rel_bias``: None, or the relative-position term, a float32 ``(B, n_head, T, R)`` table of
+    queries x distances added to the scores (``oasr.rel_bias``: column ``(p_q - p_k) + T - 1``).
+    Its ``R`` is checked against the rows' widest history where the lengths are on the host (CPU
+    tensors, or a view's ``HostPlan``), else (CUDA) against the view's ``max_span``: a table of
+    ``oasr.rel_bias.required_columns(cache.max_span, T)`` columns always passes. A query whose window
+    needs a column past ``R`` anyway (a stale ``max_span``) gets NaN from the kernels.
+
     ``num_splits`` pins the kernels' key-range split count (a CUDA graph replays its launch
     parameters, so a captured width pins it); None lets the launcher choose from the view's
     ``max_span``. The torch backend has no splits and ignores it.
@@ -229,6 +238,8 @@ def paged_attention(
     check_query(cache, q)
     name = resolve_backend(q.device, backend)
     B, n_head, T, D = q.shape
+    if rel_bias is not None:
+        check_rel_bias(cache, q, rel_bias)
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     what = "query frames (q's dim 2)"
     if B == 0:  # an empty cohort: an empty output (checked like any other; no row path, no launch)
@@ -241,21 +252,42 @@ def paged_attention(
                 lens = [1] * B
             else:
                 lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
-            return cpu_rows.attend_decode_batch(q, cache, lens, scale, causal)
+            _check_rel_columns(cache, rel_bias, T)
+            return cpu_rows.attend_decode_batch(q, cache, lens, scale, causal, rel_bias)
         if cpu_rows.use_row_loop(cache, B, T):
             lens = _host_lens_list(cache, chunk_lens, T, "paged_attention", what)
-            return cpu_rows.attend_rows(q, cache, lens, scale, causal)
+            _check_rel_columns(cache, rel_bias, T)
+            return cpu_rows.attend_rows(q, cache, lens, scale, causal, rel_bias)
         lens = _host_lens(cache, chunk_lens, T, "paged_attention", what)
-        return _paged_attention_torch(q, cache, lens, scale, causal)
+        _check_rel_columns(cache, rel_bias, T)
+        return _paged_attention_torch(q, cache, lens, scale, causal, rel_bias)
     if cache.quantized:
         check_format_supported(cache.format.name, D, q.device, dtype=q.dtype, backend=name)
     elif cache.k_cache.dtype not in registry.DTYPE_ARG or D not in registry.HEAD_DIMS:  # in scope, no kernel
         kernel_policy.serve_gap("paged-attention-head-dim", "paged_attention",
                                 f"head_dim={D} with {cache.k_cache.dtype} pages on the {name!r} backend",
                                 capturing=q.is_cuda and torch.cuda.is_current_stream_capturing())
-        return reference_paged_attention(q, cache, chunk_lens, scale, causal)
+        return reference_paged_attention(q, cache, chunk_lens, scale, causal, rel_bias)
     lens = _kernel_lens(cache, chunk_lens, T, q.device, "paged_attention", what)
-    return ops.paged_attention(_executor(name, q.device), q, cache, lens, scale, causal, num_splits)
+    _check_rel_columns(cache, rel_bias, T)
+    return ops.paged_attention(_executor(name, q.device), q, cache, lens, scale, causal, num_splits,
+                               rel_bias=rel_bias)
+
+
+def _check_rel_columns(cache: PagedKVCache, rel_bias, num_frames: int) -> None:
+    """``rel_bias``'s column count against the rows' widest history, from host numbers only: the view's
+    ``HostPlan``, else its length tensors when they are CPU tensors; device lengths are not read (then
+    only ``R >= 2T - 1``: the kernels give NaN to a query whose window needs more, see oasr.rel_bias)."""
+    if rel_bias is None:
+        return
+    plan = cache.host
+    if plan is not None and plan.describes(cache):
+        check_rel_bias_columns(rel_bias, host_span(plan.seqlens, plan.seqstarts), num_frames, "the view's lengths")
+    elif cache.cache_seqlens.device.type == "cpu" and cache.cache_seqstarts.device.type == "cpu":
+        spans = host_span(cache.cache_seqlens.tolist(), cache.cache_seqstarts.tolist())
+        check_rel_bias_columns(rel_bias, spans, num_frames, "the view's lengths")
+    else:  # device lengths are not read: the view's host maximum stands for them
+        check_rel_bias_columns(rel_bias, cache.max_span, num_frames, "the view's max_span; device lengths not read")
 
 
 # Rows per group on the CPU path: a group's gathered K and V stay within this many bytes, so they
@@ -264,25 +296,27 @@ def paged_attention(
 _CPU_GROUP_BYTES = 4 << 20
 
 
-def _paged_attention_torch(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causal: bool):
+def _paged_attention_torch(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causal: bool, rel_bias=None):
     """Vectorised attention over groups of rows sized to ``_CPU_GROUP_BYTES`` (see ``_attend_rows``)."""
     B, H, T, D = q.shape
     per_row = 2 * cache.n_kv_head * max(cache.max_span + T, 1) * D * 4
     rows = max(1, _CPU_GROUP_BYTES // per_row)
     if rows >= B:
-        return _attend_rows(q, cache, lens, scale, causal)
+        return _attend_rows(q, cache, lens, scale, causal, rel_bias)
     out = torch.empty_like(q)
     for r0 in range(0, B, rows):  # row tiles, like a kernel's grid; each tile is one vectorised pass
         r1 = min(B, r0 + rows)
         tile = dataclasses.replace(cache, block_table=cache.block_table[r0:r1],
                                    cache_seqlens=cache.cache_seqlens[r0:r1],
                                    cache_seqstarts=cache.cache_seqstarts[r0:r1])
-        out[r0:r1] = _attend_rows(q[r0:r1], tile, lens[r0:r1], scale, causal)
+        out[r0:r1] = _attend_rows(q[r0:r1], tile, lens[r0:r1], scale, causal,
+                                  None if rel_bias is None else rel_bias[r0:r1])
     return out
 
 
-def _attend_rows(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causal: bool):
-    """Gather every row's key range into a padded (B, Hkv, L, D), mask, and run fp32 attention."""
+def _attend_rows(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causal: bool, rel_bias=None):
+    """Gather every row's key range into a padded (B, Hkv, L, D), mask, and run fp32 attention
+    (``rel_bias``: each (query, key) pair's column gathered from the table, added before the mask)."""
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
     lens = lens.long()
@@ -333,6 +367,11 @@ def _attend_rows(q, cache: PagedKVCache, lens: torch.Tensor, scale: float, causa
     G = H // Hkv
     qf = q.float().reshape(B, Hkv, G * T, D)  # query head h = kv_head * G + g, rows (g, t)
     scores = (qf @ k.transpose(2, 3)).mul_(scale).view(B, Hkv, G, T, L)
+    if rel_bias is not None:  # column (p_q - p_k) + T - 1; padding keys' columns are clamped, then masked
+        query_pos = seqlens[:, None] + torch.arange(T)[None, :]  # (B, T)
+        columns = (query_pos[:, :, None] - key_pos[:, None, :] + (T - 1)).clamp_(0, rel_bias.shape[3] - 1)
+        bias = rel_bias.gather(3, columns[:, None].expand(B, H, T, L))  # (B, H, T, L)
+        scores += bias.view(B, Hkv, G, T, L)
     allowed = key_ok[:, None, :].expand(B, T, L)  # (B, T, L)
     if causal:
         query_pos = seqlens[:, None] + torch.arange(T)[None, :]

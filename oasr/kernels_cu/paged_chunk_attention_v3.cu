@@ -42,6 +42,13 @@
 //   O (16 x D) += P (registers: S's C fragments are P's A fragments)
 //                 x V of its KW keys (ldmatrix .trans), KW/16 x D/8 mma
 //
+// kRel (the relative-position term, oasr/rel_bias.py): after S (and fp8's k scales), each element
+//   a row sees (key below its key_limit) becomes s * c_row + rel_bias[b, hq, t, (seqlen + t) - pos +
+//   T - 1] * log2(e), read from global memory (L1-cached; a quad's lanes read neighbouring columns),
+//   and the softmax takes c = 1 for those rows. A column past rel_len gives NaN, and a NaN row sum
+//   is stored rather than taken for "no key" (attention_window.cuh). Same pipeline, same registers
+//   budget; `kernels --sass` reports the kRel instances as their own rows (v3+rel).
+//
 // Pipeline. A ring of kStages stages (the most that fit 40 KB of static
 //   shared memory, 2 to 6: 4 at D = 64 on 16-bit pages, 3 (of 64 keys) on fp8, 2 at D = 128)
 //   holds K, V (and fp8 scales) of kStages - 1 tiles in flight, gathered by
@@ -155,14 +162,14 @@ constexpr int kRingBudget = 40 * 1024;              // static shared memory for 
 __host__ __device__ constexpr int clamp_stages(int n) { return n < 2 ? 2 : (n > 6 ? 6 : n); }
 }  // namespace attn3
 
-template <typename T, typename Page, int D, int BS>
+template <typename T, typename Page, int D, int BS, bool kRel = false>
 __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kernel(
     const T* __restrict__ q, const Page* __restrict__ k_cache, const Page* __restrict__ v_cache,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, const int* __restrict__ block_table,
     int table_stride, const int* __restrict__ cache_seqlens, const int* __restrict__ cache_seqstarts,
     const int* __restrict__ chunk_lens, T* __restrict__ out, float* __restrict__ part_acc,
     float* __restrict__ part_ml, int n_head, int n_kv_head, int num_frames, int num_splits, int split_len,
-    float scale_log2, int causal) {
+    float scale_log2, int causal, const float* __restrict__ rel_bias, int rel_len) {
     using namespace attn3;
     using warp::cp_async_16;
     using warp::ex2_approx_ftz;
@@ -339,6 +346,21 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         const int r = my_row[h];
         key_limit[h] = r < rows_valid ? (causal ? imin(hi, seqlen + r / group + 1) : hi) : lo;
     }
+    // kRel: rows g and g + 8's tables of the relative-position term; their scores go to log2 units with
+    // the term added (s * c_row + bias * log2(e)) before the mask, and the softmax below then takes c = 1.
+    const float* rel_cta = nullptr;
+    int rel_top[2], rel_at[2];
+    float c_use[2] = {c_row[0], c_row[1]};
+    if constexpr (kRel) {
+        rel_cta = rel_table_of_cta(rel_bias, rel_len, cta, n_head, num_frames);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const RelRowOffset o = rel_row_offset(rel_len, cta, my_row[h], num_frames);
+            rel_top[h] = o.top;
+            rel_at[h] = o.at;
+            c_use[h] = 1.f;
+        }
+    }
     // Keys from here on need the per-row test (warp-uniform): the range's end, or the causal limit of the
     // warp's first row. Rows past the length are not masked on interior tiles: they are never stored.
     const int mask_from = causal ? imin(hi, seqlen + warp_row0 / group + 1) : hi;
@@ -402,6 +424,16 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             }
         }
         const int slice_lo = lo + it * KT + key0;
+        if constexpr (kRel) {  // keys a row sees (below its key_limit): s * c_row + rel_bias[..] * log2(e)
+#pragma unroll
+            for (int n = 0; n < NN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int pos = slice_lo + 8 * n + 2 * qd + e % 2, h = e / 2;
+                    if (pos < key_limit[h])
+                        sc[n][e] = fmaf(sc[n][e], c_row[h], rel_term_log2(rel_cta, rel_top[h], rel_at[h], pos, rel_len));
+                }
+        }
         if (slice_lo + KW > mask_from) {  // a boundary tile: keys past a row's limit (or the range) -> -inf
             if constexpr (kFp8) {  // the same test against limits relative to the lane's first key column
                 const int lim[2] = {key_limit[0] - slice_lo - 2 * qd, key_limit[1] - slice_lo - 2 * qd};
@@ -429,7 +461,7 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         for (int h = 0; h < 2; ++h) {
             tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 1));
             tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 2));
-            const float m_new = fmaxf(m_run[h], tile_max[h] * c_row[h]);  // c_row > 0: the max of the scaled
+            const float m_new = fmaxf(m_run[h], tile_max[h] * c_use[h]);  // c_use > 0: the max of the scaled
             m_use[h] = m_new == neg_inf() ? 0.f : m_new;               // no key yet: every weight is 0
             alpha[h] = ex2_approx_ftz(m_run[h] - m_use[h]);           // 0 when m_run was -inf
             m_run[h] = m_new;
@@ -450,7 +482,7 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
         for (int n = 0; n < NN; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = ex2_approx_ftz(fmaf(sc[n][e], c_row[e / 2], -m_use[e / 2]));  // -inf scores -> 0
+                const float p = ex2_approx_ftz(fmaf(sc[n][e], c_use[e / 2], -m_use[e / 2]));  // -inf scores -> 0
                 l_run[e / 2] += p;
                 sc[n][e] = kFp8 ? p * vs[n][e % 2] : p;
             }
@@ -577,7 +609,8 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     for (int h = 0; h < 2; ++h) {
         const int row = my_row[h];
         if (row >= rows_total) continue;
-        const bool seen = row < rows_valid && l_run[h] > 0.f;
+        // kRel: a NaN sum (a column past rel_len, see attention_window.cuh) is stored, not taken for "no key"
+        const bool seen = row < rows_valid && (kRel ? !(l_run[h] <= 0.f) : l_run[h] > 0.f);
         const int t = row / group, hq = kvh * group + row % group;
         const long long out_row = (static_cast<long long>(b) * n_head + hq) * num_frames + t;
         if (num_splits == 1) {

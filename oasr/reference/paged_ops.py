@@ -19,6 +19,14 @@ dtype's bound) and stores data and scale plane; attention reads dequantized
 pages (the reference dequantizes the gathered rows to fp32; the kernels
 dequantize per tile) and accumulates in fp32.
 
+Relative-position term (``rel_bias``, a float32 ``(B, n_head, T, R)`` table of queries x
+distances; the convention, with its diagram, is ``oasr.rel_bias``)::
+
+    score(b, h, t, p_k) = scale * q[b, h, t] . k[p_k] + rel_bias[b, h, t, (p_q - p_k) + T - 1]
+    p_q = cache_seqlens[b] + t (the query's own table position), p_k the key's table position
+
+added in fp32 before masking and the softmax; ``rel_bias=None`` leaves every result unchanged.
+
 Queries past a row's length, and rows with nothing to attend to, get zeros.
 Softmax runs in fp32; the output has ``q``'s dtype. GQA: query head ``h`` reads
 KV head ``h // (n_head // n_kv_head)``.
@@ -45,6 +53,7 @@ import torch
 
 from oasr.cache.paged import PagedKVCache
 from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_kv_numbers, check_lens_values, check_query
+from oasr.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
 
 
 def _table_slots(cache: PagedKVCache, row: int, start: int, end: int):
@@ -97,15 +106,19 @@ def paged_attention(
     chunk_lens=None,
     softmax_scale: float | None = None,
     causal: bool = False,
+    rel_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunk attention of queries ``(B, n_head, T, head_dim)`` over each row's own pages.
 
     ``q``: ``(B, n_head, T, head_dim)`` (heads first, unlike K/V), ``n_head`` a multiple of
-    ``n_kv_head``, in the served dtype. ``chunk_lens`` as for ``append_kv``. Returns
-    ``(B, n_head, T, head_dim)`` in ``q``'s dtype.
+    ``n_kv_head``, in the served dtype. ``chunk_lens`` as for ``append_kv``. ``rel_bias``: None, or
+    the relative-position term, float32 ``(B, n_head, T, R)`` with ``R >= max(cache_seqlens -
+    cache_seqstarts) + 2T - 1`` (``oasr.rel_bias``). Returns ``(B, n_head, T, head_dim)`` in ``q``'s dtype.
     """
     check_query(cache, q)
     B, n_head, T, D = q.shape
+    if rel_bias is not None:
+        check_rel_bias(cache, q, rel_bias)
     group = n_head // cache.n_kv_head
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     lens = check_chunk_lens(chunk_lens, B, T, q.device)
@@ -113,6 +126,8 @@ def paged_attention(
     lens = lens.tolist()
     seqlens = cache.cache_seqlens.tolist()
     seqstarts = cache.cache_seqstarts.tolist()
+    if rel_bias is not None:
+        check_rel_bias_columns(rel_bias, host_span(seqlens, seqstarts), T, "the view's lengths")
     out = torch.zeros_like(q)
     for b in range(B):
         n = lens[b]
@@ -123,9 +138,12 @@ def paged_attention(
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = q[b, :, :n].float() @ k.transpose(1, 2) * scale  # (H, n, L)
+        key_pos = torch.arange(start, end, device=q.device)  # p_k, table positions
+        query_pos = seqlens[b] + torch.arange(n, device=q.device)  # p_q: where append_kv wrote frame t
+        if rel_bias is not None:  # query t reads column (p_q - p_k) + T - 1 of its own table row
+            columns = query_pos[:, None] - key_pos[None, :] + (T - 1)  # (n, L)
+            scores = scores + rel_bias[b, :, :n].gather(-1, columns.expand(n_head, n, end - start))
         if causal:
-            key_pos = torch.arange(start, end, device=q.device)
-            query_pos = seqlens[b] + torch.arange(n, device=q.device)
             scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
         out[b, :, :n] = (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
     return out

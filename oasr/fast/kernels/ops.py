@@ -30,6 +30,7 @@ import torch
 from oasr.cache.paged import PagedKVCache
 from oasr.fast.kernels import registry
 from oasr.kv_formats import get_format
+from oasr.rel_bias import check_rel_bias_columns
 
 THREADS = 128  # every kernel runs 128-thread blocks
 ROWS_PER_CTA = 16  # attention v1: query rows (t, g) per CTA = 4 warps x 4 rows
@@ -278,12 +279,40 @@ def v2_supports(cache: PagedKVCache, q_dtype: torch.dtype, head_dim: int) -> boo
     )
 
 
-def choose_attention_version(executor, cache: PagedKVCache, q_dtype: torch.dtype, head_dim: int) -> str:
+def choose_attention_version(executor, cache: PagedKVCache, q_dtype: torch.dtype, head_dim: int, *,
+                             rel: bool = False) -> str:
     """The fast twin's choice: a tensor-core kernel (``CUDA_ATTENTION_VERSION``: v3, or v2 when
     OASR_CUDA_ATTENTION=v2) on CUDA wherever ``v2_supports`` (v3 serves the same inputs); v1 otherwise
     (fp32 pools, other block sizes, and the emulator, where v2 and v3 run only when asked by name:
-    they are the slow ones to emulate, and the tests run all three)."""
-    return CUDA_ATTENTION_VERSION if executor.kind == "cuda" and v2_supports(cache, q_dtype, head_dim) else "v1"
+    they are the slow ones to emulate, and the tests run all three). With the relative-position term
+    (``rel``) only ``REL_VERSIONS`` qualify: v3 where it would be chosen, else v1 (v2 pinned included)."""
+    if executor.kind == "cuda" and v2_supports(cache, q_dtype, head_dim):
+        return CUDA_ATTENTION_VERSION if not rel or CUDA_ATTENTION_VERSION in REL_VERSIONS else "v1"
+    return "v1"
+
+
+REL_VERSIONS = ("v1", "v3")  # the attention kernels with instances that read rel_bias (registry.REL_ARG)
+
+
+def _rel_args(rel_bias: torch.Tensor | None, B: int, H: int, T: int, device) -> tuple:
+    """``(table, (pointer, rel_len))`` of the relative-position term for the kernels, ``(None, (0, 0))``
+    without it. The table must be a float32 ``(B, H, T, R)`` tensor on the pool's device (a contiguous
+    one is read in place; the caller holds the returned table until the launch is queued) with ``R >= 2T - 1``,
+    the least any window needs: the launcher reads no lengths, so the full test (``R`` against the rows'
+    widest history) is its caller's (``oasr.fast.paged_ops``), and a query whose window needs a column past
+    ``R`` gets NaN from the kernel, never an out-of-bounds read."""
+    if rel_bias is None:
+        return None, (0, 0)
+    if rel_bias.dim() != 4 or tuple(rel_bias.shape[:3]) != (B, H, T) or rel_bias.dtype != torch.float32:
+        raise ValueError(f"fast paged_attention: rel_bias must be float32 (B={B}, n_head={H}, T={T}, R), got "
+                         f"{tuple(rel_bias.shape)} {rel_bias.dtype}")
+    if rel_bias.device != device:
+        raise ValueError(f"fast paged_attention: rel_bias is on {rel_bias.device}, the pool on {device}")
+    if rel_bias.shape[3] >= 2**31:
+        raise ValueError(f"fast paged_attention: rel_bias has {rel_bias.shape[3]} columns, the kernels index < 2**31")
+    check_rel_bias_columns(rel_bias, 0, T, "the least: the launcher reads no lengths")
+    table = rel_bias.contiguous()
+    return table, (_ptr(table), int(table.shape[3]))
 
 
 def paged_attention(
@@ -295,6 +324,8 @@ def paged_attention(
     causal: bool,
     num_splits: int | None = None,
     version: str | None = None,
+    *,
+    rel_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch paged_chunk_attention v1, v2 or v3 (and the combine kernel when the keys are split).
 
@@ -334,9 +365,15 @@ def paged_attention(
         if t.data_ptr() % 16:
             raise ValueError("fast paged_attention: q and the pool must be 16-byte aligned")
     if version is None:
-        version = choose_attention_version(executor, cache, q.dtype, D)
+        version = choose_attention_version(executor, cache, q.dtype, D, rel=rel_bias is not None)
     if version not in ATTENTION_VERSIONS:
         raise ValueError(f"fast paged_attention: version must be one of {ATTENTION_VERSIONS}, got {version!r}")
+    if rel_bias is not None and version not in REL_VERSIONS:
+        raise ValueError(f"fast paged_attention: attention {version} has no relative-position term (rel_bias); "
+                         f"the kernels with it are {REL_VERSIONS}")
+    rel_table, rel = None, ()
+    if version != "v2":  # v1, v3: the term's table (a contiguous copy is held here until the launch returns)
+        rel_table, rel = _rel_args(rel_bias, B, H, T, q.device)
     if version in ("v2", "v3") and not v2_supports(cache, q.dtype, D):
         raise ValueError(
             f"fast paged_attention: {version} takes fp16/bf16 queries with pages in that dtype or fp8, head_dim in "
@@ -352,6 +389,7 @@ def paged_attention(
     if version in ("v2", "v3"):
         kernel = registry.BY_NAME[f"paged_chunk_attention_{version}_kernel"]
         kernel_targs = (registry.DTYPE_ARG[dtype], page, str(D), str(cache.block_size))
+        kernel_targs += (registry.REL_ARG,) if rel_bias is not None else ()
         q_tiles = math.ceil(group * T / (V2_ROWS_PER_CTA if version == "v2" else V3_ROWS_PER_CTA))
         if num_splits is None:
             slots = executor.sm_count * executor.resident_ctas(kernel, kernel_targs, THREADS)
@@ -361,7 +399,7 @@ def paged_attention(
                 num_splits = choose_num_splits_filled(B * Hkv * q_tiles, max_keys, slots, executor.sm_count)
     else:
         kernel = registry.BY_NAME["paged_chunk_attention_kernel"]
-        kernel_targs = (registry.DTYPE_ARG[dtype], page, str(D))
+        kernel_targs = (registry.DTYPE_ARG[dtype], page, str(D)) + ((registry.REL_ARG,) if rel_bias is not None else ())
         q_tiles = math.ceil(group * T / ROWS_PER_CTA)
         if num_splits is None:
             num_splits = choose_num_splits(B, Hkv, q_tiles, max_keys, executor.sm_count)
@@ -378,9 +416,10 @@ def paged_attention(
         _ptr(q), _ptr(cache.k_cache), _ptr(cache.v_cache), _ptr(cache.k_scale), _ptr(cache.v_scale), _ptr(table),
         table.stride(0), _ptr(seqlens), _ptr(seqstarts), _ptr(chunk_lens), _ptr(out), _ptr(part_acc),
         _ptr(part_ml), H, Hkv, T, *block_size, num_splits, split_len, scale * math.log2(math.e),
-        int(bool(causal)),
+        int(bool(causal)), *rel,
     )  # fmt: skip
     executor.launch(kernel, kernel_targs, (q_tiles * num_splits, Hkv, B), (THREADS, 1, 1), args)
+    del rel_table  # (held until the launch is queued: its pointer is in args)
     if num_splits > 1:
         rows = B * H * T
         executor.launch(

@@ -113,6 +113,10 @@ _ATTENTION_KERNEL_PARAMS = (
     ("scale_log2", "f32"),
     ("causal", "i32"),
 )
+# The relative-position term (oasr/rel_bias.py): v1 and v3 take its float32 (B, n_head, T, rel_len) table;
+# their instances with the template flag kRel = true read it (REL_ARG), the others are the kernels without it.
+REL_PARAMS = (("rel_bias", "ptr"), ("rel_len", "i32"))
+REL_ARG = "true"
 
 # appends and gathers of pages with per-vector scales (fp8, and the quantized formats) take the same arguments
 _SCALED_APPEND_PARAMS = (
@@ -147,6 +151,7 @@ _SCALED_GATHER_PARAMS = (
     ("head_dim", "i32"),
 )
 _ATTENTION_V2_PARAMS = tuple(p for p in _ATTENTION_KERNEL_PARAMS if p[0] != "block_size")  # v2, v3: a template argument
+_ATTENTION_V3_PARAMS = _ATTENTION_V2_PARAMS + REL_PARAMS
 
 KERNELS: tuple[Kernel, ...] = (
     Kernel(
@@ -183,8 +188,8 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="oasr::paged_chunk_attention_kernel",
         family="paged_chunk_attention",
-        params=_ATTENTION_KERNEL_PARAMS,
-        instances=_ATTENTION + _ATTENTION_QUANT,
+        params=_ATTENTION_KERNEL_PARAMS + REL_PARAMS,
+        instances=_ATTENTION + _ATTENTION_QUANT + tuple((*a, REL_ARG) for a in _ATTENTION + _ATTENTION_QUANT),
     ),
     Kernel(
         name="oasr::paged_chunk_attention_v2_kernel",
@@ -192,11 +197,11 @@ KERNELS: tuple[Kernel, ...] = (
         params=_ATTENTION_V2_PARAMS,
         instances=_ATTENTION_V2,
     ),
-    Kernel(  # v3: v2's instantiations (a power-of-two block size, a template argument)
+    Kernel(  # v3: v2's instantiations (a power-of-two block size, a template argument), each also with kRel
         name="oasr::paged_chunk_attention_v3_kernel",
         family="paged_chunk_attention_v3",
-        params=_ATTENTION_V2_PARAMS,
-        instances=_ATTENTION_V2,
+        params=_ATTENTION_V3_PARAMS,
+        instances=_ATTENTION_V2 + tuple((*a, REL_ARG) for a in _ATTENTION_V2),  # and the relative-position term's
     ),
     Kernel(
         name="oasr::paged_attention_combine_kernel",

@@ -1,0 +1,250 @@
+"""``EncoderStreamingEngine``: many streams of an encoder-only paged model, one batched forward per tick.
+
+The engine for an encoder whose output is hidden frames (a transducer's decoder runs on them
+elsewhere), such as ``oasr.models.nemotron.NemotronEncoder``. The encoder declares what the
+engine reads::
+
+    chunk_input_frames, first_chunk_input_frames     feature frames of a later / a first chunk
+    output_frames(n, first)                          encoder frames a chunk of n feature frames gives
+    streaming_state_specs, cache_config(), check_cache_config(config)
+    forward_chunk_paged(xs, offsets, att_caches, conv_cache, states, input_lens, twin)
+                                                     -> (hidden (B, C, d), chunk_lens, new_conv_cache)
+
+One tick::
+
+    1. admit    waiting streams with a chunk ready, arrival order, while a slot is free (the pool is
+                sized so that every slot's window fits: the windows are prefilled, so a stream's
+                blocks are fixed from admission)
+    2. pick     active streams holding a whole chunk (a first one: first_chunk_input_frames), or,
+                ended, what is left (a last short chunk)
+    3. forward  one cohort, rows at different positions, padded to a power of two through the
+                padding lane; K/V appended to the pages, the tails scattered back by the model
+    4. commit   att.commit_chunks_batched, cnn.update
+    5. finish   an ended stream with nothing left to encode is freed
+
+``suspend(sid)`` takes a stream out (its caches as a session, ``oasr.session``, plus its position
+and unconsumed input) as bytes, safetensors-framed, nothing pickled; ``resume(data)`` puts it back,
+in this engine or another of the same geometry, and the stream goes on bit-identically.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from oasr.cache.config import CacheConfig
+from oasr.models.twins import twin_module
+from oasr.sessions.format import load_stream, model_digest, save_stream
+
+SUSPEND_FORMAT = "oasr-encoder-stream-1"
+
+
+@dataclass
+class _Stream:
+    stream_id: object
+    pending: list = field(default_factory=list)
+    num_pending: int = 0
+    ended: bool = False
+    state: str = "waiting"  # waiting -> active -> finished; suspended streams leave the engine
+    offset: int = 0  # encoder frames produced so far
+    outputs: list = field(default_factory=list)
+    session: bytes | None = None  # a resumed stream's caches until admission restores them
+
+
+class EncoderStreamingEngine:
+    """Serve many streams of an encoder-only paged model on one pool (see the module docstring)."""
+
+    def __init__(self, model, config: CacheConfig, twin="fast"):
+        if getattr(model, "streaming_kind", None) != "paged":
+            raise ValueError(f"EncoderStreamingEngine: {type(model).__name__} does not declare streaming_kind "
+                             f"'paged'")
+        model.check_cache_config(config)
+        self.model, self.config = model, config
+        self.ops = twin_module(twin)
+        self.pool = self.ops.BlockPool(config, scratch_blocks=1)
+        self.att = self.ops.AttentionCacheManager(self.pool, config, pad_lanes=1)
+        self.cnn = self.ops.CnnCacheManager(config, pad_lanes=1)
+        self.states = self.ops.SlotStateCache(model.streaming_state_specs, config.max_batch_size, pad_lanes=1,
+                                              device=config.device, dtype=config.dtype)
+        self.input_dim = model.config.num_mel_bins
+        self._streams: dict = {}
+        self._ids = itertools.count()
+        self.tick = 0
+        self._digest = model_digest(model)
+
+    # ---- input -----------------------------------------------------------------------------------------
+    def add_stream(self, stream_id=None):
+        """Register a stream (it waits for admission); returns its id."""
+        if stream_id is None:
+            stream_id = next(i for i in self._ids if i not in self._streams)
+        if stream_id in self._streams:
+            raise ValueError(f"EncoderStreamingEngine: stream {stream_id!r} exists")
+        self._streams[stream_id] = _Stream(stream_id)
+        return stream_id
+
+    def push(self, stream_id, features: torch.Tensor) -> None:
+        """Append ``features (n, num_mel_bins)`` to the stream's input (``ValueError`` for another shape,
+        non-finite values, or after ``end_stream``; nothing changes then)."""
+        s = self._stream(stream_id)
+        if s.ended:
+            raise ValueError(f"EncoderStreamingEngine: stream {stream_id!r} has ended; no more input")
+        if features.dim() != 2 or features.shape[1] != self.input_dim:
+            raise ValueError(f"EncoderStreamingEngine: features must be (n, {self.input_dim}), "
+                             f"got {tuple(features.shape)}")
+        if not torch.isfinite(features).all():
+            raise ValueError("EncoderStreamingEngine: features hold non-finite values")
+        s.pending.append(features.to(self.config.dtype))
+        s.num_pending += features.shape[0]
+
+    def end_stream(self, stream_id) -> None:
+        """No more input: the stream's rest becomes its last (possibly short) chunk."""
+        self._stream(stream_id).ended = True
+
+    def result(self, stream_id) -> torch.Tensor:
+        """Every encoder frame the stream produced so far, ``(frames, hidden)``."""
+        s = self._stream(stream_id)
+        return torch.cat(s.outputs) if s.outputs else torch.zeros(0, self.model.config.hidden_size)
+
+    @property
+    def num_active(self) -> int:
+        """Streams holding a slot (and their windows' blocks)."""
+        return sum(s.state == "active" for s in self._streams.values())
+
+    def finished(self, stream_id) -> bool:
+        """True once the stream ended, encoded everything it could and gave back its caches."""
+        return self._stream(stream_id).state == "finished"
+
+    # ---- the tick ----------------------------------------------------------------------------------------
+    def _stream(self, stream_id) -> _Stream:
+        if stream_id not in self._streams:
+            raise KeyError(f"unknown stream id {stream_id!r}")
+        return self._streams[stream_id]
+
+    def _chunk_size(self, s: _Stream) -> int:
+        """Feature frames the stream's next chunk takes now (0: not ready)."""
+        full = self.model.first_chunk_input_frames if s.offset == 0 else self.model.chunk_input_frames
+        if s.num_pending >= full:
+            return full
+        if s.ended and self.model.output_frames(s.num_pending, first=s.offset == 0) > 0:
+            return s.num_pending
+        return 0
+
+    def _admit(self) -> None:
+        active = sum(s.state == "active" for s in self._streams.values())
+        for s in self._streams.values():
+            if s.state != "waiting" or active >= self.config.max_batch_size:
+                continue
+            active += 1 if s.session is not None or self._chunk_size(s) else 0
+            if s.session is not None:  # a resumed stream: its caches come back whether input is ready or not
+                load_stream(s.session, s.stream_id, self.att, [self.cnn, self.states])
+                s.session, s.state = None, "active"
+            elif self._chunk_size(s):
+                self.att.allocate_stream(s.stream_id)
+                self.cnn.allocate_stream(s.stream_id)
+                self.states.allocate_stream(s.stream_id)
+                s.state = "active"
+
+    def _take(self, s: _Stream, n: int) -> torch.Tensor:
+        data = torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0]
+        rest = data[n:]
+        s.pending = [rest] if rest.shape[0] else []
+        s.num_pending -= n
+        return data[:n]
+
+    def step(self) -> dict:
+        """One tick; returns ``stream id -> new hidden frames (n, hidden)`` for every stream that ran."""
+        self._admit()
+        cohort = [s for s in self._streams.values() if s.state == "active" and self._chunk_size(s)]
+        out = {}
+        if cohort:
+            width = min(1 << (len(cohort) - 1).bit_length(), self.config.max_batch_size)
+            width = max(width, len(cohort))
+            ids = [s.stream_id for s in cohort]
+            sizes = [self._chunk_size(s) for s in cohort]
+            enc = [self.model.output_frames(n, first=s.offset == 0) for s, n in zip(cohort, sizes, strict=True)]
+            xs = torch.zeros(width, self.model.chunk_input_frames, self.input_dim, dtype=self.config.dtype,
+                             device=self.config.device)
+            for row, (s, n) in enumerate(zip(cohort, sizes, strict=True)):
+                xs[row, :n] = self._take(s, n)
+            pad = width - len(cohort)
+            self.att.prepare_chunks_batched(ids, enc)
+            caches = self.att.get_paged_caches(ids, pad_to=width)
+            hidden, _, new_conv = self.model.forward_chunk_paged(
+                xs, [s.offset for s in cohort] + [0] * pad, caches, self.cnn.get_cache(ids, pad_to=width),
+                self.states.views(ids, pad_to=width), sizes + [0] * pad, twin=self.ops)
+            self.att.commit_chunks_batched(ids, enc)
+            self.cnn.update(ids, new_conv, pad_to=width)
+            for row, (s, n) in enumerate(zip(cohort, enc, strict=True)):
+                frames = hidden[row, :n].clone()
+                s.outputs.append(frames)
+                s.offset += n
+                out[s.stream_id] = frames
+        for s in self._streams.values():
+            if s.state == "active" and s.ended and self._chunk_size(s) == 0:
+                self._free(s)
+        self.tick += 1
+        return out
+
+    def run(self, max_ticks: int = 10_000) -> None:
+        """Tick until no stream can make progress (every ended stream finished)."""
+        for _ in range(max_ticks):
+            if not any(s.state == "active" or s.session is not None or self._chunk_size(s)
+                       for s in self._streams.values() if s.state != "finished"):
+                return
+            self.step()
+
+    def _free(self, s: _Stream) -> None:
+        self.att.free_stream(s.stream_id)
+        self.cnn.free_stream(s.stream_id)
+        self.states.free_stream(s.stream_id)
+        s.state = "finished"
+
+    # ---- suspend / resume ----------------------------------------------------------------------------------
+    def suspend(self, stream_id) -> bytes:
+        """Take the stream out of this engine: its caches (a session), position, unconsumed input and ended
+        flag as bytes; the stream's slot and blocks are freed. Outputs already returned are not included."""
+        from safetensors.torch import save
+
+        s = self._stream(stream_id)
+        if s.state != "active":
+            raise ValueError(f"EncoderStreamingEngine: stream {stream_id!r} is not admitted; nothing to suspend")
+        caches = save_stream(stream_id, self.att, [self.cnn, self.states])
+        pending = torch.cat(s.pending) if s.pending else torch.zeros(0, self.input_dim, dtype=self.config.dtype)
+        data = save({"caches": torch.frombuffer(bytearray(caches), dtype=torch.uint8), "pending": pending.cpu()},
+                    metadata={"format": SUSPEND_FORMAT, "offset": str(s.offset), "ended": str(int(s.ended)),
+                              "model": self._digest.hex()})
+        self._free(s)
+        del self._streams[stream_id]
+        return data
+
+    def resume(self, data: bytes, stream_id) -> object:
+        """Register ``stream_id`` from ``suspend``'s bytes; it is admitted (its caches restored) at the next
+        tick with a free slot. ``ValueError`` for foreign bytes or another model's weights."""
+        import json
+        import struct
+
+        from safetensors.torch import load
+
+        if stream_id in self._streams:
+            raise ValueError(f"EncoderStreamingEngine: stream {stream_id!r} exists")
+        try:
+            data = bytes(data)
+            tensors = load(data)
+            (header_bytes,) = struct.unpack("<Q", data[:8])
+            meta = json.loads(data[8 : 8 + header_bytes]).get("__metadata__") or {}
+        except Exception as exc:
+            raise ValueError(f"EncoderStreamingEngine.resume: not a suspended stream ({exc})") from None
+        if meta.get("format") != SUSPEND_FORMAT:
+            raise ValueError(f"EncoderStreamingEngine.resume: format {meta.get('format')!r}, expected "
+                             f"{SUSPEND_FORMAT!r}")
+        if meta.get("model") != self._digest.hex():
+            raise ValueError("EncoderStreamingEngine.resume: the stream ran on other weights")
+        s = _Stream(stream_id, offset=int(meta["offset"]), ended=bool(int(meta["ended"])))
+        s.session = tensors["caches"].numpy().tobytes()
+        pending = tensors["pending"].to(self.config.device)
+        if pending.shape[0]:
+            s.pending, s.num_pending = [pending], pending.shape[0]
+        self._streams[stream_id] = s
+        return stream_id
