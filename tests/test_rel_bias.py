@@ -1,4 +1,4 @@
-"""The relative-position term of ``paged_attention`` (``rel_bias=``, oasr.rel_bias) in both twins.
+"""The relative-position term of ``paged_attention`` (``rel_bias=``, oasr.cache.rel_bias) in both twins.
 
 Each twin is compared with an independent oracle: the keys read position by position straight from
 the (shuffled, NaN-poisoned) pool, a dense queries x keys bias built entry by entry from the
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oasr.cache.rel_bias import required_columns
 from oasr.fast.kernels.testing import make_scenario
-from oasr.rel_bias import required_columns
 
 
 def poisoned_bias(scenario, R: int, seed: int, causal: bool) -> torch.Tensor:

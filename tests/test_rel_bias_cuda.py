@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
+from oasr.cache.rel_bias import required_columns
 from oasr.fast import paged_ops as fast
 from oasr.fast.kernels import ops
 from oasr.fast.kernels.nvrtc import executor_for
 from oasr.fast.kernels.testing import make_scenario, to_fp8
 from oasr.reference import paged_ops as ref
-from oasr.rel_bias import required_columns
 from tests.test_rel_bias import poisoned_bias
 from tests.test_rel_bias_kernels import check_v1, check_v3
 

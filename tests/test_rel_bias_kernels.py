@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from oasr.cache.rel_bias import required_columns
 from oasr.fast import paged_ops as fast
 from oasr.fast.kernels import emulation, ops, registry
 from oasr.fast.kernels.testing import (
@@ -26,7 +27,6 @@ from oasr.fast.kernels.testing import (
     with_abs_v,
 )
 from oasr.reference import paged_ops as ref
-from oasr.rel_bias import required_columns
 from tests.test_rel_bias import poisoned_bias
 
 FP32_FLOOR = 1e-5  # fp32 round-off of the kernels' summation order (as tests/test_kernels_emulated.py)

@@ -69,7 +69,7 @@ KERNEL_SLOWER: dict[str, KernelSlower] = {}  # none measured in-tree yet
 
 # What the kernels cover of an op's optional terms, printed with the gaps (a call outside it is a gap above).
 KERNEL_COVERAGE: dict[str, str] = {
-    "paged_attention rel_bias (the relative-position term, oasr.rel_bias)":
+    "paged_attention rel_bias (the relative-position term, oasr.cache.rel_bias)":
         "attention v1 (fp32 / fp16 / bf16, every page format) and v3 (fp16 / bf16 queries, model-dtype and fp8 "
         "pages), head_dim 64 and 128; v2 has none (a rel_bias call with OASR_CUDA_ATTENTION=v2 runs v1); "
         "other head_dims: the paged-attention-head-dim gap",

@@ -5,7 +5,7 @@ it NVRTC-compiles the family (``nvrtc.compile_family``, cached), disassembles th
 ``nvdisasm`` (launch bounds from ``cuobjdump -elf``), finds the main loop and counts what it issues.
 For the attention kernels (``registry.attention_kernels()``: v1, v2 when registered) it then models
 one tick at the ASR shape on an H200; instances with the relative-position term (``registry.REL_ARG``,
-``oasr.rel_bias``) get their own rows, ``v1+rel`` and ``v3+rel``, their table's bytes included.
+``oasr.cache.rel_bias``) get their own rows, ``v1+rel`` and ``v3+rel``, their table's bytes included.
 Nothing here runs on a GPU.
 
 THIS IS A MODEL, NOT A MEASUREMENT. It is how kernel speed is judged while no GPU is lent; numbers
@@ -589,7 +589,7 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
                     machine: Machine = H200, cal: Calibration = CALIBRATION, *, rel: bool = False) -> dict:  # fmt: skip
     """The modelled tick of one attention kernel at ``shape`` with ``page`` ("bf16"/"fp8") pages.
 
-    ``rel``: an instance with the relative-position term (``oasr.rel_bias``), which also reads its fp32
+    ``rel``: an instance with the relative-position term (``oasr.cache.rel_bias``), which also reads its fp32
     table: one entry per (query, key) pair it scores, ``streams x n_head x chunk x keys x 4`` bytes.
 
     Kernel-only microseconds ``kernel_us`` [low, high] (mio path priced as broadcast / full width), and

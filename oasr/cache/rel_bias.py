@@ -85,7 +85,7 @@ def check_rel_bias(cache, q: torch.Tensor, rel_bias) -> None:
                          f"got {type(rel_bias).__name__}")
     if rel_bias.dim() != 4 or tuple(rel_bias.shape[:3]) != (B, H, T):
         raise ValueError(f"paged_attention: rel_bias must be (B={B}, n_head={H}, T={T}, R) (queries x distances, "
-                         f"see oasr.rel_bias), got {tuple(rel_bias.shape)}")
+                         f"see oasr.cache.rel_bias), got {tuple(rel_bias.shape)}")
     if rel_bias.dtype != torch.float32:
         raise ValueError(f"paged_attention: rel_bias must be float32, got {rel_bias.dtype}; convert it before the call")
     if rel_bias.device != q.device:
@@ -101,7 +101,7 @@ def check_rel_bias_columns(rel_bias: torch.Tensor, max_span: int, num_frames: in
         raise ValueError(
             f"paged_attention: rel_bias has R={R} distance columns, but this cohort needs R >= {need}: the widest "
             f"history max(cache_seqlens - cache_seqstarts)={max(int(max_span), 0)} ({known}) + 2T - 1 with "
-            f"T={num_frames} (column (p_q - p_k) + T - 1, see oasr.rel_bias)"
+            f"T={num_frames} (column (p_q - p_k) + T - 1, see oasr.cache.rel_bias)"
         )
 
 
