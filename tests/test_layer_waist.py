@@ -31,6 +31,8 @@ TINY = {
     "conv_recurrent": dict(input_dim=8, hidden_dim=16, num_layers=1, kernel_size=2, vocab_size=8),
     "attention_decoder": dict(vocab_size=8, encoder_dim=16, hidden_dim=16, num_layers=1, n_head=2, n_kv_head=1,
                               head_dim=8, ffn_dim=16),
+    "nemotron": dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                     subsampling_conv_channels=4, num_mel_bins=8, sliding_window=5, default_num_lookahead_tokens=1),
 }
 TINY.update(getattr(oasr.models, "TINY_CONFIGS", {}))  # architectures whose tiny config needs code to build
 

@@ -1,4 +1,4 @@
-"""The relative-position term of ``paged_attention`` (``rel_bias=``, oasr.rel_bias) in both twins.
+"""The relative-position term of ``paged_attention`` (``rel_bias=``, oasr.cache.rel_bias) in both twins.
 
 Each twin is compared with an independent oracle: the keys read position by position straight from
 the (shuffled, NaN-poisoned) pool, a dense queries x keys bias built entry by entry from the
@@ -14,9 +14,11 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from oasr.cache.rel_bias import required_columns
 from oasr.fast.kernels.testing import make_scenario
-from oasr.rel_bias import required_columns
 
 
 def poisoned_bias(scenario, R: int, seed: int, causal: bool) -> torch.Tensor:
@@ -140,7 +142,7 @@ def test_distances_survive_a_table_shift(twin):
     s = scenario_with_chunk(5, twin, batch=2, n_kv_head=1, group=2, num_frames=3, head_dim=8, block_size=4,
                             max_history=12)
     c = s.cache
-    T, R = 3, required_columns(c.max_span, 3)
+    R = required_columns(c.max_span, 3)
     bias = poisoned_bias(s, R, 5, False)
     out = twin.paged_attention(s.q, c, s.chunk_lens, rel_bias=bias)
     # the same frames one block further right: a new first column pointing at a spare block
@@ -231,3 +233,33 @@ def test_fast_quantized_pages_match_the_reference(fmt, dtype):
         assert not out.isnan().any()
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.integers(1, 6),
+    n_kv_head=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    num_frames=st.integers(1, 14),
+    head_dim=st.sampled_from([8, 64, 128]),
+    block_size=st.sampled_from([2, 4, 16, 32]),
+    max_history=st.integers(0, 80),
+    causal=st.booleans(),
+    fmt=st.sampled_from([None, None, "fp8_e4m3", "int8"]),
+    extra=st.integers(0, 4),
+)
+def test_twins_agree_on_random_geometries(seed, batch, n_kv_head, group, num_frames, head_dim, block_size,
+                                          max_history, causal, fmt, extra):
+    """The fast twin's torch backend (whatever path its dispatch picks) against the reference."""
+    from oasr import fast, reference
+
+    if fmt is not None and head_dim == 8:
+        fmt = None  # the formats cut head_dim in groups of 32
+    s = reference_and_fast(seed, fmt, batch=batch, n_kv_head=n_kv_head, group=group, num_frames=num_frames,
+                           head_dim=head_dim, block_size=block_size, max_history=max_history)
+    bias = poisoned_bias(s, required_columns(s.cache.max_span, num_frames) + extra, seed, causal)
+    expected = reference.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, rel_bias=bias)
+    out = fast.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, rel_bias=bias, backend="torch")
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -171,7 +171,28 @@ class Recognizer:
         else:
             kind, payload, ended = "session", self.engine.suspend(stream_id), None  # raises for a finished one
         del self.streams[stream_id]
-        meta = {"version": 1, "kind": kind, "stream_id": stream_id, "samples": stream.samples,
+        return self._stream_blob(stream, kind, payload, ended)
+
+    def checkpoint(self, stream_id) -> bytes:
+        """The bytes ``suspend`` would return for a live stream, taken without suspending it.
+
+        The stream goes on here untouched; ``resume`` of the bytes (in another process, after a crash)
+        continues it from this point exactly, and its ``samples`` say which audio the caller must send
+        again. ``ValueError`` for a stream being rescored or finished (``StreamingEngine.checkpoint``),
+        ``KeyError`` for an unknown id; nothing changes on an error.
+        """
+        if stream_id not in self.streams:
+            raise KeyError(f"unknown stream id {stream_id!r}")
+        stream = self.streams[stream_id]
+        if self.engine.status(stream_id) == "waiting" and not self.engine.admitted(stream_id):
+            feats = self.engine.buffered_input(stream_id).float().contiguous()
+            kind, payload, ended = "features", feats.numpy().tobytes(), self.engine.input_ended(stream_id)
+        else:
+            kind, payload, ended = "session", self.engine.checkpoint(stream_id), None
+        return self._stream_blob(stream, kind, payload, ended)
+
+    def _stream_blob(self, stream: AudioStream, kind: str, payload: bytes, ended) -> bytes:
+        meta = {"version": 1, "kind": kind, "stream_id": stream.id, "samples": stream.samples,
                 "frames_pushed": stream.frames_pushed, "frames_done": stream.frames_done, "text": stream.text,
                 "partials": [[t, text] for t, text in stream.partials], "fbank_finished": stream.fbank.finished,
                 "input_ended": ended, "model": self.engine.model_digest.hex()}
@@ -254,23 +275,33 @@ class Recognizer:
                 "streams_active": self.engine.num_active, "streams_waiting": self.engine.num_waiting,
                 "streams_open": len(self.streams)}
 
-    def step(self) -> list:
-        """One engine tick; returns the ``Transcript`` of every stream that finished in it."""
+    def step(self, on_error=None) -> list:
+        """One engine tick; returns the ``Transcript`` of every stream that finished in it.
+
+        ``on_error(stream_id, exc)``: called for an exception raised while one stream's output of the
+        tick is taken (its text, timings, transcript), after which the other streams' outputs are
+        taken as usual; the caller drops that stream. Without it the exception propagates. An
+        exception of the engine's batched tick itself always propagates (it names no stream)."""
         t0 = time.perf_counter()
         outputs = self.engine.step()
         now = time.perf_counter()
         self.busy_seconds += now - t0
         done = []
         for sid, out in outputs.items():
-            stream = self.streams[sid]
-            stream._advance(out.num_frames, now)
-            if out.partial is not None and out.num_frames:
-                text = self.tokenizer.decode(out.partial)
-                if text != stream.text:
-                    stream.text = text
-                    stream.partials.append((stream.frames_done * FRAME_SHIFT / SAMPLE_RATE, text))
-            if out.finished:
-                done.append(self._finish(sid))
+            try:
+                stream = self.streams[sid]
+                stream._advance(out.num_frames, now)
+                if out.partial is not None and out.num_frames:
+                    text = self.tokenizer.decode(out.partial)
+                    if text != stream.text:
+                        stream.text = text
+                        stream.partials.append((stream.frames_done * FRAME_SHIFT / SAMPLE_RATE, text))
+                if out.finished:
+                    done.append(self._finish(sid))
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(sid, exc)  # this stream's work failed; the others' outputs are still taken
         return done
 
     def _finish(self, sid) -> Transcript:

@@ -5,15 +5,20 @@ works with only ``base_url`` changed), live audio over ``WebSocket /v1/realtime`
 and ``GET /metrics`` (Prometheus). One thread owns the engine; a request that finds every stream
 slot taken waits ``--admit-timeout`` seconds, then gets 503 with ``Retry-After``. On SIGTERM or
 Ctrl-C the live streams are suspended into ``--state-dir``; a server started again on the same
-directory resumes each one when its client reconnects with the stream id (docs/serving.md).
+directory resumes each one when its client reconnects with the stream id (docs/serving.md). With
+``--state-dir`` every live stream is also checkpointed there every ``--checkpoint-every`` seconds,
+so a stream survives a crash (SIGKILL, out of memory) too, from its last checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 from oasr.commands import CommandParser
 from oasr.commands.asr_options import add_model_options, check_model_options, is_transducer, recognizer
+
+DEFAULT_CHECKPOINT_EVERY = 5.0  # seconds, with --state-dir
 
 
 def build_parser() -> CommandParser:
@@ -26,6 +31,13 @@ def build_parser() -> CommandParser:
     parser.add_argument("--state-dir", default=None,
                         help="directory for suspended streams: written at shutdown, resumed on reconnect "
                              "(default: none; live streams are dropped at shutdown)")
+    parser.add_argument("--checkpoint-every", type=float, default=None,
+                        help=f"seconds between checkpoints of each live stream in --state-dir, so a stream "
+                             f"survives a crash of the server; 0: off (default: {DEFAULT_CHECKPOINT_EVERY:g} with "
+                             f"--state-dir, off without)")
+    parser.add_argument("--shutdown-timeout", type=float, default=60.0,
+                        help="seconds from SIGTERM or Ctrl-C to the end of the process, whatever the engine "
+                             "does (streams not saved by then are lost; their last checkpoints stay)")
     parser.add_argument("--max-audio-seconds", type=float, default=300.0,
                         help="longest upload or live stream taken, in seconds of audio")
     parser.add_argument("--max-upload-mb", type=float, default=64.0, help="largest upload taken, in MiB")
@@ -52,12 +64,26 @@ def check_args(parser: CommandParser, args) -> None:
         parser.error(f"--max-audio-seconds must be > 0, got {args.max_audio_seconds}")
     if not args.max_upload_mb > 0:
         parser.error(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    if not args.shutdown_timeout > 0:
+        parser.error(f"--shutdown-timeout must be > 0 seconds, got {args.shutdown_timeout}")
+    if args.checkpoint_every is not None and not args.checkpoint_every >= 0:
+        parser.error(f"--checkpoint-every must be >= 0 seconds (0: off), got {args.checkpoint_every}")
+    if args.checkpoint_every and args.state_dir is None:
+        parser.error("--checkpoint-every writes into --state-dir: give one")
     if args.state_dir is not None:
-        if os.path.exists(args.state_dir) and not os.path.isdir(args.state_dir):
-            parser.error(f"--state-dir {args.state_dir}: exists and is not a directory")
-        parent = os.path.dirname(os.path.abspath(args.state_dir))
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            parser.error(f"--state-dir {args.state_dir}: {parent} is not a writable directory")
+        check_state_dir(parser, args.state_dir)
+
+
+def check_state_dir(parser: CommandParser, state_dir: str) -> None:
+    """The state directory exists (created here if need be) and takes a file (usage error otherwise)."""
+    if os.path.exists(state_dir) and not os.path.isdir(state_dir):
+        parser.error(f"--state-dir {state_dir}: exists and is not a directory")
+    try:
+        os.makedirs(state_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=state_dir, prefix=".oasr-probe-"):
+            pass
+    except OSError as exc:
+        parser.error(f"--state-dir {state_dir}: not a writable directory ({exc.strerror or exc})")
 
 
 def main(argv=None) -> int:
@@ -73,7 +99,11 @@ def main(argv=None) -> int:
     except ImportError as exc:
         parser.error(f"the server needs the serve extra (pip install 'oasr[serve]'): {exc}")
     rec = recognizer(args, max_seconds=args.max_audio_seconds)
-    worker = EngineWorker(rec, admit_timeout=args.admit_timeout, state_dir=args.state_dir)
+    every = args.checkpoint_every
+    if every is None:
+        every = DEFAULT_CHECKPOINT_EVERY if args.state_dir is not None else 0.0
+    worker = EngineWorker(rec, admit_timeout=args.admit_timeout, state_dir=args.state_dir,
+                          checkpoint_every=every or None)
     options = ServeOptions(model_name=args.model_name, max_audio_seconds=args.max_audio_seconds,
                            max_upload_bytes=int(args.max_upload_mb * (1 << 20)))
     app = create_app(worker, options)
@@ -83,5 +113,5 @@ def main(argv=None) -> int:
     print(f"oasr serve: {rec.twin} twin on {args.device}, {worker.max_streams} stream slots, "
           f"{rec.engine.execution_note}" + (f"; {len(saved)} suspended stream(s) in {args.state_dir} wait for "
                                             "their clients" if saved else ""), flush=True)
-    OasrServer(config, announce=True).run()
+    OasrServer(config, announce=True, exit_deadline=args.shutdown_timeout).run()
     return 0

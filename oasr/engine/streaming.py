@@ -48,6 +48,7 @@ Policies (see docs/engine.md):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -808,23 +809,7 @@ class StreamingEngine:
         if s.state == FINISHED or (s.state == WAITING and s.session is None):
             why = "has finished" if s.state == FINISHED else "was never admitted (it holds no cache state yet)"
             raise ValueError(f"stream {stream_id!r} {why}: only an admitted stream can be suspended")
-        pending = torch.cat(s.pending) if s.pending else torch.zeros(0, self.input_dim, dtype=self.config.dtype)
-        log_probs = None
-        if self.keep_log_probs:
-            log_probs = torch.cat(s.log_probs) if s.log_probs else torch.zeros(0, self.model.config.vocab_size)
-        greedy = s.greedy
-        extra = EngineStream(
-            stream_id, self.model_digest, self.input_dim, self.model.config.vocab_size, self.decoder, s.ended,
-            s.offset, s.input_frames, s.max_extent, list(s.partial), pending, log_probs,
-            list(greedy.tokens) if greedy else [], greedy._last if greedy else 0,
-        )
-        if s.state == ACTIVE:
-            session = capture_stream(stream_id, self.att, [self.cnn, self.states], self.ctc, engine=extra)
-        else:
-            session = s.session
-            session.engine = extra
-        session.encoder_out = self._kept_encoder_out(s) if self.rescore else None
-        data = encode_session(session)
+        data = self._session_bytes(s)
         if s.state == ACTIVE:
             self._contexts.pop(stream_id).free()
             self.states.free_stream(stream_id)
@@ -833,6 +818,43 @@ class StreamingEngine:
             self._waiting.remove(stream_id)
         del self._streams[stream_id]
         return data
+
+    def checkpoint(self, stream_id) -> bytes:
+        """The session bytes ``suspend`` would return for the stream, taken without suspending it.
+
+        The stream stays live, holding its blocks and slot; nothing of the engine changes. ``resume``
+        of the bytes (after a crash, in another process) continues the stream from this point exactly
+        as ``resume`` of ``suspend``'s bytes does. Refused (``ValueError``, nothing changes) for a stream
+        ``suspend`` refuses and for one being rescored (its job is not copied: a server keeps its last
+        checkpoint from before the rescoring began).
+        """
+        self._check_open()
+        refuse_unless_offered(type(self.backend), self.model, "sessions", "checkpoint")
+        s = self._stream(stream_id)
+        if s.state not in (ACTIVE, WAITING) or (s.state == WAITING and s.session is None):
+            why = {RESCORING: "is being rescored", FINISHED: "has finished"}.get(
+                s.state, "was never admitted (it holds no cache state yet)")
+            raise ValueError(f"stream {stream_id!r} {why}: only an admitted stream can be checkpointed")
+        return self._session_bytes(s)
+
+    def _session_bytes(self, s: _Stream) -> bytes:
+        """The session of an active stream, or of a resumed one waiting for admission (nothing changes)."""
+        pending = torch.cat(s.pending) if s.pending else torch.zeros(0, self.input_dim, dtype=self.config.dtype)
+        log_probs = None
+        if self.keep_log_probs:
+            log_probs = torch.cat(s.log_probs) if s.log_probs else torch.zeros(0, self.model.config.vocab_size)
+        greedy = s.greedy
+        extra = EngineStream(
+            s.stream_id, self.model_digest, self.input_dim, self.model.config.vocab_size, self.decoder, s.ended,
+            s.offset, s.input_frames, s.max_extent, list(s.partial), pending, log_probs,
+            list(greedy.tokens) if greedy else [], greedy._last if greedy else 0,
+        )
+        if s.state == ACTIVE:
+            session = capture_stream(s.stream_id, self.att, [self.cnn, self.states], self.ctc, engine=extra)
+        else:  # resumed, not admitted again yet: its session as read, with today's engine part
+            session = dataclasses.replace(s.session, engine=extra)
+        session.encoder_out = self._kept_encoder_out(s) if self.rescore else None
+        return encode_session(session)
 
     def resume(self, data, stream_id=None):
         """Add a suspended stream back; it carries its state and is admitted ahead of new arrivals, as

@@ -183,7 +183,7 @@ def append_kv_rows(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, lens: 
 def attend_rows(q: torch.Tensor, cache: PagedKVCache, lens: list[int], scale: float, causal: bool,
                 rel_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Row ``b``'s first ``lens[b]`` queries attend to table positions ``[seqstart, seqlen + lens[b])``
-    (``rel_bias``: plus the relative-position term, ``oasr.rel_bias``)."""
+    (``rel_bias``: plus the relative-position term, ``oasr.cache.rel_bias``)."""
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
     G = H // Hkv

@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from oasr.cache.paged import PagedKVCache
+from oasr.cache.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
 from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_kv_numbers, check_lens_values, check_query
 from oasr.fast import cpu_rows, kernel_policy
 from oasr.fast.backend import choose_backend, resolve_backend
@@ -68,7 +69,6 @@ from oasr.fast.kernels import ops, registry
 from oasr.fast.kv_formats import check_format_supported, dequantize, dequantize_fp8, quantize
 from oasr.kv_formats import get_format
 from oasr.reference.paged_ops import paged_attention as reference_paged_attention  # serves a declared kernel gap
-from oasr.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
 
 FP8_DTYPE = registry.FP8_DTYPE
 FP8_HEAD_DIMS = registry.FP8_HEAD_DIMS
@@ -225,10 +225,10 @@ def paged_attention(
     as for ``append_kv``. Returns ``(B, n_head, T, head_dim)`` in ``q``'s dtype.
 
     ``rel_bias``: None, or the relative-position term, a float32 ``(B, n_head, T, R)`` table of
-    queries x distances added to the scores (``oasr.rel_bias``: column ``(p_q - p_k) + T - 1``).
+    queries x distances added to the scores (``oasr.cache.rel_bias``: column ``(p_q - p_k) + T - 1``).
     Its ``R`` is checked against the rows' widest history where the lengths are on the host (CPU
     tensors, or a view's ``HostPlan``), else (CUDA) against the view's ``max_span``: a table of
-    ``oasr.rel_bias.required_columns(cache.max_span, T)`` columns always passes. A query whose window
+    ``oasr.cache.rel_bias.required_columns(cache.max_span, T)`` columns always passes. A query whose window
     needs a column past ``R`` anyway (a stale ``max_span``) gets NaN from the kernels.
 
     ``num_splits`` pins the kernels' key-range split count (a CUDA graph replays its launch
@@ -277,7 +277,7 @@ def paged_attention(
 def _check_rel_columns(cache: PagedKVCache, rel_bias, num_frames: int) -> None:
     """``rel_bias``'s column count against the rows' widest history, from host numbers only: the view's
     ``HostPlan``, else its length tensors when they are CPU tensors; device lengths are not read (then
-    only ``R >= 2T - 1``: the kernels give NaN to a query whose window needs more, see oasr.rel_bias)."""
+    only ``R >= 2T - 1``: the kernels give NaN to a query whose window needs more, see oasr.cache.rel_bias)."""
     if rel_bias is None:
         return
     plan = cache.host

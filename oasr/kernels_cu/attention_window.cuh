@@ -58,28 +58,34 @@ __device__ __forceinline__ AttentionCta attention_cta(const int* __restrict__ ca
 // sees (c >= 0 there: pos < seqlen + len); a column past rel_len (a table too short for the
 // row's window, possible only when a stale host maximum passed the launcher's check) is never
 // read and gives the score NaN, so the row's output shows it.
-struct RelRow {
-    const float* base;  // the row's table row rel_bias[b, hq, t, :]
-    int top;            // its column of table position 0: seqlen + t + T - 1
-};
-
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ RelRow rel_row(const float* __restrict__ rel_bias, int rel_len, const AttentionCta& c,
-                                          int row, int n_head, int num_frames) {
+// The CTA's first table row, rel_bias[b, kvh * group, 0, :]; its rows' tables follow it (query heads
+// kvh * group .. + group - 1, all T frames: group * T * rel_len floats, under 2^31 (the launcher checks)).
+__device__ __forceinline__ const float* rel_table_of_cta(const float* __restrict__ rel_bias, int rel_len,
+                                                         const AttentionCta& c, int n_head, int num_frames) {
+    return rel_bias + (static_cast<long long>(c.b) * n_head + c.kvh * c.group) * num_frames * rel_len;
+}
+
+struct RelRowOffset {
+    int top;  // the row's column of table position 0: seqlen + t + T - 1
+    int at;   // offset of that column from the CTA's first table row (pos's entry: at - pos)
+};
+
+__device__ __forceinline__ RelRowOffset rel_row_offset(int rel_len, const AttentionCta& c, int row, int num_frames) {
     const int r = row < c.rows_valid ? row : 0;  // rows past the chunk read nothing
-    const int t = r / c.group, hq = c.kvh * c.group + r % c.group;
-    RelRow out;
-    out.base = rel_bias + ((static_cast<long long>(c.b) * n_head + hq) * num_frames + t) * rel_len;
-    out.top = c.seqlen + t + num_frames - 1;
-    return out;
+    const int t = r / c.group;
+    RelRowOffset o;
+    o.top = c.seqlen + t + num_frames - 1;
+    o.at = ((r % c.group) * num_frames + t) * rel_len + o.top;
+    return o;
 }
 
 // The term of key position `pos` for a row that sees it, in log2 units (the kernels' softmax domain).
-__device__ __forceinline__ float rel_term_log2(const RelRow& r, int pos, int rel_len) {
-    const int col = r.top - pos;
-    return static_cast<unsigned>(col) < static_cast<unsigned>(rel_len) ? __ldg(r.base + col) * kLog2e
-                                                                        : __int_as_float(0x7fc00000u);
+__device__ __forceinline__ float rel_term_log2(const float* __restrict__ rel_cta, int top, int at, int pos,
+                                               int rel_len) {
+    return static_cast<unsigned>(top - pos) < static_cast<unsigned>(rel_len) ? __ldg(rel_cta + (at - pos)) * kLog2e
+                                                                              : __int_as_float(0x7fc00000u);
 }
 
 }  // namespace oasr

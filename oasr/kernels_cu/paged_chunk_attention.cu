@@ -14,6 +14,12 @@
 //       out[b, hq, t] = softmax(scale * q . k) @ v   over those keys,
 //                       k/v of KV head hq / (n_head / n_kv_head)   (GQA)
 //   No mask inside the chunk (unless causal). Softmax is online and in fp32.
+//   kRel (the relative-position term, oasr/rel_bias.py; rel_bias (B, n_head, T, rel_len) fp32):
+//       score = scale * q . k + rel_bias[b, hq, t, (cache_seqlens[b] + t) - pos + T - 1]
+//       for key table position pos, added before the mask. Lane j reads the entry of its own key
+//       for each of its warp's rows (consecutive lanes, consecutive columns: one coalesced read
+//       per row per tile), only where the key is visible, times log2(e) into the log2 domain of
+//       the pre-scaled q. A column past rel_len gives NaN (attention_window.cuh).
 //   Queries t >= len_b, rows with no keys, and causal rows whose keys are all
 //   masked write zeros: exact zeros, even when V holds NaN or Inf in the range
 //   (such a row accumulates 0 * v like any masked key, so its accumulators are
@@ -104,7 +110,7 @@ constexpr int kTileKeys = kWarp;  // one key per lane
 
 
 template <typename T, typename Page, int D, bool kRel = false>
-__global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
+__global__ void __launch_bounds__(attn::kThreads, kRel ? (D == 64 ? 4 : 3) : 0) paged_chunk_attention_kernel(
     const T* __restrict__ q, const Page* __restrict__ k_cache, const Page* __restrict__ v_cache,
     const void* __restrict__ k_scale, const void* __restrict__ v_scale, const int* __restrict__ block_table,
     int table_stride, const int* __restrict__ cache_seqlens,
@@ -167,10 +173,16 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
     }
     const float* my_q = q_rows + warp * R * D;
     const long long table_row = static_cast<long long>(b) * table_stride;
-    RelRow rel[R];  // kRel: the warp's rows' tables of the relative-position term
+    // kRel: the relative-position term of each tile, (row, key) in log2 units, is gathered into shared
+    // memory with the tile's K and V (bias_tile), so the score loop only adds a shared value (terms read in
+    // the score loop itself made ptxas spill at D = 64). The CTA's rows' table offsets (rel_rows) are
+    // published by the tile loop's first barrier.
+    const float* rel_cta = nullptr;
+    __shared__ RelRowOffset rel_rows[kRel ? kRowsPerCta : 1];
+    __shared__ __align__(16) float bias_tile[kRel ? kRowsPerCta : 1][kRel ? kTileKeys : 1];
     if constexpr (kRel) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) rel[r] = rel_row(rel_bias, rel_len, cta, row0 + warp * R + r, n_head, num_frames);
+        rel_cta = rel_table_of_cta(rel_bias, rel_len, cta, n_head, num_frames);
+        if (tid < kRowsPerCta) rel_rows[tid] = rel_row_offset(rel_len, cta, row0 + tid, num_frames);
     }
 
     for (int tile = lo; tile < hi; tile += kTileKeys) {
@@ -193,6 +205,14 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
             for (int e = 0; e < PVU; ++e) {
                 k_tile[key * KS + c + e] = kx[e];
                 v_tile[key * KS + c + e] = vx[e];
+            }
+        }
+        if constexpr (kRel) {  // entry (r, j): row row0 + r, key tile + j; read only where the row sees the key
+            for (int i = tid; i < kRowsPerCta * kTileKeys; i += kThreads) {
+                const int r = i / kTileKeys, j = i % kTileKeys, row = row0 + r, pos = tile + j;
+                const bool visible = pos < hi && row < rows_valid && (!causal || pos <= seqlen + row / group);
+                const RelRowOffset o = rel_rows[r];
+                bias_tile[r][j] = visible ? rel_term_log2(rel_cta, o.top, o.at, pos, rel_len) : 0.f;
             }
         }
         __syncthreads();
@@ -219,9 +239,7 @@ __global__ void __launch_bounds__(attn::kThreads) paged_chunk_attention_kernel(
         for (int r = 0; r < R; ++r) {
             const int row = row0 + warp * R + r;
             const bool visible = kpos < hi && row < rows_valid && (!causal || kpos <= seqlen + row / group);
-            if constexpr (kRel) {  // + rel_bias[b, hq, t, (seqlen + t) - kpos + T - 1], in log2 units
-                if (visible) s[r] += rel_term_log2(rel[r], kpos, rel_len);
-            }
+            if constexpr (kRel) s[r] += bias_tile[warp * R + r][lane];  // rel_bias[b, hq, t, seqlen + t - kpos + T - 1]
             s[r] = visible ? s[r] : neg_inf();
             scores[warp][r][lane] = s[r];
         }

@@ -42,6 +42,13 @@
 //   O (16 x D) += P (registers: S's C fragments are P's A fragments)
 //                 x V of its KW keys (ldmatrix .trans), KW/16 x D/8 mma
 //
+// kRel (the relative-position term, oasr/rel_bias.py): after S (and fp8's k scales), each element
+//   a row sees (key below its key_limit) becomes s * c_row + rel_bias[b, hq, t, (seqlen + t) - pos +
+//   T - 1] * log2(e), read from global memory (L1-cached; a quad's lanes read neighbouring columns),
+//   and the softmax takes c = 1 for those rows. A column past rel_len gives NaN, and a NaN row sum
+//   is stored rather than taken for "no key" (attention_window.cuh). Same pipeline, same registers
+//   budget; `kernels --sass` reports the kRel instances as their own rows (v3+rel).
+//
 // Pipeline. A ring of kStages stages (the most that fit 40 KB of static
 //   shared memory, 2 to 6: 4 at D = 64 on 16-bit pages, 3 (of 64 keys) on fp8, 2 at D = 128)
 //   holds K, V (and fp8 scales) of kStages - 1 tiles in flight, gathered by
@@ -341,12 +348,16 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     }
     // kRel: rows g and g + 8's tables of the relative-position term; their scores go to log2 units with
     // the term added (s * c_row + bias * log2(e)) before the mask, and the softmax below then takes c = 1.
-    RelRow rel[2];
+    const float* rel_cta = nullptr;
+    int rel_top[2], rel_at[2];
     float c_use[2] = {c_row[0], c_row[1]};
     if constexpr (kRel) {
+        rel_cta = rel_table_of_cta(rel_bias, rel_len, cta, n_head, num_frames);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            rel[h] = rel_row(rel_bias, rel_len, cta, my_row[h], n_head, num_frames);
+            const RelRowOffset o = rel_row_offset(rel_len, cta, my_row[h], num_frames);
+            rel_top[h] = o.top;
+            rel_at[h] = o.at;
             c_use[h] = 1.f;
         }
     }
@@ -419,7 +430,8 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int pos = slice_lo + 8 * n + 2 * qd + e % 2, h = e / 2;
-                    if (pos < key_limit[h]) sc[n][e] = fmaf(sc[n][e], c_row[h], rel_term_log2(rel[h], pos, rel_len));
+                    if (pos < key_limit[h])
+                        sc[n][e] = fmaf(sc[n][e], c_row[h], rel_term_log2(rel_cta, rel_top[h], rel_at[h], pos, rel_len));
                 }
         }
         if (slice_lo + KW > mask_from) {  // a boundary tile: keys past a row's limit (or the range) -> -inf

@@ -3,6 +3,7 @@
 from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
 from oasr.models.conformer import ConformerConfig, DenseState, StreamingConformer, chunk_attention_mask
 from oasr.models.conv_recurrent import ConvRecurrentConfig, ConvRecurrentEncoder
+from oasr.models.nemotron import NemotronEncoder, NemotronEncoderConfig
 from oasr.models.subsampling import CausalSubsampling4
 from oasr.models.twins import available_twins, twin_module, twin_ready
 
@@ -12,6 +13,7 @@ ARCHITECTURES = {
     "conformer": (StreamingConformer, ConformerConfig),
     "conv_recurrent": (ConvRecurrentEncoder, ConvRecurrentConfig),
     "attention_decoder": (AttentionDecoder, DecoderConfig),
+    "nemotron": (NemotronEncoder, NemotronEncoderConfig),
 }
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "ConvRecurrentEncoder",
     "DecoderConfig",
     "DenseState",
+    "NemotronEncoder",
+    "NemotronEncoderConfig",
     "StreamingConformer",
     "available_twins",
     "chunk_attention_mask",

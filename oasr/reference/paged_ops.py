@@ -20,7 +20,7 @@ pages (the reference dequantizes the gathered rows to fp32; the kernels
 dequantize per tile) and accumulates in fp32.
 
 Relative-position term (``rel_bias``, a float32 ``(B, n_head, T, R)`` table of queries x
-distances; the convention, with its diagram, is ``oasr.rel_bias``)::
+distances; the convention, with its diagram, is ``oasr.cache.rel_bias``)::
 
     score(b, h, t, p_k) = scale * q[b, h, t] . k[p_k] + rel_bias[b, h, t, (p_q - p_k) + T - 1]
     p_q = cache_seqlens[b] + t (the query's own table position), p_k the key's table position
@@ -52,8 +52,8 @@ import math
 import torch
 
 from oasr.cache.paged import PagedKVCache
+from oasr.cache.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
 from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_kv_numbers, check_lens_values, check_query
-from oasr.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
 
 
 def _table_slots(cache: PagedKVCache, row: int, start: int, end: int):
@@ -113,7 +113,7 @@ def paged_attention(
     ``q``: ``(B, n_head, T, head_dim)`` (heads first, unlike K/V), ``n_head`` a multiple of
     ``n_kv_head``, in the served dtype. ``chunk_lens`` as for ``append_kv``. ``rel_bias``: None, or
     the relative-position term, float32 ``(B, n_head, T, R)`` with ``R >= max(cache_seqlens -
-    cache_seqstarts) + 2T - 1`` (``oasr.rel_bias``). Returns ``(B, n_head, T, head_dim)`` in ``q``'s dtype.
+    cache_seqstarts) + 2T - 1`` (``oasr.cache.rel_bias``). Returns ``(B, n_head, T, head_dim)`` in ``q``'s dtype.
     """
     check_query(cache, q)
     B, n_head, T, D = q.shape

@@ -6,7 +6,8 @@ Endpoints (docs/serving.md has the full protocol):
   ``response_format`` json / text / verbose_json, ``stream=true`` for server-sent events);
 * ``WebSocket /v1/realtime``: live 16-bit PCM in, partial and final transcripts out
   (``oasr.serve.protocol``);
-* ``GET /health``: JSON, the streams, the pool, whether the server takes new streams;
+* ``GET /v1/models``: OpenAI's model list (the one model served), which OpenAI-compatible tools call first;
+* ``GET /health``: JSON, the streams, the pool, whether the server takes new streams, failures;
 * ``GET /metrics``: Prometheus text (``oasr.serve.metrics``).
 
 Handlers never call the recognizer: they talk to the ``EngineWorker`` (``oasr.serve.worker``),
@@ -15,7 +16,9 @@ the one thread that owns it. A request that finds every slot taken waits up to t
 
 ``OasrServer`` is ``uvicorn.Server`` with one more shutdown step, taken before uvicorn closes
 the connections: the worker suspends every live WebSocket stream into the state directory and
-each of those sessions is told so (``transcription_session.suspended``, close code 1012).
+each of those sessions is told so (``transcription_session.suspended``, close code 1012). Every
+step of the shutdown is bounded, whatever the worker thread does; ``exit_deadline`` (the command's
+process) ends the process outright if a signal's shutdown has not finished in that many seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -38,9 +43,18 @@ from oasr.asr.audio import AudioError, check_pcm
 from oasr.asr.features import SAMPLE_RATE
 from oasr.serve import protocol as p
 from oasr.serve.metrics import CONTENT_TYPE, ServeMetrics
-from oasr.serve.worker import Busy, EngineWorker, NoSession, latency_percentiles
+from oasr.serve.worker import (
+    DEGRADED_SECONDS,
+    STALL_SECONDS,
+    Busy,
+    EngineWorker,
+    NoSession,
+    StreamFailed,
+    latency_percentiles,
+)
 
 logger = logging.getLogger("oasr.serve")
+UPLOAD_SLACK = 64 << 10  # bytes a multipart body may hold beyond the largest file: part headers, small fields
 
 
 @dataclass
@@ -50,7 +64,7 @@ class ServeOptions:
     model_name: str = "oasr"
     max_audio_seconds: float = 300.0
     max_upload_bytes: int = 64 << 20
-    drain_timeout: float = 10.0  # seconds shutdown waits for suspended sessions to be told
+    drain_timeout: float = 10.0  # seconds each shutdown step waits: the worker, the told sessions, its thread
 
 
 class ServeState:
@@ -74,8 +88,14 @@ class ServeState:
             self.sockets_closed.set()
 
     async def drain(self) -> int:
-        """Shutdown: suspend the live streams, wait (``drain_timeout``) until their sessions were told."""
-        saved = await self.worker.suspend_live()
+        """Shutdown: suspend the live streams, wait (``drain_timeout``) until their sessions were told.
+
+        Bounded: a worker that does not answer within ``drain_timeout`` saves nothing (logged)."""
+        try:
+            saved = await self.worker.suspend_live(timeout=self.options.drain_timeout)
+        except Exception as exc:  # TimeoutError from a stuck worker, or the suspension itself failed
+            logger.error("shutdown: the live streams were not suspended (%r)", exc)
+            return 0
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.sockets_closed.wait(), self.options.drain_timeout)
         logger.info("shutdown: %d live stream(s) suspended to %s", saved, self.worker.state_dir)
@@ -92,6 +112,21 @@ def busy_response(exc: Busy) -> JSONResponse:
     return error_response(p.RequestError(503, "server_busy", str(exc)), {"Retry-After": str(exc.retry_after)})
 
 
+def health_status(worker: EngineWorker) -> str:
+    """``ok``, ``draining`` (shutting down), ``degraded`` (a stream failed in the last ``DEGRADED_SECONDS``),
+    ``stalled`` (one worker loop has run ``STALL_SECONDS``) or ``error`` (the worker thread is not running)."""
+    if not worker.alive:
+        return "error"
+    if worker.stalled_seconds > STALL_SECONDS:
+        return "stalled"
+    if not worker.stats.accepting:
+        return "draining"
+    failure = worker.last_failure
+    if failure is not None and time.time() - failure["at"] < DEGRADED_SECONDS:
+        return "degraded"
+    return "ok"
+
+
 def create_app(worker: EngineWorker, options: ServeOptions | None = None) -> FastAPI:
     """The FastAPI app serving ``worker``'s recognizer (the worker thread starts with the app)."""
     options = options or ServeOptions()
@@ -105,21 +140,40 @@ def create_app(worker: EngineWorker, options: ServeOptions | None = None) -> Fas
         try:
             yield
         finally:
-            await asyncio.to_thread(worker.stop)
+            await asyncio.to_thread(worker.stop, options.drain_timeout)
 
     app = FastAPI(title="oasr", summary="streaming speech recognition", lifespan=lifespan)
 
     @app.get("/health")
-    async def health() -> dict:
-        """Liveness and load: streams, pool usage, suspended sessions, whether new streams are taken."""
+    async def health() -> JSONResponse:
+        """Liveness and load: streams, pool usage, suspended sessions, whether new streams are taken,
+        failed streams; HTTP 503 while the worker is not running or stalled."""
         s = worker.stats
-        ok = worker.error is None
-        return {"status": "ok" if ok and s.accepting else ("error" if not ok else "draining"),
-                "model": options.model_name, "streams_active": s.streams_active,
+        status = health_status(worker)
+        failure = worker.last_failure
+        body = {"status": status, "model": options.model_name, "streams_active": s.streams_active,
                 "streams_waiting": s.streams_waiting, "max_streams": worker.max_streams, "pool": s.pool,
                 "suspended_sessions": s.suspended_on_disk, "real_time_factor": s.real_time_factor,
-                "ticks": s.ticks, "streams_ended": s.ended,
+                "ticks": s.ticks, "streams_ended": s.ended, "streams_failed": s.ended.get("failed", 0),
+                "last_failure": None if failure is None else {
+                    "stream": failure["stream"], "message": failure["message"],
+                    "seconds_ago": round(time.time() - failure["at"], 1)},
+                "checkpoints": s.checkpoints, "worker_loop_seconds": round(worker.stalled_seconds, 3),
                 "chunk_latency_ms": latency_percentiles(tuple(worker.chunk_latencies))}
+        return JSONResponse(body, status_code=503 if status in ("error", "stalled") else 200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        """OpenAI's ``models.list``: the one model this server runs (any name works in a request)."""
+        return {"object": "list", "data": [p.model_card(options.model_name)]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str) -> Response:
+        """OpenAI's ``models.retrieve`` (404 for a name that is not the served model's)."""
+        if model_id != options.model_name:
+            return error_response(p.RequestError(404, "model_not_found", f"this server runs one model, "
+                                                 f"{options.model_name!r}; got {model_id!r}", "model"))
+        return JSONResponse(p.model_card(options.model_name))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -131,14 +185,18 @@ def create_app(worker: EngineWorker, options: ServeOptions | None = None) -> Fas
         """OpenAI's ``audio.transcriptions.create``: one uploaded file, one transcript (or its SSE stream)."""
         state: ServeState = request.app.state.serve
         try:
+            request = _limit_body(request, options.max_upload_bytes)
             form = await _read_form(request)
             return await _transcribe(request, state, form)
         except p.RequestError as exc:
             metrics.count("transcriptions", exc.status)
-            return error_response(exc)
+            return error_response(exc, {"Connection": "close"} if exc.code == "request_too_large" else None)
         except Busy as exc:
             metrics.count("transcriptions", 503)
             return busy_response(exc)
+        except StreamFailed as exc:
+            metrics.count("transcriptions", 500)
+            return error_response(p.RequestError(500, "stream_failed", str(exc)))
 
     @app.websocket(p.REALTIME_PATH)
     async def realtime(websocket: WebSocket) -> None:
@@ -149,6 +207,39 @@ def create_app(worker: EngineWorker, options: ServeOptions | None = None) -> Fas
 
 
 # ---- uploads ---------------------------------------------------------------------------------
+def _limit_body(request: Request, max_file_bytes: int) -> Request:
+    """The request, refused at once (413) if its ``Content-Length`` says more than a file of
+    ``max_file_bytes`` and the multipart around it (``UPLOAD_SLACK``); a body without one (chunked)
+    is counted as it is read and refused as soon as it passes that size: nothing more is read."""
+    limit = max_file_bytes + UPLOAD_SLACK
+
+    def too_large(size: str) -> p.RequestError:
+        return p.RequestError(413, "request_too_large", f"the request body is {size}, this server takes files up "
+                              f"to {max_file_bytes} bytes (--max-upload-mb) and {limit} bytes of body", "file")
+
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            length = int(declared)
+        except ValueError:
+            raise p.RequestError(400, "invalid_request", f"Content-Length must be an int, got {declared[:40]!r}") \
+                from None
+        if length > limit:
+            raise too_large(f"{length} bytes (Content-Length)")
+    receive, seen = request.receive, 0
+
+    async def limited() -> dict:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise too_large(f"more than {limit} bytes (read so far: {seen})")
+        return message
+
+    return Request(request.scope, limited)
+
+
 async def _read_form(request: Request) -> dict:
     """The multipart fields, checked: a ``file``, a known ``response_format``, ``stream`` as a bool."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -156,6 +247,8 @@ async def _read_form(request: Request) -> dict:
                              f"got content type {request.headers.get('content-type')!r}")
     try:
         form = await request.form(max_files=1, max_fields=32)
+    except p.RequestError:
+        raise  # the body passed the size limit (_limit_body)
     except Exception as exc:  # starlette: MultiPartException / HTTPException for a malformed body
         raise p.RequestError(400, "invalid_request", f"unreadable multipart body: {exc}") from None
     upload = form.get("file")
@@ -210,6 +303,8 @@ async def _final_unless_disconnected(request: Request, worker: EngineWorker, han
                 return event[1]
             if event[0] == "gone":
                 raise p.RequestError(503, "server_error", event[1])
+            if event[0] == "failed":
+                raise p.RequestError(500, "stream_failed", event[1])
 
     async def disconnected():
         while not await request.is_disconnected():
@@ -245,9 +340,10 @@ async def _sse_events(worker: EngineWorker, handle):
                 yield p.sse(p.upload_event_done(transcript.text, transcript.audio_seconds))
                 finished = True
                 return
-            elif event[0] == "gone":
+            elif event[0] in ("gone", "failed"):
                 finished = True
-                yield p.sse({"type": "error", "error": {"type": "server_error", "message": event[1]}})
+                code = "stream_failed" if event[0] == "failed" else "server_error"
+                yield p.sse({"type": "error", "error": {"type": "server_error", "code": code, "message": event[1]}})
                 return
     finally:
         if not finished:
@@ -272,6 +368,11 @@ async def _realtime(websocket: WebSocket, state: ServeState) -> None:
         return await _deny(websocket, state, p.RequestError(
             400, "invalid_sample_rate", f"sample_rate must be an int in [8000, 192000] Hz, got "
             f"{query.get('sample_rate')!r}", "sample_rate"))
+    audio_format = query.get("input_audio_format", "pcm16")
+    if audio_format not in p.INPUT_AUDIO_FORMATS:
+        return await _deny(websocket, state, p.RequestError(
+            400, "invalid_audio_format", f"input_audio_format must be one of {', '.join(p.INPUT_AUDIO_FORMATS)}, "
+            f"got {audio_format[:40]!r}", "input_audio_format"))
     resume_id = query.get("stream_id")
     if resume_id is not None and not p.SESSION_ID_PATTERN.fullmatch(resume_id):
         return await _deny(websocket, state, p.RequestError(
@@ -287,12 +388,15 @@ async def _realtime(websocket: WebSocket, state: ServeState) -> None:
         return await _deny(websocket, state, p.RequestError(404, "no_such_session", exc.args[0], "stream_id"))
     except ValueError as exc:
         return await _deny(websocket, state, p.RequestError(409, "session_refused", str(exc), "stream_id"))
+    except StreamFailed as exc:
+        return await _deny(websocket, state, p.RequestError(500, "stream_failed", str(exc)))
     state.socket_opened()
     outcome = "disconnected"
     try:
         await websocket.accept()
-        await websocket.send_json(p.ws_session_created(handle.id, handle.resumed, handle.samples))
-        reader = asyncio.ensure_future(_read_audio(websocket, worker, handle, rate, options, handle.samples))
+        await websocket.send_json(p.ws_session_created(handle.id, handle.resumed, handle.samples, audio_format))
+        reader = asyncio.ensure_future(_read_audio(websocket, worker, handle, rate, options, handle.samples,
+                                                   audio_format))
         writer = asyncio.ensure_future(_write_events(websocket, handle))
         done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
         if writer in done and not writer.cancelled() and writer.exception() is None:
@@ -309,7 +413,7 @@ async def _realtime(websocket: WebSocket, state: ServeState) -> None:
 
 
 async def _read_audio(websocket: WebSocket, worker: EngineWorker, handle, rate: int, options: ServeOptions,
-                      samples: int) -> None:
+                      samples: int, audio_format: str = "pcm16") -> None:
     """Client -> worker until the client disconnects (returns) or commits and the writer finishes."""
     committed = False
     while True:
@@ -331,7 +435,7 @@ async def _read_audio(websocket: WebSocket, worker: EngineWorker, handle, rate: 
                                      "no more audio")
             if not data:
                 continue
-            pcm = p.pcm16_to_float(data)
+            pcm = p.decode_frame(data, audio_format)
             if rate != SAMPLE_RATE:
                 try:
                     pcm = check_pcm(pcm, rate, f"stream {handle.id}")
@@ -370,20 +474,36 @@ async def _write_events(websocket: WebSocket, handle) -> str:
             await websocket.send_json(p.ws_suspended(handle.id, event[1]))
             await websocket.close(p.CLOSE_SERVICE_RESTART, "server restarting: reconnect with stream_id")
             return "suspended"
-        elif kind == "gone":
-            await websocket.send_json(p.ws_error("server_error", event[1]))
-            await websocket.close(1011)
-            return "gone"
+        elif kind in ("gone", "failed"):
+            await websocket.send_json(p.ws_error("stream_failed" if kind == "failed" else "server_error", event[1],
+                                                 server=True))
+            await websocket.close(p.CLOSE_INTERNAL_ERROR)
+            return kind
 
 
 # ---- running it -------------------------------------------------------------------------------
 class OasrServer(uvicorn.Server):
     """``uvicorn.Server`` that suspends live streams before it closes connections; prints where it listens."""
 
-    def __init__(self, config: uvicorn.Config, announce: bool = False):
+    def __init__(self, config: uvicorn.Config, announce: bool = False, exit_deadline: float | None = None):
         super().__init__(config)
         self.announce = announce
+        self.exit_deadline = exit_deadline
         self.port: int | None = None
+        self._watchdog: threading.Timer | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        """uvicorn's signal handler; with ``exit_deadline`` the first signal also arms a timer that ends
+        the process (``os._exit(1)``) if the shutdown has not finished by then: SIGTERM always ends it."""
+        if self.exit_deadline is not None and self._watchdog is None:
+            def overdue() -> None:
+                logger.error("shutdown took more than %g s: exiting now", self.exit_deadline)
+                os._exit(1)
+
+            self._watchdog = threading.Timer(self.exit_deadline, overdue)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets=None) -> None:
         """Start listening; record (and with ``announce`` print) the bound port."""

@@ -17,11 +17,17 @@ oasr_real_time_factor              gauge      compute seconds per second of audi
 oasr_audio_seconds_total           counter    audio taken, seconds
 oasr_sessions_suspended            gauge      suspended streams saved in the state directory
 oasr_streams_ended_total{reason}   counter    streams ended: completed / cancelled (client gone)
-                                              / suspended (shutdown)
+                                              / suspended (shutdown) / failed (an internal
+                                              error ended the stream; the others went on)
+oasr_engine_up                     gauge      1 while the worker thread runs, 0 if it does not
+oasr_checkpoints_total             counter    live-stream checkpoints written (--checkpoint-every)
+oasr_checkpoint_bytes_total        counter    their bytes
+oasr_checkpoint_seconds_total      counter    worker time spent on them (session + write + fsync)
 oasr_tick_seconds                  histogram  wall time of the engine ticks that encoded audio
 oasr_requests_total{endpoint,      counter    finished requests; ``status`` is the HTTP status,
 status}                                       or for WebSockets completed / disconnected /
-                                              suspended / an HTTP status for a refusal
+                                              suspended / failed / gone / an HTTP status for
+                                              a refusal
 =================================  =========  ==============================================
 """
 
@@ -63,6 +69,14 @@ class _WorkerCollector:
         yield ended
         yield GaugeMetricFamily("oasr_sessions_suspended", "suspended streams saved in the state directory",
                                 value=s.suspended_on_disk)
+        yield GaugeMetricFamily("oasr_engine_up", "1 while the engine worker thread runs",
+                                value=1 if self.worker.alive else 0)
+        c = s.checkpoints
+        yield CounterMetricFamily("oasr_checkpoints", "live-stream checkpoints written", value=c.get("written", 0))
+        yield CounterMetricFamily("oasr_checkpoint_bytes", "bytes of live-stream checkpoints written",
+                                  value=c.get("bytes", 0))
+        yield CounterMetricFamily("oasr_checkpoint_seconds", "worker seconds spent writing checkpoints",
+                                  value=c.get("seconds", 0.0))
 
 
 class ServeMetrics:

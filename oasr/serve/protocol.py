@@ -7,8 +7,11 @@ docs/serving.md).
 
 WebSocket session, client -> server:
 
-* binary frames: 16-bit little-endian mono PCM at the session's sample rate (``?sample_rate=``,
-  default 16000; another rate in [8000, 192000] is resampled message by message);
+* binary frames: mono PCM at the session's sample rate (``?sample_rate=``, default 16000; another
+  rate in [8000, 192000] is resampled message by message), in the session's
+  ``?input_audio_format=``: ``pcm16`` (default, OpenAI's: 16-bit little-endian) or ``float32``
+  (32-bit little-endian IEEE floats in [-1, 1]: the samples reach the engine bit for bit, so a
+  stream transcribes exactly as an upload of the same audio);
 * ``{"type": "input_audio_buffer.append", "audio": "<base64 of the same PCM bytes>"}``;
 * ``{"type": "input_audio_buffer.commit"}``: the audio has ended; the final transcript follows.
 
@@ -16,7 +19,8 @@ Server -> client (JSON text frames):
 
 * ``transcription_session.created``: ``session.id`` (the stream id, kept for a reconnect),
   ``session.resumed``, ``session.samples_received`` (the audio the server holds, in samples at
-  16 kHz: a resumed client sends the rest from there);
+  16 kHz: a resumed client sends the rest from there; after a crash that is the last checkpoint's,
+  which may be less than the client had sent);
 * ``conversation.item.input_audio_transcription.delta``: one per encoded chunk: ``delta`` (text
   to append, possibly empty), ``text`` (the whole partial transcript, which the beam search may
   revise) and ``audio_end_ms`` (the audio it covers);
@@ -24,7 +28,9 @@ Server -> client (JSON text frames):
   server then closes the socket (code 1000);
 * ``transcription_session.suspended``: the server is shutting down and saved the stream; it closes
   with code 1012 (service restart). Reconnect with ``?stream_id=<session.id>`` to continue;
-* ``error``: ``error.code`` and ``error.message``; the session stays open unless it cannot go on.
+* ``error``: ``error.code`` and ``error.message``; the session stays open unless it cannot go on:
+  ``stream_failed`` (an internal error ended this stream; the server goes on) and ``server_error``
+  are followed by close code 1011.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ REALTIME_PATH = "/v1/realtime"
 RESPONSE_FORMATS = ("json", "text", "verbose_json")
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CLOSE_NORMAL, CLOSE_SERVICE_RESTART, CLOSE_TRY_AGAIN, CLOSE_POLICY = 1000, 1012, 1013, 1008
+CLOSE_INTERNAL_ERROR = 1011
+INPUT_AUDIO_FORMATS = ("pcm16", "float32")
 
 
 class RequestError(ValueError):
@@ -107,6 +115,29 @@ def pcm16_to_float(data: bytes) -> np.ndarray:
 def float_to_pcm16(pcm: np.ndarray) -> bytes:
     """16-bit little-endian PCM bytes of float samples in [-1, 1] (clipped): what a live client sends."""
     return (np.clip(np.asarray(pcm, np.float32), -1.0, 32767 / 32768) * 32768.0).round().astype("<i2").tobytes()
+
+
+def float32_to_float(data: bytes) -> np.ndarray:
+    """Samples from 32-bit little-endian float bytes (``RequestError`` for a byte count not a multiple of 4)."""
+    if len(data) % 4:
+        raise RequestError(400, "invalid_audio", f"float32 frames are 4-byte samples: expected a multiple of 4 "
+                           f"bytes, got {len(data)}")
+    return np.frombuffer(data, dtype="<f4").astype(np.float32)
+
+
+def float_to_float32(pcm: np.ndarray) -> bytes:
+    """32-bit little-endian float bytes of ``pcm`` (what a live client sends with ``input_audio_format=float32``)."""
+    return np.asarray(pcm, np.float32).astype("<f4").tobytes()
+
+
+def decode_frame(data: bytes, audio_format: str) -> np.ndarray:
+    """Float samples of one client audio frame in the session's ``input_audio_format``."""
+    return float32_to_float(data) if audio_format == "float32" else pcm16_to_float(data)
+
+
+def model_card(name: str) -> dict:
+    """One entry of ``GET /v1/models`` (OpenAI's model object)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "oasr"}
 
 
 def parse_client_message(text: str) -> tuple[str, bytes | None]:
@@ -188,11 +219,11 @@ def transcription_body(transcript, response_format: str, model: str, tokens: lis
             "segments": [segment] if transcript.text else [], "usage": usage, "model": model}
 
 
-def ws_session_created(stream_id: str, resumed: bool, samples: int) -> dict:
+def ws_session_created(stream_id: str, resumed: bool, samples: int, audio_format: str = "pcm16") -> dict:
     """The first server event of a WebSocket session."""
     return {"type": "transcription_session.created",
             "session": {"id": stream_id, "resumed": resumed, "samples_received": samples,
-                        "input_audio_format": "pcm16", "sample_rate": SAMPLE_RATE}}
+                        "input_audio_format": audio_format, "sample_rate": SAMPLE_RATE}}
 
 
 def ws_delta(stream_id: str, delta: str, text: str, audio_end_ms: int) -> dict:
@@ -212,6 +243,8 @@ def ws_suspended(stream_id: str, samples: int) -> dict:
     return {"type": "transcription_session.suspended", "session": {"id": stream_id, "samples_received": samples}}
 
 
-def ws_error(code: str, message: str) -> dict:
-    """An error event (the session stays open unless the close that follows says otherwise)."""
-    return {"type": "error", "error": {"type": "invalid_request_error", "code": code, "message": message}}
+def ws_error(code: str, message: str, server: bool = False) -> dict:
+    """An error event (the session stays open unless the close that follows says otherwise); ``server``:
+    the server's fault (``server_error``), not the request's."""
+    kind = "server_error" if server else "invalid_request_error"
+    return {"type": "error", "error": {"type": kind, "code": code, "message": message}}

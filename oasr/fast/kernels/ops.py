@@ -28,9 +28,9 @@ import os
 import torch
 
 from oasr.cache.paged import PagedKVCache
+from oasr.cache.rel_bias import check_rel_bias_columns
 from oasr.fast.kernels import registry
 from oasr.kv_formats import get_format
-from oasr.rel_bias import check_rel_bias_columns
 
 THREADS = 128  # every kernel runs 128-thread blocks
 ROWS_PER_CTA = 16  # attention v1: query rows (t, g) per CTA = 4 warps x 4 rows

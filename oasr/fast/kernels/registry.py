@@ -113,7 +113,7 @@ _ATTENTION_KERNEL_PARAMS = (
     ("scale_log2", "f32"),
     ("causal", "i32"),
 )
-# The relative-position term (oasr/rel_bias.py): v1 and v3 take its float32 (B, n_head, T, rel_len) table;
+# The relative-position term (oasr/cache/rel_bias.py): v1 and v3 take its float32 (B, n_head, T, rel_len) table;
 # their instances with the template flag kRel = true read it (REL_ARG), the others are the kernels without it.
 REL_PARAMS = (("rel_bias", "ptr"), ("rel_len", "i32"))
 REL_ARG = "true"

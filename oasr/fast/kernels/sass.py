@@ -4,7 +4,9 @@
 it NVRTC-compiles the family (``nvrtc.compile_family``, cached), disassembles the cubin with the pip
 ``nvdisasm`` (launch bounds from ``cuobjdump -elf``), finds the main loop and counts what it issues.
 For the attention kernels (``registry.attention_kernels()``: v1, v2 when registered) it then models
-one tick at the ASR shape on an H200. Nothing here runs on a GPU.
+one tick at the ASR shape on an H200; instances with the relative-position term (``registry.REL_ARG``,
+``oasr.cache.rel_bias``) get their own rows, ``v1+rel`` and ``v3+rel``, their table's bytes included.
+Nothing here runs on a GPU.
 
 THIS IS A MODEL, NOT A MEASUREMENT. It is how kernel speed is judged while no GPU is lent; numbers
 from ``python -m oasr bench --device cuda`` replace it wherever they exist.
@@ -584,8 +586,11 @@ def _idle_instructions(counts: LoopCounts) -> float:
 
 def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threads: int, arch: str,
                     tiling: Tiling, page: str, shape: AttentionShape = ASR_SHAPE,
-                    machine: Machine = H200, cal: Calibration = CALIBRATION) -> dict:  # fmt: skip
+                    machine: Machine = H200, cal: Calibration = CALIBRATION, *, rel: bool = False) -> dict:  # fmt: skip
     """The modelled tick of one attention kernel at ``shape`` with ``page`` ("bf16"/"fp8") pages.
+
+    ``rel``: an instance with the relative-position term (``oasr.cache.rel_bias``), which also reads its fp32
+    table: one entry per (query, key) pair it scores, ``streams x n_head x chunk x keys x 4`` bytes.
 
     Kernel-only microseconds ``kernel_us`` [low, high] (mio path priced as broadcast / full width), and
     ``event_us`` = ``cal.host_us`` + kernel, comparable with a CUDA-event timing of the launcher call.
@@ -624,6 +629,8 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
     # memory: the bytes at the achievable bandwidth, capped by Little's law on the bytes in flight
     _, page_bytes, scale_bytes = PAGES[page]
     moved = shape.bytes_moved(page_bytes, scale_bytes)
+    if rel:
+        moved += shape.streams * shape.n_head * shape.chunk * shape.keys * 4
     # split keys: every split writes fp32 partials (O and m, l) that the combine kernel reads back
     partial_bytes = 0 if splits == 1 else splits * shape.streams * shape.n_head * shape.chunk * (shape.head_dim + 2) * 8
     stages = tiling.stages[1 if page == "fp8" else 0]
@@ -761,6 +768,8 @@ def report(archs=("sm_80", "sm_90"), *, use_cache: bool = True, families=None, s
                 kernels.append(row)
                 if short not in attention:
                     continue
+                rel = targs[-1] == registry.REL_ARG  # the relative-position term's instance: its own rows
+                label = f"v{attention[short]}" + ("+rel" if rel else "")
                 for page, (page_type, _, _) in PAGES.items():
                     if not _matches_shape(targs, page_type, shape):
                         continue
@@ -771,8 +780,8 @@ def report(archs=("sm_80", "sm_90"), *, use_cache: bool = True, families=None, s
                     for history in histories:
                         at = replace(shape, keys=history + shape.chunk)
                         entry = model_attention(counts, res.registers, res.shared_bytes, n_threads, arch, tiling,
-                                                page, at)  # fmt: skip
-                        model.append({"kernel": expr, "version": f"v{attention[short]}", "arch": arch, **entry})
+                                                page, at, rel=rel)  # fmt: skip
+                        model.append({"kernel": expr, "version": label, "arch": arch, **entry})
     model.sort(key=lambda r: (r["page"], r["arch"], r["history"], r["version"]))
     return {
         "disclaimer": DISCLAIMER,

@@ -11,7 +11,7 @@ absolute frame ``p_q`` and a key at ``p_k``, with ``d = p_q - p_k`` and ``s = he
     pe(d) = [sin(d w_0), cos(d w_0), sin(d w_1), cos(d w_1), ...]   w_i = 10000 ** (-2i / hidden_size)
 
 The second term depends on the key only through ``d``, so it is a table of queries x distances
-(``oasr.rel_bias``: column ``d + T - 1``), never queries x keys. A chunk of ``T`` frames with
+(``oasr.cache.rel_bias``: column ``d + T - 1``), never queries x keys. A chunk of ``T`` frames with
 ``W`` frames of history needs distances ``-(T - 1) .. W + T - 1``: ``R = W + 2T - 1`` columns, and
 ``relative_k_proj`` runs over those ``R`` positional rows once per layer for the whole cohort
 (they are the same for every row: the prefilled window gives every stream the same span).

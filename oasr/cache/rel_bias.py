@@ -49,10 +49,18 @@ the term never unmasks a key, and a row with no key still gets zeros. The term i
 the page format (model dtype, fp8 and the other quantized formats alike).
 
 Who checks what (the same words in both twins): shape, dtype and device always; the column count
-wherever the rows' lengths are on the host (the reference, the fast twin's CPU backends, a view
-with a ``HostPlan``). The CUDA launcher cannot read the lengths without a device sync; there it
-checks ``R >= (view's max_span if a plan says so, else 0) + 2T - 1`` and the kernels give NaN to a
-query whose window needs a column past ``R`` (never an out-of-bounds read, never a silent clamp).
+against the rows' real widest history wherever their lengths are on the host (the reference, the
+fast twin's CPU backends, a view with a ``HostPlan``). On CUDA the fast twin reads no lengths
+(no device sync); it holds the table to the view's ``max_span`` instead, the host maximum every
+view carries (the engine's captured ticks pin it to the worst case), so a table of
+``required_columns(view.max_span, T)`` columns passes everywhere. If a stale ``max_span`` lets a
+short table by anyway, the kernels give NaN to each query whose window needs a missing column:
+never an out-of-bounds read, never a silent clamp.
+
+Kernels: attention v1 (every dtype and page format) and v3 (fp16 / bf16 queries, model-dtype and
+fp8 pages) have instances with the term (``oasr.fast.kernels.registry.REL_ARG``); v2 has none and
+refuses it by name. ``python -m oasr kernels --sass`` reports those instances as ``v1+rel`` and
+``v3+rel``; ``kernels --gaps`` states the coverage.
 """
 
 from __future__ import annotations
@@ -77,7 +85,7 @@ def check_rel_bias(cache, q: torch.Tensor, rel_bias) -> None:
                          f"got {type(rel_bias).__name__}")
     if rel_bias.dim() != 4 or tuple(rel_bias.shape[:3]) != (B, H, T):
         raise ValueError(f"paged_attention: rel_bias must be (B={B}, n_head={H}, T={T}, R) (queries x distances, "
-                         f"see oasr.rel_bias), got {tuple(rel_bias.shape)}")
+                         f"see oasr.cache.rel_bias), got {tuple(rel_bias.shape)}")
     if rel_bias.dtype != torch.float32:
         raise ValueError(f"paged_attention: rel_bias must be float32, got {rel_bias.dtype}; convert it before the call")
     if rel_bias.device != q.device:
@@ -93,7 +101,7 @@ def check_rel_bias_columns(rel_bias: torch.Tensor, max_span: int, num_frames: in
         raise ValueError(
             f"paged_attention: rel_bias has R={R} distance columns, but this cohort needs R >= {need}: the widest "
             f"history max(cache_seqlens - cache_seqstarts)={max(int(max_span), 0)} ({known}) + 2T - 1 with "
-            f"T={num_frames} (column (p_q - p_k) + T - 1, see oasr.rel_bias)"
+            f"T={num_frames} (column (p_q - p_k) + T - 1, see oasr.cache.rel_bias)"
         )
 
 
