@@ -352,3 +352,28 @@ def test_recognizer_suspend_resume_elsewhere_gives_the_uninterrupted_text(checkp
         assert owner[sid].text(sid) == processor.decode(sequence, skip_special_tokens=True), sid
     with pytest.raises(ValueError, match="not a suspended stream"):
         second.resume(b"garbage", "z")
+
+
+def test_fast_decode_loop_is_capture_safe_and_the_reference_is_not():
+    """The fast twin's chunk loop does nothing a CUDA graph cannot capture (no host read, no data-dependent
+    shape, no pageable upload), checked on the CPU op by op; the reference's per-stream loop is flagged."""
+    from oasr.fast.capture_check import CaptureSafetyChecker
+    from oasr.models.transducer import TransducerHead
+
+    spec = TransducerSpec(vocab_size=17, blank_id=16, encoder_dim=8, pred_hidden=6, pred_layers=2,
+                          max_symbols_per_step=3)
+    torch.manual_seed(1)
+    head = TransducerHead(spec).eval()
+    enc = torch.randn(3, 4, spec.encoder_dim)
+    state = _zero_state(spec, 3)
+    lengths = torch.tensor([4, 2, 3])
+    checker = CaptureSafetyChecker()
+    checker.declare_device(head, enc, lengths, state)
+    with checker.region("rnnt chunk") as record, torch.no_grad():
+        fast_rnnt._loop(head, head.project_encoder(enc), lengths, state["rnnt_h"], state["rnnt_c"],
+                        state["rnnt_last"][:, 0], spec.max_symbols_per_step)
+    assert record.violations == [], record.summary()
+    assert record.num_ops > 4 * 3 * 10  # the loop ran: frames x max_symbols iterations of several ops
+    with checker.region("reference") as record:
+        ref_rnnt.decode_chunk(head, enc, _zero_state(spec, 3), [4, 2, 3])
+    assert record.violations
