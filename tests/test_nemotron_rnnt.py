@@ -139,6 +139,14 @@ def test_twins_agree_on_random_cohorts(checkpoint):
             assert torch.equal(state[name], before[name])  # the input state is never modified
         graphs = fast_rnnt.RnntGreedyGraphs(head)
         assert graphs.run(enc, state, lengths)[0] == want[0]
+        # the fixed-count loop (what a CUDA graph runs) equals the CPU's early-exit loop
+        fixed = {k: v.clone() for k, v in state.items()}
+        with torch.no_grad():
+            out = fast_rnnt._loop(head, head.project_encoder(enc), torch.tensor(lengths), fixed["rnnt_h"],
+                                  fixed["rnnt_c"], fixed["rnnt_last"][:, 0], head.spec.max_symbols_per_step)
+        assert fast_rnnt._unpack(*out) == (want[0], want[1])
+        for name in state:
+            torch.testing.assert_close(fixed[name], got[2][name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("twin", ["reference", "fast"])

@@ -15,6 +15,7 @@ batched tensor ops with masked updates::
 No ``.item()``, no data-dependent shape or branch: the loop is capture-safe (:class:`RnntGreedyGraphs`
 records one CUDA graph per cohort width and chunk length and replays it). Emissions land in a fixed
 ``(B, T * max_symbols)`` buffer (``-1`` where an iteration emitted nothing), read back once per chunk.
+On the CPU (eager, where a host read is free) the loop stops early once every stream is past its frames.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ import torch
 from oasr.reference.rnnt_greedy import check_inputs
 
 
-def _loop(head, e: torch.Tensor, lengths: torch.Tensor, h, c, last, max_symbols: int):
+def _loop(head, e: torch.Tensor, lengths: torch.Tensor, h, c, last, max_symbols: int, early_exit: bool = False):
     """The fixed-count masked loop over projected frames ``e`` ``(B, T, H)``; writes ``h``/``c``/``last`` in place
-    and returns ``(tokens, frames)`` ``(B, T * max_symbols)`` int64, ``-1`` where nothing was emitted."""
+    and returns ``(tokens, frames)`` ``(B, T * max_symbols)`` int64, ``-1`` where nothing was emitted.
+
+    ``early_exit`` (the CPU's eager path, where reading a value costs no device round trip): stop once every
+    stream has passed its last frame instead of running all ``T * max_symbols`` iterations (a mostly-blank
+    chunk needs about ``T``). The remaining iterations would change nothing, so the results are the same."""
     batch, frames = e.shape[0], e.shape[1]
     rows = torch.arange(batch, device=e.device)
     t = torch.zeros(batch, dtype=torch.int64, device=e.device)
@@ -37,6 +42,8 @@ def _loop(head, e: torch.Tensor, lengths: torch.Tensor, h, c, last, max_symbols:
     out_frame = torch.full_like(out_tok, -1)
     for i in range(steps):
         active = t < lengths
+        if early_exit and not bool(active.any()):
+            break
         g, h2, c2 = head.predict(last, h, c)
         k = head.joint(e[rows, t.clamp(max=frames - 1)], g).argmax(dim=-1)
         emit = active & (k != blank)
@@ -69,7 +76,7 @@ def decode_chunk(head, enc: torch.Tensor, state: dict, num_frames=None, max_symb
     new = {k: v.clone() for k, v in state.items()}
     lengths = torch.tensor(num_frames, dtype=torch.int64, device=enc.device)
     out = _loop(head, head.project_encoder(enc), lengths, new["rnnt_h"], new["rnnt_c"], new["rnnt_last"][:, 0],
-                max_symbols)
+                max_symbols, early_exit=enc.device.type == "cpu")
     return (*_unpack(*out), new)
 
 
