@@ -65,6 +65,7 @@ from oasr.ctc.config import CtcDecoderConfig
 from oasr.engine.decode_families import resolve_decode_family
 from oasr.engine.decoding import GreedyCtcDecoder
 from oasr.engine.rescoring import RescoreJob
+from oasr.engine.stage_clock import StageClock
 from oasr.engine.streaming_backend import STREAMING_BACKENDS, check_streamable
 from oasr.engine.tick import FastModelTick
 from oasr.models.twins import twin_module, twin_name
@@ -292,6 +293,7 @@ class StreamingEngine:
         self._ids = itertools.count()
         self.results: dict = {}
         self.stats: list[TickStats] = []
+        self.stage_clock = StageClock(config.device)  # host (and device) time per stage of the ticks
         self.tick = 0
         self.admission = admission
         self.max_wait_time = max_wait_time
@@ -578,6 +580,9 @@ class StreamingEngine:
     def step(self) -> dict:
         """Run one tick; returns ``{stream_id: StepOutput}`` for every stream that produced or finished."""
         self._check_open()
+        started = time.perf_counter()
+        clock = self.stage_clock
+        timed = clock.host["model"] + clock.host["decode"]
         self.tick += 1
         outputs: dict = {}
         # a waiting stream that ended with too little input for one encoder frame needs no admission
@@ -620,21 +625,29 @@ class StreamingEngine:
             used_blocks=used, live_frames=live, encoder_frames=encoder_frames, input_frames=sum(frames_in),
             finished=sum(1 for o in outputs.values() if o.finished), decode_steps=decode_steps,
         ))
+        clock.stream_chunks += len(cohort)
+        clock.add("bookkeeping", time.perf_counter() - started - (clock.host["model"] + clock.host["decode"] - timed))
         return outputs
 
     def _forward(self, cohort: list, frames_in: list, enc: list, width: int, outputs: dict) -> None:
         for row, sid in enumerate(cohort):
             s = self._streams[sid]
             s.max_extent = max(s.max_extent, self.backend.history_frames(sid) + enc[row])
+        clock, started = self.stage_clock, time.perf_counter()
         if self.att is None:
             log_probs, hidden = self._model_step_fixed_extent(cohort, frames_in)
         elif self.model_tick is not None:
             log_probs, hidden = self._model_step_fast(cohort, frames_in, enc, width)
         else:
             log_probs, hidden = self._model_step_reference(cohort, frames_in, enc, width)
+        decoding = time.perf_counter()
+        clock.add("model", decoding - started)
         self._keep_encoder_out(cohort, enc, hidden)
         chunks = [log_probs[row, : enc[row]] for row in range(len(cohort))]
-        partials = self._decode(cohort, chunks)
+        with clock.device_region("decode"):
+            partials = self._decode(cohort, chunks)
+        clock.add("decode", time.perf_counter() - decoding)
+        clock.collect()
         for row, sid in enumerate(cohort):
             s = self._streams[sid]
             n = enc[row]
@@ -669,7 +682,7 @@ class StreamingEngine:
             xs[row, :n] = self._take(s, n)
             values[row] = (s.offset, n)
         meta.numpy()[:] = values
-        with self._model_region(width):
+        with self._model_region(width), self.stage_clock.device_region("model"):
             tick.run(cohort, width)
             self.att.commit_chunks_batched(cohort, enc)
         return tick.log_probs(width), (tick.hidden(width) if self.rescore else None)
