@@ -48,6 +48,21 @@ def device_name(device: str) -> str:
     return f"{model}, {torch.get_num_threads()} torch thread(s)"
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU advertises AVX512-BF16 or AMX-BF16 (``/proc/cpuinfo``; False where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_matmul_dtype(device: str) -> str | None:
+    """bfloat16 GEMMs on a CPU that has them (transcripts unchanged on the shipped clips), else fp32."""
+    return "bfloat16" if torch.device(device).type == "cpu" and cpu_has_bf16() else None
+
+
 def capacity_row(rec, audio: list, refs: list, streams: int, seconds: float, budget_ms: float) -> dict:
     """One run of ``streams`` live lanes of ``seconds`` each on the idle recognizer ``rec``; its row."""
     from oasr.asr.live_source import plan_lanes, play_lanes
@@ -80,10 +95,11 @@ def capacity_row(rec, audio: list, refs: list, streams: int, seconds: float, bud
 
 
 def capacity(device: str = "cpu", latency_budget_ms: float = 250.0, start: int = 16, max_streams: int = 1024,
-             seconds: float = 8.0, progress=print) -> list[dict]:
+             seconds: float = 8.0, progress=print, matmul_dtype="auto") -> list[dict]:
     """Double N from ``start`` while N live streams hold the budget; the rows (see the module docstring).
 
-    The last row (``case`` "capacity") names the device and the largest N that held (0 if none)."""
+    The last row (``case`` "capacity") names the device and the largest N that held (0 if none).
+    ``matmul_dtype``: the recognizer's (``Recognizer(matmul_dtype=)``); "auto": ``auto_matmul_dtype``."""
     from oasr.asr.audio import load_audio
     from oasr.asr.recognizer import Recognizer
     from oasr.asr.testset import load_testset
@@ -95,7 +111,8 @@ def capacity(device: str = "cpu", latency_budget_ms: float = 250.0, start: int =
     audio = [load_audio(c.path) for c in clips]
     refs = [c.text for c in clips]
     slots = max_streams + max_streams // 4  # a lane's next clip opens while its last chunk is in flight
-    rec = Recognizer(device=device, max_streams=slots, max_seconds=8.0)
+    matmul_dtype = auto_matmul_dtype(device) if matmul_dtype == "auto" else matmul_dtype
+    rec = Recognizer(device=device, max_streams=slots, max_seconds=8.0, matmul_dtype=matmul_dtype)
     capacity_row(rec, audio, refs, min(start, 8), 2.0, latency_budget_ms)  # warm-up: first-use costs
     rows, held, n = [], 0, start
     while n <= max_streams:
@@ -108,7 +125,7 @@ def capacity(device: str = "cpu", latency_budget_ms: float = 250.0, start: int =
         held, n = n, 2 * n
     rows.append({"section": "capacity", "case": "capacity", "device": device_name(device),
                  "latency_budget_ms": latency_budget_ms, "max_streams_held": held,
-                 "note": rec.engine.execution_note})
+                 "matmul": matmul_dtype or "float32", "note": rec.engine.execution_note})
     return rows
 
 

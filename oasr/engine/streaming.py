@@ -117,6 +117,14 @@ def refuse_unless_offered(backend_cls, model, feature: str, what: str) -> None:
                          f"(streaming_kind={backend_cls.kind!r}): {reason}")
 
 
+def _common_prefix(old: list, new: list) -> int:
+    """Length of the longest common prefix of two token lists (compared in C while they agree)."""
+    n = min(len(old), len(new))
+    if old[:n] == new[:n]:
+        return n
+    return next(i for i, (a, b) in enumerate(zip(old[:n], new[:n], strict=True)) if a != b)
+
+
 @dataclass
 class StepOutput:
     """What one stream produced in one tick.
@@ -655,9 +663,7 @@ class StreamingEngine:
             s.input_frames += frames_in[row]
             if self.keep_log_probs:
                 s.log_probs.append(chunks[row].clone())
-            kept = 0
-            while kept < min(len(s.partial), len(partials[row])) and s.partial[kept] == partials[row][kept]:
-                kept += 1
+            kept = _common_prefix(s.partial, partials[row])
             outputs[sid] = StepOutput(sid, partials[row][kept:], n, retracted=len(s.partial) - kept,
                                       partial=list(partials[row]))
             s.partial = list(partials[row])
