@@ -11,7 +11,10 @@ last sample to the tick that delivered its partial result), whether it held, the
 transcripts, and per stage the host microseconds per stream-chunk (``oasr.engine.stage_clock``:
 ingest, front end, model step, decode, bookkeeping, delivery, and the harness's own feeding loop)
 and on CUDA the device microseconds per stream-chunk of the model step and the decode (CUDA
-events around each; the decode's includes the gaps while the host launches its ops). A last row
+events around each; the decode's includes the gaps while the host launches its ops). The process's
+CPU time per stream-chunk (``cpu_us``) and the streams one core could feed at that cost
+(``cpu_bound_streams``, chunk seconds over it) do not count waits for a core, so on a machine
+shared with other jobs they say what the latency columns cannot. A last row
 names the device and the largest N. One recognizer (shipped model, fast twin, CUDA graphs where
 available) serves every N, warmed up first.
 
@@ -22,6 +25,7 @@ shorter runs.
 from __future__ import annotations
 
 import platform
+import time
 
 import numpy as np
 import torch
@@ -30,7 +34,8 @@ from oasr.engine.stage_clock import STAGES
 
 NOTES = ("latency: ms from the clock process sending a chunk's last sample to its partial result (real time); "
          "*_us: host microseconds per stream-chunk by stage; dev_*_us: CUDA event time per stream-chunk; "
-         "held: p99 within the budget and the last transcript within a chunk plus the budget of the last audio")
+         "held: p99 within the budget and the last transcript within a chunk plus the budget of the last audio; "
+         "cpu_us: process CPU time per stream-chunk; cpu_bound_streams: streams one core feeds at that cost")
 PIECE = 640  # samples per message (40 ms), as a live client sends them
 
 
@@ -71,7 +76,9 @@ def capacity_row(rec, audio: list, refs: list, streams: int, seconds: float, bud
     chunk_s = rec.engine.chunk_input_frames * 0.01
     lanes = plan_lanes([len(a) for a in audio], streams, seconds, stagger=chunk_s)
     rec.stage_clock.reset()
+    cpu = time.process_time()
     run = play_lanes(rec, audio, lanes, PIECE)
+    cpu = time.process_time() - cpu
     totals = rec.stage_clock.totals()
     chunks = max(1, totals["stream_chunks"])
     lat = run.latencies * 1e3
@@ -88,6 +95,11 @@ def capacity_row(rec, audio: list, refs: list, streams: int, seconds: float, bud
     for stage in STAGES:
         row[f"{stage}_us"] = totals["host_s"][stage] / chunks * 1e6
     row["harness_us"] = run.harness_seconds / chunks * 1e6
+    # CPU time of this process (every thread) per stream-chunk, and the streams a core could feed at that
+    # cost: on a machine shared with other jobs the wall-clock stages above include waits for a core,
+    # the CPU time does not
+    row["cpu_us"] = cpu / chunks * 1e6
+    row["cpu_bound_streams"] = chunk_s / (cpu / chunks) if cpu else float("inf")
     if totals["device_ms"] is not None:
         for stage, ms in totals["device_ms"].items():
             row[f"dev_{stage}_us"] = ms / chunks * 1e3
