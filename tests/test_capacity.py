@@ -1,4 +1,4 @@
-"""Issue 35, many live streams per thread: the batched front end, bfloat16 GEMMs, the live audio clock,
+"""Many live streams per thread: the batched front end, bfloat16 GEMMs, the live audio clock,
 the capacity bench, and the tick's host work per stream (counted in Python calls, never timed)."""
 
 import collections

@@ -35,6 +35,7 @@ class Linear(nn.Linear):
             self._compute = (dtype, self.weight.detach().to(dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + b``: torch's, or in the compute dtype of ``set_compute_dtype`` (output in ``x``'s dtype)."""
         if self._compute is None:
             return super().forward(x)
         dtype, weight, bias = self._compute
