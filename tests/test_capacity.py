@@ -170,3 +170,21 @@ def test_tick_host_calls_per_stream_are_a_small_constant(clips):
     assert all(slope <= PER_STREAM_CALLS for slope in slopes.values()), slopes
     # longer histories and hypotheses add no per-stream calls (beyond a few percent of noise)
     assert slopes[8] <= slopes[1] * 1.1 + 5, slopes
+
+
+@pytest.mark.parametrize("twin", ["reference", "fast"])
+def test_peek_states_reads_every_states_peek_at_once(twin):
+    import oasr.fast as fast
+    import oasr.reference as reference
+    from oasr.ctc.config import CtcDecoderConfig
+
+    module = {"reference": reference, "fast": fast}[twin]
+    decoder = module.StreamingCtcDecoder(CtcDecoderConfig(beam_size=4))
+    torch.manual_seed(0)
+    states = [decoder.create_state(batch, 7) for batch in (1, 3, 2)]
+    for state, frames in zip(states, (0, 5, 9), strict=True):  # one state never decoded: the empty prefix
+        if frames:
+            decoder.decode_chunk(state, torch.log_softmax(torch.randn(state.batch, frames, 7) * 3, -1))
+    assert decoder.peek_states(states) == [decoder.peek(state) for state in states]
+    assert decoder.peek_states([]) == []
+    assert any(len(h.tokens) > 1 for rows in decoder.peek_states(states) for h in rows)

@@ -741,7 +741,7 @@ class StreamingEngine:
             return [self._streams[sid].greedy.finalize() for sid in cohort]
         # one batched decoder call for the whole cohort; short last chunks are masked per row
         self.ctc.decode_cohort(list(cohort), [lp.unsqueeze(0) for lp in chunks])
-        return [list(self._contexts[sid].get_decoder().peek()[0].tokens) for sid in cohort]
+        return [list(rows[0].tokens) for rows in self.ctc.peek_cohort(list(cohort))]  # one read for the cohort
 
     def run(self, max_ticks: int | None = None) -> dict:
         """Step until no tick makes progress (everything finished, or waiting for input).
