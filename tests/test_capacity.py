@@ -188,3 +188,16 @@ def test_peek_states_reads_every_states_peek_at_once(twin):
     assert decoder.peek_states(states) == [decoder.peek(state) for state in states]
     assert decoder.peek_states([]) == []
     assert any(len(h.tokens) > 1 for rows in decoder.peek_states(states) for h in rows)
+
+
+def test_live_lanes_stop_at_their_timeout_and_leave_the_recognizer_idle(clips):
+    from oasr.asr.live_source import plan_lanes, play_lanes
+
+    audio = clips[1]
+    lanes = plan_lanes([len(a) for a in audio], 2, 3.0, stagger=0.5)
+    rec = Recognizer(max_streams=4, max_seconds=8.0)
+    run = play_lanes(rec, audio, lanes, timeout=0.8)
+    assert run.timed_out and not rec.streams and rec.engine.num_active == 0
+    assert len(run.transcripts) < sum(len(lane.clips) for lane in lanes)
+    again = play_lanes(rec, audio, plan_lanes([len(a) for a in audio], 1, 1.0, stagger=0.5))
+    assert not again.timed_out and len(again.transcripts) == 1

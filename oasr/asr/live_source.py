@@ -127,6 +127,7 @@ class LaneRun:
     last_delivered: float  # seconds after the start when the last transcript came
     max_lag: float  # most seconds a message waited in the pipe before the recognizer read it
     harness_seconds: float  # the recognizer process's own feeding loop, accept calls excluded
+    timed_out: bool = False  # the run passed its timeout: the streams still open were cancelled
 
 
 def _feed(rec, lane: Lane, due: int, piece: int, audio: list, sent: float, opened: dict) -> None:
@@ -149,11 +150,13 @@ def _feed(rec, lane: Lane, due: int, piece: int, audio: list, sent: float, opene
             lane.clip += 1
 
 
-def play_lanes(rec, audio: list, lanes: list[Lane], piece: int = 640) -> LaneRun:
+def play_lanes(rec, audio: list, lanes: list[Lane], piece: int = 640, timeout: float | None = None) -> LaneRun:
     """Play ``lanes`` over ``audio`` (16 kHz arrays) through ``rec`` at real time; see the module docstring.
 
     ``rec`` must be idle (no open stream). Returns a ``LaneRun``; ``transcripts[(lane, k)]`` is the
-    ``Transcript`` of lane ``lane``'s ``k``-th clip."""
+    ``Transcript`` of lane ``lane``'s ``k``-th clip. ``timeout`` (seconds from the start): a run that
+    falls far behind stops there, its open streams cancelled (``timed_out``; their clips have no
+    transcript), so a benchmark's time stays bounded."""
     if rec.streams:
         raise ValueError(f"play_lanes: the recognizer has {len(rec.streams)} open streams; it must be idle")
     owner: dict = {}  # stream id -> (lane index, clip position)
@@ -161,10 +164,15 @@ def play_lanes(rec, audio: list, lanes: list[Lane], piece: int = 640) -> LaneRun
     latencies: list = []
     harness, max_lag, last_sent, last_delivered = 0.0, 0.0, 0.0, 0.0
     fed = np.zeros(len(lanes), dtype=np.int64)
-    clock_done = False
+    clock_done = timed_out = False
     with AudioClock(lanes, piece) as clock:
         t0 = clock.t0
         while not clock_done or rec.streams:
+            if timeout is not None and time.perf_counter() - t0 > timeout:
+                for sid in list(rec.streams):
+                    rec.cancel(sid)
+                timed_out = True
+                break
             while not clock_done and clock.poll():
                 message = clock.receive()
                 if message is None:
@@ -195,4 +203,4 @@ def play_lanes(rec, audio: list, lanes: list[Lane], piece: int = 640) -> LaneRun
             if not worked and not clock_done:
                 clock.poll(0.002)  # nothing to do until the clock sends more
         wall = time.perf_counter() - t0
-    return LaneRun(transcripts, np.array(latencies), wall, last_sent, last_delivered, max_lag, harness)
+    return LaneRun(transcripts, np.array(latencies), wall, last_sent, last_delivered, max_lag, harness, timed_out)

@@ -77,13 +77,13 @@ def capacity_row(rec, audio: list, refs: list, streams: int, seconds: float, bud
     lanes = plan_lanes([len(a) for a in audio], streams, seconds, stagger=chunk_s)
     rec.stage_clock.reset()
     cpu = time.process_time()
-    run = play_lanes(rec, audio, lanes, PIECE)
+    run = play_lanes(rec, audio, lanes, PIECE, timeout=2 * seconds + 10.0)
     cpu = time.process_time() - cpu
     totals = rec.stage_clock.totals()
     chunks = max(1, totals["stream_chunks"])
     lat = run.latencies * 1e3
     p50, p95, p99 = np.percentile(lat, [50, 95, 99]) if len(lat) else (float("nan"),) * 3
-    behind = run.last_delivered - run.last_sent > chunk_s + budget_ms / 1e3
+    behind = run.timed_out or run.last_delivered - run.last_sent > chunk_s + budget_ms / 1e3
     keys = sorted(run.transcripts)
     rates = error_rates([refs[lanes[i].clips[k]] for i, k in keys], [run.transcripts[key].text for key in keys])
     row = {"section": "capacity", "case": f"{streams} live streams", "streams": streams,
@@ -91,7 +91,7 @@ def capacity_row(rec, audio: list, refs: list, streams: int, seconds: float, bud
            "latency_p50_ms": float(p50), "latency_p95_ms": float(p95), "latency_p99_ms": float(p99),
            "latency_max_ms": float(lat.max()) if len(lat) else float("nan"),
            "drain_ms": (run.last_delivered - run.last_sent) * 1e3, "max_lag_ms": run.max_lag * 1e3,
-           "held": bool(p99 <= budget_ms and not behind), "wer": rates["wer"]}
+           "held": bool(p99 <= budget_ms and not behind), "timed_out": run.timed_out, "wer": rates["wer"]}
     for stage in STAGES:
         row[f"{stage}_us"] = totals["host_s"][stage] / chunks * 1e6
     row["harness_us"] = run.harness_seconds / chunks * 1e6
