@@ -318,9 +318,9 @@ class Recognizer:
     def step(self, on_error=None) -> list:
         """One engine tick; returns the ``Transcript`` of every stream that finished in it.
 
-        ``on_error(stream_id, exc)``: called for an exception raised while one stream's output of the
-        tick is taken (its text, timings, transcript), after which the other streams' outputs are
-        taken as usual; the caller drops that stream. Without it the exception propagates. An
+        ``on_error(stream_id, exc)``: called for an exception raised while one stream's frames are pushed
+        (the front end) or its output of the tick is taken (its text, timings, transcript), after which
+        the other streams' are handled as usual; the caller drops that stream. Without it the exception propagates. An
         exception of the engine's batched tick itself always propagates (it names no stream)."""
         t0 = time.perf_counter()
         self._front_end(on_error)
