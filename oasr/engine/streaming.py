@@ -740,8 +740,11 @@ class StreamingEngine:
                 self._streams[sid].greedy.decode_chunk(lp)
             return [self._streams[sid].greedy.finalize() for sid in cohort]
         # one batched decoder call for the whole cohort; short last chunks are masked per row
-        self.ctc.decode_cohort(list(cohort), [lp.unsqueeze(0) for lp in chunks])
-        return [list(rows[0].tokens) for rows in self.ctc.peek_cohort(list(cohort))]  # one read for the cohort
+        # inference mode: the search's temporaries skip autograd's bookkeeping (~15% of its CPU time); it
+        # only writes into the states' existing buffers, so no inference tensor outlives the call
+        with torch.inference_mode():
+            self.ctc.decode_cohort(list(cohort), [lp.unsqueeze(0) for lp in chunks])
+            return [list(rows[0].tokens) for rows in self.ctc.peek_cohort(list(cohort))]  # one read, whole cohort
 
     def run(self, max_ticks: int | None = None) -> dict:
         """Step until no tick makes progress (everything finished, or waiting for input).
