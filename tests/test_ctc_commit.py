@@ -13,9 +13,9 @@ import tracemalloc
 
 import pytest
 import torch
+from oasr.ctc_config import BeamSnapshot, CtcDecoderConfig, settle_snapshot
 
 from oasr import ctc_config
-from oasr.ctc_config import BeamSnapshot, CtcDecoderConfig, settle_snapshot
 from oasr.fast import ctc_decoder as fast_mod
 from oasr.reference import ctc_decoder as ref_mod
 from oasr.reference.ctc_state import CtcStateCacheManager
