@@ -2,8 +2,9 @@
 
 Part of ``oasr.fast.attention_cache.manager.AttentionCacheManager`` (its contract
 and state are drawn there); the reference's "dense mode" section. The chunk's
-slots go in one staged copy, its K and V (quantized for a quantized format) in
-one indexed assignment each, then ``_advance`` evicts as a paged commit does.
+slots go in one staged copy, its K and V (with their scales in a quantized
+format) are scattered into the pool by indexed assignment, then ``_advance``
+evicts as a paged commit does.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The fast twin's ``DenseDecoderKV``: dense per-group decoder storage with grouped-query reads.
 
 Fast twin of ``oasr.reference.decoder_cache.DenseDecoderKV`` (``oasr.decoder.kv``
-draws the storage); what a decoder group holds when its config resolves to dense
-storage instead of the manager's pages.
+draws the storage): a decode group's per-group ``(B, H, cap, D)`` buffers when its
+config's ``kv_storage`` resolves to dense (``oasr.decoder.config``) instead of the
+manager's pages.
 """
 
 from __future__ import annotations
