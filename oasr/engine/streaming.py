@@ -61,6 +61,7 @@ import torch
 from oasr.cache.config import CacheConfig
 from oasr.cache.errors import StreamCapacityError
 from oasr.cache.stream_context import StreamContext
+from oasr.cache.validate import same_device
 from oasr.ctc.config import CtcDecoderConfig
 from oasr.engine.decode_families import resolve_decode_family
 from oasr.engine.decoding import GreedyCtcDecoder
@@ -272,7 +273,7 @@ class StreamingEngine:
         if config.kv_cache_dtype is not None:
             refuse_unless_offered(backend_cls, model, "kv_format", f"kv_cache_dtype={config.kv_cache_dtype!r}")
         param = next(model.parameters())
-        if param.device.type != config.device.type:
+        if not same_device(param.device, config.device):
             raise ValueError(f"StreamingEngine: the model is on {param.device}, the caches on {config.device}")
         self.model = model
         self.config = config

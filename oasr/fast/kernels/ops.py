@@ -29,6 +29,7 @@ import torch
 
 from oasr.cache.paged import PagedKVCache
 from oasr.cache.rel_bias import check_rel_bias_columns
+from oasr.cache.validate import same_device
 from oasr.fast.kernels import registry
 from oasr.kv_formats import get_format
 
@@ -55,14 +56,14 @@ def _ptr(t: torch.Tensor | None) -> int:
 def _int32_vector(t: torch.Tensor, name: str, batch: int, device) -> torch.Tensor:
     if t.shape != (batch,):
         raise ValueError(f"{name}: expected shape ({batch},), got {tuple(t.shape)}")
-    if t.device != device:
+    if not same_device(t.device, device):
         raise ValueError(f"{name} is on {t.device}, the pool on {device}")
     return t.to(torch.int32).contiguous()
 
 
 def _block_table(cache: PagedKVCache) -> torch.Tensor:
     table = cache.block_table
-    if table.device != cache.k_cache.device:
+    if not same_device(table.device, cache.k_cache.device):
         raise ValueError(f"block_table is on {table.device}, the pool on {cache.k_cache.device}")
     table = table.to(torch.int32)
     if table.dim() != 2 or (table.shape[1] > 1 and table.stride(1) != 1):
@@ -97,7 +98,7 @@ def _check_quant_planes(fmt, k_pool, v_pool, k_scale, v_scale) -> None:
         raise ValueError(f"{fmt.name} pages: the pools must be {fmt.data_dtype(torch.float32)}, got {k_pool.dtype}")
     shape = tuple(k_pool.shape[:-1]) + fmt.scale_shape(D)
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t is None or tuple(t.shape) != shape or not t.is_contiguous() or t.device != k_pool.device:
+        if t is None or tuple(t.shape) != shape or not t.is_contiguous() or not same_device(t.device, k_pool.device):
             got = None if t is None else f"{tuple(t.shape)} {t.dtype}"
             raise ValueError(f"{fmt.name} pages: {name} must be a contiguous {shape} plane on {k_pool.device}, "
                              f"got {got}")
@@ -123,7 +124,7 @@ def _check_scales(k_pool, v_pool, k_scale, v_scale) -> None:
         if t is None or t.shape != k_pool.shape[:-1] or t.dtype != torch.float32:
             got = None if t is None else f"{tuple(t.shape)} {t.dtype}"
             raise ValueError(f"fp8 pages: {name} must be {tuple(k_pool.shape[:-1])} float32, got {got}")
-        if not t.is_contiguous() or t.device != k_pool.device:
+        if not t.is_contiguous() or not same_device(t.device, k_pool.device):
             raise ValueError(f"fp8 pages: {name} must be contiguous and on {k_pool.device}")
     for name, t in (("k", k_pool), ("v", v_pool)):
         if t.data_ptr() % 16:
