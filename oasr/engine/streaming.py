@@ -330,10 +330,17 @@ class StreamingEngine:
                                             graphs=graphs, capture=capture, hidden=self.rescore)
         elif graphs:  # a fixed-extent runtime captures its own step per width
             self.backend.capture_graphs(capture)
+        owner = self.model_tick if self.model_tick is not None else self.backend
+        refusal = getattr(owner, "graph_refusal", None) if graphs else None
+        graphs = graphs and refusal is None  # the preflight left every width eager: the engine runs eager
         self.execution = "graphed" if graphs else "eager"
         if graphs:
             stats = self.model_tick.graph_stats if self.model_tick is not None else self.backend.runner.stats
             self.execution_note = f"graphed: {stats.format()}"
+        elif refusal is not None:
+            self.execution_note = f"eager: not captured: {refusal}"
+            logger.warning("StreamingEngine model step: %s", self.execution_note)
+            return
         elif not capturable:
             self.execution_note = f"eager: streaming_kind={self.backend_kind!r} captures nothing"
         elif self.twin != "fast":
