@@ -98,12 +98,16 @@ def test_loading_a_family_leaves_the_callers_device_current(monkeypatch):
     loaded = types.SimpleNamespace(get_kernel=lambda mangled: (mangled, devices.current))
     monkeypatch.setattr(cuda_core, "ObjectCode", types.SimpleNamespace(from_cubin=lambda *a, **k: loaded))
     compiled = nvrtc.CompiledFamily("gather_kv_blocks", "sm_90", b"", {"expr": "_Z6mangled"}, "")
-    monkeypatch.setattr(nvrtc, "compile_family", lambda family, arch: compiled)
+    asked = []
+    monkeypatch.setattr(nvrtc, "compile_family",
+                        lambda family, arch, expressions=None: asked.append(expressions) or compiled)
     executor = object.__new__(nvrtc.CudaExecutor)  # no GPU: skip __init__'s device queries
     executor.device, executor.arch, executor._kernels = torch.device("cuda", 0), "sm_90", {}
     executor._load_family("gather_kv_blocks")
     assert executor._kernels["expr"] == ("_Z6mangled", 0)  # loaded with device 0 current
     assert devices.current == 1  # and the caller's device is current again
+    executor._load_family("gather_kv_blocks", ["expr"])  # a launch loads its own instantiation only
+    assert asked == [None, ["expr"]]
 
 
 KIND_PROBE = """

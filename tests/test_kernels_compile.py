@@ -52,6 +52,17 @@ def test_family_compiles_without_spills(kernel_cache, family, arch):
     assert again.cached and again.resources == compiled.resources
 
 
+@pytest.mark.parametrize("family", ["paged_chunk_attention_v3", "paged_kv_append"])
+def test_one_instantiation_compiles_alone(kernel_cache, family):
+    """What a launch compiles on a cold cache: its own instantiation, one small program (issue 36: a
+    cold test file compiled every family), cached under its own key."""
+    kernel = registry.kernels_of(family)[0]
+    expr = kernel.name_expression(kernel.instances[0])
+    compiled = nvrtc.compile_family(family, "sm_90", expressions=[expr])
+    assert set(compiled.symbols) == {expr} and compiled.resources[expr].registers > 0
+    assert nvrtc.compile_family(family, "sm_90", expressions=[expr]).cached
+
+
 def test_kernels_command_reports_every_kernel(kernel_cache, capsys):
     from oasr.commands.kernels import main
 

@@ -109,10 +109,9 @@ class FastDecodeStep:
         self.graph_refusal = None  # why graphs were asked for and every width runs eager (a preflight reason)
         if graphs:
             from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner, capture_or_eager
-            from oasr.fast.paged_ops import load_kernels
 
             capture = capture if capture is not None else CudaGraphCapture(device)
-            runner = GraphRunner(self._step, self.widths, capture, prepare=lambda: load_kernels(device))
+            runner = GraphRunner(self._step, self.widths, capture)  # its preflight loads what a width launches
             self.runner, self.graph_refusal = capture_or_eager(runner)
 
     @property

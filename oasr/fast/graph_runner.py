@@ -20,8 +20,9 @@ Contract
   host-to-device copy from pageable memory, and every tensor it reads that
   outlives a call at a fixed address (``CaptureSafetyChecker`` checks the first
   three on the CPU; the stand-in capture of the tests checks the last).
-* Kernels are compiled and loaded before capture: pass ``prepare`` (e.g.
-  ``lambda: paged_ops.load_kernels(device)``), run once before the first capture.
+* Kernels are compiled and loaded before capture: the preflight runs each width's
+  step eagerly first, which loads every kernel instantiation it launches (and
+  only those); ``prepare``, when given, runs once before the first capture.
 * Capture on a CPU device is refused with a ``ValueError``: there is nothing to
   capture; the caller runs its eager path and says so.
 * **Preflight.** Before a width is captured, its step runs once eagerly while the

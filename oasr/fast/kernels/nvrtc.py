@@ -7,9 +7,12 @@
   the NVRTC version; the cache keeps the ptxas log too, so the resource report
   survives a cache hit.
 * Loading needs a driver: ``CudaExecutor(device)`` compiles (or reads the
-  cache) for the device's own arch and loads each family lazily, the first time
-  one of its kernels is launched. Call ``CudaExecutor.load_all()`` before
-  capturing a CUDA graph so that nothing compiles or loads inside the capture.
+  cache) for the device's own arch and loads each instantiation lazily, the
+  first time it is launched: one small NVRTC program per kernel a process
+  reaches (a cold cache no longer compiles every family for one test; the H200's
+  first ``test_decode_step.py`` test spent 22 s doing that). Nothing may compile
+  inside a CUDA graph capture: run the step once eagerly first (``GraphRunner``'s
+  preflight does) or call ``CudaExecutor.load_all()``.
 * Every launch goes to ``torch.cuda.current_stream()``, read at the call (never
   cached), so launches follow ``torch.cuda.stream(...)`` and are captured by
   ``torch.cuda.graph``. Launching reads nothing back from the device.
@@ -176,12 +179,17 @@ class _Log:
         self.text += s
 
 
-def compile_family(family: str, arch: str, *, use_cache: bool = True) -> CompiledFamily:
-    """NVRTC-compile every instantiation of one kernel family for ``arch`` (e.g. "sm_90").
+def compile_family(family: str, arch: str, *, use_cache: bool = True,
+                   expressions: list[str] | None = None) -> CompiledFamily:
+    """NVRTC-compile every instantiation of one kernel family for ``arch`` (e.g. "sm_90"), or only
+    ``expressions`` (name expressions of that family): a launch compiles just the instantiation it
+    needs, so a cold cache costs one small program per kernel a process reaches, not every family.
 
     Raises ``RuntimeError`` with the compiler log on a compile error.
     """
-    expressions = [k.name_expression(t) for k in registry.kernels_of(family) for t in k.instances]
+    if expressions is None:
+        expressions = [k.name_expression(t) for k in registry.kernels_of(family) for t in k.instances]
+    expressions = list(expressions)
     key = _cache_key(family, arch, expressions)
     base = cache_dir() / f"{family}-{arch}-{key}"
     meta_path, cubin_path = base.with_suffix(".json"), base.with_suffix(".cubin")
@@ -267,10 +275,10 @@ class CudaExecutor:
         self._kernels: dict[str, object] = {}  # name expression -> cuda.core Kernel
         self._resident: dict[str, int] = {}  # name expression -> CTAs per SM (occupancy, read once)
 
-    def _load_family(self, family: str) -> None:
+    def _load_family(self, family: str, expressions: list[str] | None = None) -> None:
         from cuda.core import ObjectCode
 
-        compiled = compile_family(family, self.arch)
+        compiled = compile_family(family, self.arch, expressions=expressions)
         with device_current(self.device.index):  # the caller's current device is restored after
             obj = ObjectCode.from_cubin(compiled.cubin, name=f"{family}.cubin", symbol_mapping=compiled.symbols)
             for expr, mangled in compiled.symbols.items():
@@ -295,7 +303,7 @@ class CudaExecutor:
         if expr not in self._resident:
             if expr not in self._kernels:
                 self._require_not_capturing(expr)
-                self._load_family(kernel.family)
+                self._load_family(kernel.family, [expr])
             occupancy = self._kernels[expr].occupancy
             self._resident[expr] = max(1, int(occupancy.max_active_blocks_per_multiprocessor(threads, 0)))
         return self._resident[expr]
@@ -313,7 +321,7 @@ class CudaExecutor:
         expr = kernel.name_expression(targs)
         if expr not in self._kernels:
             self._require_not_capturing(expr)
-            self._load_family(kernel.family)
+            self._load_family(kernel.family, [expr])  # this instantiation only (lazy, cached on disk)
         params = [_convert(kind, value) for (_, kind), value in zip(kernel.params, args, strict=True)]
         stream = Stream.from_handle(torch.cuda.current_stream(self.device).cuda_stream)
         launch(stream, LaunchConfig(grid=tuple(grid), block=tuple(block)), self._kernels[expr], *params)
