@@ -92,7 +92,7 @@ def section(quick: bool, device="cpu") -> list[dict]:
     for pages in ("bf16", "fp8"):
         cache, q = make_view("cpu", pages)
         noop = NoopExecutor()
-        us = time_calls(lambda c=cache, q=q: ops.paged_attention(noop, q, c, None, 0.125, False, version="v3"),
+        us = time_calls(lambda c=cache, q=q, e=noop: ops.paged_attention(e, q, c, None, 0.125, False, version="v3"),
                         calls, repeats)
         rows.append({"section": "launcher", "case": f"launcher (no-op launch), {pages} pages, v3, {STREAMS} streams",
                      "us_per_call": us, "launches_per_call": noop.launches / (calls * repeats + 1)})
@@ -102,7 +102,7 @@ def section(quick: bool, device="cpu") -> list[dict]:
             cache, q = make_view(device, pages)
             executor = executor_for(device)
 
-            def call(c=cache, q=q):
+            def call(c=cache, q=q, executor=executor):
                 ops.paged_attention(executor, q, c, None, 0.125, False, version="v3")
 
             us = time_calls(call, calls, repeats)
