@@ -274,6 +274,9 @@ class CudaExecutor:
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernels: dict[str, object] = {}  # name expression -> cuda.core Kernel
         self._resident: dict[str, int] = {}  # name expression -> CTAs per SM (occupancy, read once)
+        self._entries: dict[tuple, tuple] = {}  # (kernel name, targs) -> (kernel object, parameter kinds)
+        self._streams: dict[int, object] = {}  # CUstream handle -> cuda.core Stream
+        self._configs: dict[tuple, object] = {}  # (grid, block) -> cuda.core LaunchConfig
 
     def _load_family(self, family: str, expressions: list[str] | None = None) -> None:
         from cuda.core import ObjectCode
@@ -311,22 +314,51 @@ class CudaExecutor:
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
         """Launch one instantiation of ``kernel`` on torch's current stream of this device (``args`` by
         ``kernel.params``).
-        """
-        from cuda.core import LaunchConfig, Stream, launch
 
+        Per call only what can change is done: the grid check, the stream, the arguments' conversion;
+        the instantiation's kernel object, its parameter kinds, each (grid, block) ``LaunchConfig`` and
+        each stream's cuda.core ``Stream`` are looked up once.
+        """
         registry.check_grid(kernel, grid)
         if torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):  # the launch needs this device's context current
                 return self.launch(kernel, targs, grid, block, args)
-        expr = kernel.name_expression(targs)
-        if expr not in self._kernels:
-            self._require_not_capturing(expr)
-            self._load_family(kernel.family, [expr])  # this instantiation only (lazy, cached on disk)
-        params = [_convert(kind, value) for (_, kind), value in zip(kernel.params, args, strict=True)]
-        stream = Stream.from_handle(torch.cuda.current_stream(self.device).cuda_stream)
-        launch(stream, LaunchConfig(grid=tuple(grid), block=tuple(block)), self._kernels[expr], *params)
+        entry = self._entries.get((kernel.name, targs))
+        if entry is None:
+            expr = kernel.name_expression(targs)
+            if expr not in self._kernels:
+                self._require_not_capturing(expr)
+                self._load_family(kernel.family, [expr])  # this instantiation only (lazy, cached on disk)
+            entry = self._entries[(kernel.name, targs)] = (self._kernels[expr], [kind for _, kind in kernel.params])
+        compiled, kinds = entry
+        params = [_convert(kind, value) for kind, value in zip(kinds, args, strict=True)]
+        handle = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            if len(self._streams) >= 64:  # side streams come and go (captures): keep the cache small
+                self._streams.clear()
+            stream = self._streams[handle] = _cuda_core().Stream.from_handle(handle)
+        shape = (tuple(grid), tuple(block))
+        config = self._configs.get(shape)
+        if config is None:
+            if len(self._configs) >= 1024:
+                self._configs.clear()
+            config = self._configs[shape] = _cuda_core().LaunchConfig(grid=shape[0], block=shape[1])
+        _cuda_core().launch(stream, config, compiled, *params)
 
 
+def _cuda_core():
+    """cuda.core, imported on first use (compiling for an explicit arch needs no driver; importing it does not
+    either, but the CPU-only install may lack it)."""
+    global _CUDA_CORE
+    if _CUDA_CORE is None:
+        import cuda.core as module
+
+        _CUDA_CORE = module
+    return _CUDA_CORE
+
+
+_CUDA_CORE = None
 _EXECUTORS: dict[int, CudaExecutor] = {}
 
 
