@@ -63,6 +63,22 @@ def test_one_instantiation_compiles_alone(kernel_cache, family):
     assert nvrtc.compile_family(family, "sm_90", expressions=[expr]).cached
 
 
+def test_warm_cache_compiles_what_a_launch_reads(kernel_cache, monkeypatch, capsys):
+    """``python -m oasr kernels --warm``: each instantiation compiled on its own, in worker processes; a launch's
+    lazy compile of that instantiation is then a cache hit (two instantiations here, to stay quick)."""
+    import dataclasses
+
+    from oasr.commands.kernels import main
+
+    kernel = registry.BY_NAME["gather_kv_blocks_kernel"]
+    small = dataclasses.replace(kernel, instances=kernel.instances[:2])
+    monkeypatch.setattr(registry, "KERNELS", (small,))
+    assert main(["--arch", "sm_90", "--warm", "--jobs", "2"]) == 0
+    assert "2 instantiations cached for sm_90" in capsys.readouterr().out
+    for targs in small.instances:
+        assert nvrtc.compile_family(small.family, "sm_90", expressions=[small.name_expression(targs)]).cached
+
+
 def test_kernels_command_reports_every_kernel(kernel_cache, capsys):
     from oasr.commands.kernels import main
 

@@ -7,9 +7,12 @@
 # (GPU_CHECK_KEEP=1 keeps it). DIR/summary.txt (a copy of the one inside) is left beside the archive.
 # Steps, in priority order, each under its own timeout and all under one deadline (GPU_CHECK_BUDGET_S,
 # default 460 s from the start; a step that no longer fits is recorded as "not run: budget"):
-#   0. env.txt (nvidia-smi, python, torch, triton, cuda-python, flashinfer), install.log (the carried wheels)
+#   0. env.txt (nvidia-smi, python, torch, triton, cuda-python, flashinfer), install.log (the carried wheels);
+#      `python -m oasr kernels --warm` compiles every kernel instantiation for the device, in parallel processes
+#      (a cold NVRTC cache otherwise costs each test process its own compiles) -> warm-kernels.log
 #   1. every `cuda`-marked test file in its own process (one failure cannot cascade into another file),
-#      per-file timeout GPU_CHECK_FILE_TIMEOUT_S (90 s)       -> tests/<file>.log, tests/<file>.xml, files.tsv
+#      GPU_CHECK_JOBS (4) files side by side, per-file timeout GPU_CHECK_FILE_TIMEOUT_S (120 s)
+#                                                   -> tests/<file>.log, tests/<file>.xml, files.tsv
 #   2. `python -m oasr bench --quick --device cuda --sections attention[,launcher]` (v1, v2, v3, SDPA,
 #      FlexAttention at 128 streams x {256, 1024, 4096} frames, bf16 and fp8; kernel-only by graph replay,
 #      per call with the launcher, host time)                    -> bench.json, bench.log, kernels-md-append.md
@@ -45,7 +48,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 START=$(date +%s)
 BUDGET=${GPU_CHECK_BUDGET_S:-460}
-FILE_TIMEOUT=${GPU_CHECK_FILE_TIMEOUT_S:-90}
+FILE_TIMEOUT=${GPU_CHECK_FILE_TIMEOUT_S:-120}
 SUMMARY="$DIR/summary.txt"
 : >"$SUMMARY"
 verdict=0
@@ -137,26 +140,45 @@ if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
     note "GPU_CHECK_FORCE=1: running the steps anyway (the cuda tests skip)"
 fi
 
+# ---- 0b. the kernel cache, warmed in parallel: every instantiation on its own, what a launch reads -----------------
+DEV_ARCH=$($PY -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm_{m}{n}')" 2>/dev/null)
+if [ -n "$DEV_ARCH" ]; then
+    step "kernel cache ($DEV_ARCH)" 90 360 "$DIR/warm-kernels.log" $PY -m oasr kernels --arch "$DEV_ARCH" --warm
+    tail -1 "$DIR/warm-kernels.log" | tee -a "$SUMMARY"
+fi
+
 # ---- 1. each cuda test file in its own process ----------------------------------------------------------------
 FILES=${GPU_CHECK_TEST_FILES:-$(grep -l "pytest.mark.cuda" tests/test_*.py | sort)}
-printf "file\trc\tseconds\tresult\n" >"$DIR/files.tsv"
-files_failed=0
-for f in $FILES; do
+JOBS=${GPU_CHECK_JOBS:-4}  # files run side by side (separate processes, one GPU: the tests are small)
+# run_file FILE: one pytest process for FILE's cuda tests; its row in tests/NAME.row
+run_file() {
+    local f=$1 name t0 limit rc result
     name=$(basename "$f" .py)
     t0=$(date +%s)
     limit=$(fit "$FILE_TIMEOUT" 250)  # keep 250 s for the bench, the one-process run and eval
     if [ "$limit" -eq 0 ]; then
-        printf "%s\t-\t-\tnot run: budget\n" "$name" >>"$DIR/files.tsv"
-        files_failed=1
-        continue
+        printf "%s\t-\t-\tnot run: budget\n" "$name" >"$DIR/tests/$name.row"
+        return
     fi
     timeout -k 10 "$limit" $PY -m pytest -m cuda "$f" -q -rs -p no:cacheprovider \
         --junitxml="$DIR/tests/$name.xml" >"$DIR/tests/$name.log" 2>&1
     rc=$?
     result=$(tail -1 "$DIR/tests/$name.log")
-    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && result="timed out after $limit s"
-    printf "%s\t%s\t%s\t%s\n" "$name" "$rc" "$(($(date +%s) - t0))" "$result" >>"$DIR/files.tsv"
-    if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then files_failed=1; fi  # 5: no test selected
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then result="timed out after $limit s"; fi
+    printf "%s\t%s\t%s\t%s\n" "$name" "$rc" "$(($(date +%s) - t0))" "$result" >"$DIR/tests/$name.row"
+}
+for f in $FILES; do
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 0.5; done
+    run_file "$f" &
+done
+wait
+printf "file\trc\tseconds\tresult\n" >"$DIR/files.tsv"
+files_failed=0
+for f in $FILES; do
+    row="$DIR/tests/$(basename "$f" .py).row"
+    if [ -s "$row" ]; then cat "$row" >>"$DIR/files.tsv"; else printf "%s\t-\t-\tno result\n" "$f" >>"$DIR/files.tsv"; fi
+    rc=$(cut -f2 "$row" 2>/dev/null)
+    if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then files_failed=1; fi  # 5: no test selected; "-": not run
 done
 cat "$DIR/files.tsv" | tee -a "$SUMMARY"
 note "cuda tests file by file: $([ "$files_failed" -eq 0 ] && echo passed || echo FAILED) at $(elapsed) s"

@@ -13,6 +13,9 @@ main loop and instruction mix from the pip nvdisasm, CTAs per SM, and a MODEL
 and v2 side by side when both are registered; with ``--json`` it goes under
 the "sass" key. Exits 1 if an attention kernel's K/V loop is not found.
 
+``--warm`` compiles every instantiation on its own for each arch, in ``--jobs`` processes: the cache
+entries a launch reads (one instantiation each), so a cold machine pays the compiles once, in parallel.
+
 ``--gaps`` prints the kernel policy's report instead (``oasr.fast.kernel_policy``): the
 declared kernel gaps (in scope, no kernel: torch serves them, counted), the declared
 "kernel slower than torch" routings, and what torch served out of scope. It compiles
@@ -79,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
     parser.add_argument("--sass", action="store_true", help="main-loop instruction mix and the attention speed model")
     parser.add_argument("--gaps", action="store_true", help="print the declared kernel gaps and exit (no compile)")
+    parser.add_argument("--warm", action="store_true",
+                        help="compile every instantiation on its own (what a launch reads from the cache), "
+                             "in --jobs processes, then exit")
+    parser.add_argument("--jobs", type=int, default=None, help="--warm: processes (default: the CPUs)")
     args = parser.parse_args(argv)
     if args.gaps:
         from oasr.fast.kernel_policy import format_gap_report
@@ -88,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     archs = _check_args(parser, args)
 
     from oasr.fast.kernels import nvrtc, registry
+
+    if args.warm:
+        for arch in archs:
+            print(f"{nvrtc.warm_cache(arch, args.jobs)} instantiations cached for {arch} in {nvrtc.cache_dir()}")
+        return 0
 
     rows, failed = [], []
     for arch in archs:

@@ -221,6 +221,23 @@ def compile_family(family: str, arch: str, *, use_cache: bool = True,
     return compiled
 
 
+def _compile_one(job: tuple[str, str, str]) -> str:
+    family, arch, expr = job
+    compile_family(family, arch, expressions=[expr])
+    return expr
+
+
+def warm_cache(arch: str, jobs: int | None = None) -> int:
+    """Compile every instantiation on its own for ``arch``, as a launch would (the cache entries lazy loading
+    reads), in ``jobs`` processes (default: the CPUs). A cold machine then pays the compiles once, in parallel,
+    before its test processes. Returns how many instantiations are cached."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    work = [(k.family, arch, k.name_expression(t)) for k in registry.KERNELS for t in k.instances]
+    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        return sum(1 for _ in pool.map(_compile_one, work))
+
+
 def device_arch(device: torch.device) -> str:
     """``sm_XY`` of a CUDA device."""
     major, minor = torch.cuda.get_device_capability(device)
