@@ -26,8 +26,8 @@ import time
 
 import torch
 
+from oasr.cache.paged import PagedKVCache
 from oasr.fast.kernels import ops, registry
-from oasr.paged import PagedKVCache
 
 STREAMS, KV_HEADS, GROUP, HEAD_DIM, BLOCK, HISTORY, FRAMES = 128, 4, 2, 64, 16, 1024, 1
 
