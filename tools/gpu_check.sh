@@ -6,7 +6,7 @@
 # packed into ONE archive, DIR/gpu-check.tar.gz (a lent device machine returns at most 8 files), and removed
 # (GPU_CHECK_KEEP=1 keeps it). DIR/summary.txt (a copy of the one inside) is left beside the archive.
 # Steps, in priority order, each under its own timeout and all under one deadline (GPU_CHECK_BUDGET_S,
-# default 460 s from the start; a step that no longer fits is recorded as "not run: budget"):
+# default 470 s from the start; a step that no longer fits is recorded as "not run: budget"):
 #   0. env.txt (nvidia-smi, python, torch, triton, cuda-python, flashinfer), install.log (the carried wheels);
 #      `python -m oasr kernels --warm` compiles every kernel instantiation for the device, in parallel processes
 #      (a cold NVRTC cache otherwise costs each test process its own compiles) -> warm-kernels.log
@@ -47,7 +47,7 @@ export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-460}
+BUDGET=${GPU_CHECK_BUDGET_S:-470}
 FILE_TIMEOUT=${GPU_CHECK_FILE_TIMEOUT_S:-120}
 SUMMARY="$DIR/summary.txt"
 : >"$SUMMARY"
@@ -143,7 +143,7 @@ fi
 # ---- 0b. the kernel cache, warmed in parallel: every instantiation on its own, what a launch reads -----------------
 DEV_ARCH=$($PY -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm_{m}{n}')" 2>/dev/null)
 if [ -n "$DEV_ARCH" ]; then
-    step "kernel cache ($DEV_ARCH)" 90 360 "$DIR/warm-kernels.log" $PY -m oasr kernels --arch "$DEV_ARCH" --warm
+    step "kernel cache ($DEV_ARCH)" 90 380 "$DIR/warm-kernels.log" $PY -m oasr kernels --arch "$DEV_ARCH" --warm
     tail -1 "$DIR/warm-kernels.log" | tee -a "$SUMMARY"
 fi
 
@@ -155,7 +155,7 @@ run_file() {
     local f=$1 name t0 limit rc result
     name=$(basename "$f" .py)
     t0=$(date +%s)
-    limit=$(fit "$FILE_TIMEOUT" 250)  # keep 250 s for the bench, the one-process run and eval
+    limit=$(fit "$FILE_TIMEOUT" 280)  # keep 280 s for the bench, the one-process run and eval
     if [ "$limit" -eq 0 ]; then
         printf "%s\t-\t-\tnot run: budget\n" "$name" >"$DIR/tests/$name.row"
         return
@@ -190,7 +190,7 @@ if $PY -c "import sys; from oasr.commands.bench import SECTIONS; sys.exit(0 if '
         >/dev/null 2>&1; then
     SECTIONS=attention,launcher
 fi
-step "bench ($SECTIONS)" 120 130 "$DIR/bench.log" \
+step "bench ($SECTIONS)" 120 150 "$DIR/bench.log" \
     $PY -m oasr bench --quick --device cuda --sections "$SECTIONS" --json "$DIR/bench.json"
 DEVICE_NAME=$($PY -c "import torch; print(torch.cuda.get_device_name())" 2>/dev/null || echo "a CUDA device")
 if [ -s "$DIR/bench.json" ] && $PY tools/gpu_report.py "$DIR/bench.json" --device "$DEVICE_NAME" \
@@ -201,7 +201,7 @@ else
 fi
 
 # ---- 3. all cuda tests in one process ---------------------------------------------------------------------------
-if step "cuda tests in one process" 150 40 "$DIR/pytest-cuda-all.log" \
+if step "cuda tests in one process" 180 30 "$DIR/pytest-cuda-all.log" \
         $PY -m pytest -m cuda tests -q -rs -p no:cacheprovider --junitxml="$DIR/junit-cuda-all.xml"; then
     :
 else
