@@ -81,3 +81,20 @@ def test_a_reused_plan_reads_the_current_values():
     for b, n in enumerate(lens.tolist()):
         valid[b, :, :n] = True
     assert not fresh[valid].isnan().any() and torch.equal(reused[valid], fresh[valid])
+
+
+def test_a_plan_with_rel_bias_is_kept_only_for_a_contiguous_table():
+    """The relative-position table's pointer is in the plan: a contiguous table (the caller's) is kept, a
+    strided one (copied for the call) is not; a new table is a new key."""
+    ops._PLANS.clear()
+    cache, q = make_view("cpu", "bf16")
+    B, H, T, _ = q.shape
+    R = 2 * (cache.max_span + T)
+    rel = torch.zeros((B, H, T, R), dtype=torch.float32)
+    noop = NoopExecutor()
+    ops.paged_attention(noop, q, cache, None, 0.125, False, version="v3", rel_bias=rel)
+    ops.paged_attention(noop, q, cache, None, 0.125, False, version="v3", rel_bias=rel)
+    assert len(ops._PLANS) == 1 and all(p.rel_table is None for p in ops._PLANS.values())
+    strided = torch.zeros((B, H, T, 2 * R), dtype=torch.float32)[..., ::2]
+    ops.paged_attention(noop, q, cache, None, 0.125, False, version="v3", rel_bias=strided)
+    assert len(ops._PLANS) == 1 and noop.launches == 3
