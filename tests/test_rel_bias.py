@@ -263,3 +263,33 @@ def test_twins_agree_on_random_geometries(seed, batch, n_kv_head, group, num_fra
     out = fast.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, rel_bias=bias, backend="torch")
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def with_stream_starts(scenario, bias: torch.Tensor, seed: int) -> torch.Tensor:
+    """The table with -inf at every column that reaches before a per-row first frame ``f_b`` in
+    ``[cache_seqstarts, cache_seqlens]`` (as the Nemotron encoder hides its zeroed prefill): only columns
+    a query reads are changed, so the unread ones stay NaN."""
+    c = scenario.cache
+    T = bias.shape[2]
+    g = torch.Generator().manual_seed(seed)
+    out = bias.clone()
+    for b in range(bias.shape[0]):
+        s, start = int(c.cache_seqlens[b]), int(c.cache_seqstarts[b])
+        first = int(torch.randint(start, max(s, start) + 1, (1,), generator=g))
+        for t in range(int(scenario.chunk_lens[b])):
+            lo = (s + t - first) + T  # columns past distance s + t - first: keys before the first frame
+            hi = (s + t - start) + T  # past the oldest key the query sees: unread
+            out[b, :, t, lo:hi] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_minus_infinity_entries_hide_keys(twin, causal):
+    """-inf in the table hides the keys at those distances, as a mask would; rows keep their own frame."""
+    for seed in range(4):
+        s = scenario_with_chunk(seed, twin, batch=4, n_kv_head=2, group=2, num_frames=5, head_dim=16, block_size=4,
+                                max_history=17)
+        bias = with_stream_starts(s, poisoned_bias(s, required_columns(s.cache.max_span, 5), seed, causal), seed)
+        out = twin.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, rel_bias=bias)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, dense_oracle(s, bias, causal, 16**-0.5), rtol=1e-5, atol=1e-5)

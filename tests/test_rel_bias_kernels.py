@@ -27,7 +27,7 @@ from oasr.fast.kernels.testing import (
     with_abs_v,
 )
 from oasr.reference import paged_ops as ref
-from tests.test_rel_bias import poisoned_bias
+from tests.test_rel_bias import poisoned_bias, with_stream_starts
 
 FP32_FLOOR = 1e-5  # fp32 round-off of the kernels' summation order (as tests/test_kernels_emulated.py)
 
@@ -218,3 +218,19 @@ def test_shifted_table_positions_give_the_same_result(emu, version):
                     max_seqlen=c.max_seqlen + 16)
     assert torch.equal(run(version, s, bias, False), run(version, replace(s, cache=moved), bias, False))
     assert math.isfinite(float(run(version, s, bias, False).float().sum()))
+
+
+@pytest.mark.parametrize("version,dtype,pages", [("v1", torch.float32, None), ("v1", torch.bfloat16, "fp8_e4m3"),
+                                                 ("v3", torch.bfloat16, None), ("v3", torch.float16, "fp8_e4m3")])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_minus_infinity_entries_hide_keys(emu, version, dtype, pages, num_splits):
+    """The Nemotron encoder's table: -inf at the distances that reach into the zeroed prefill (whole key
+    tiles, whole splits of a row can be -inf)."""
+    s, bias = case(9, pages=pages, dtype=dtype, batch=4, group=2, num_frames=6, head_dim=128, block_size=16,
+                   max_history=100)
+    bias = with_stream_starts(s, bias, 9)
+    out = run(version, s, bias, False, num_splits)
+    if version == "v1":
+        check_v1(out, ref.paged_attention(s.q, s.cache, s.chunk_lens, rel_bias=bias))
+    else:
+        check_v3(out, s, bias, False)

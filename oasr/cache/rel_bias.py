@@ -50,12 +50,12 @@ the page format (model dtype, fp8 and the other quantized formats alike).
 
 Who checks what (the same words in both twins): shape, dtype and device always; the column count
 against the rows' real widest history wherever their lengths are on the host (the reference, the
-fast twin's CPU backends, a view with a ``HostPlan``). On CUDA the fast twin reads no lengths
-(no device sync); it holds the table to the view's ``max_span`` instead, the host maximum every
-view carries (the engine's captured ticks pin it to the worst case), so a table of
-``required_columns(view.max_span, T)`` columns passes everywhere. If a stale ``max_span`` lets a
-short table by anyway, the kernels give NaN to each query whose window needs a missing column:
-never an out-of-bounds read, never a silent clamp.
+fast twin's CPU backends, a view with a ``HostPlan``). On CUDA the lengths are device values and
+the fast twin reads none (no sync): it checks only ``R >= 2T - 1``, the least any window needs, and
+not the view's ``max_span`` either (an engine's captured tick pins that to the worst case, above the
+real window; a table sized for a prefilled window of ``W`` frames has ``R = W + 2T - 1``). If a table
+is short for a row's real window there, the kernels give NaN to each query that needs a missing
+column: never an out-of-bounds read, never a silent clamp.
 
 Kernels: attention v1 (every dtype and page format) and v3 (fp16 / bf16 queries, model-dtype and
 fp8 pages) have instances with the term (``oasr.fast.kernels.registry.REL_ARG``); v2 has none and

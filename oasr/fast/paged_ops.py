@@ -234,9 +234,9 @@ def paged_attention(
     ``rel_bias``: None, or the relative-position term, a float32 ``(B, n_head, T, R)`` table of
     queries x distances added to the scores (``oasr.cache.rel_bias``: column ``(p_q - p_k) + T - 1``).
     Its ``R`` is checked against the rows' widest history where the lengths are on the host (CPU
-    tensors, or a view's ``HostPlan``), else (CUDA) against the view's ``max_span``: a table of
-    ``oasr.cache.rel_bias.required_columns(cache.max_span, T)`` columns always passes. A query whose window
-    needs a column past ``R`` anyway (a stale ``max_span``) gets NaN from the kernels.
+    tensors, or a view's ``HostPlan``). On CUDA the lengths are device values, not read: only
+    ``R >= 2T - 1`` is checked there (not the view's ``max_span``, which a captured tick pins above
+    the real window), and a query whose window needs a column past ``R`` gets NaN from the kernels.
 
     ``num_splits`` pins the kernels' key-range split count (a CUDA graph replays its launch
     parameters, so a captured width pins it); None lets the launcher choose from the view's
@@ -283,8 +283,10 @@ def paged_attention(
 
 def _check_rel_columns(cache: PagedKVCache, rel_bias, num_frames: int) -> None:
     """``rel_bias``'s column count against the rows' widest history, from host numbers only: the view's
-    ``HostPlan``, else its length tensors when they are CPU tensors; device lengths are not read (then
-    only ``R >= 2T - 1``: the kernels give NaN to a query whose window needs more, see oasr.cache.rel_bias)."""
+    ``HostPlan``, else its length tensors when they are CPU tensors. Device lengths are not read (no sync):
+    then only ``R >= 2T - 1``, the least any window needs. Not the view's ``max_span``: an engine's
+    captured tick pins it to the worst case, above the real window a table is sized for (a prefilled
+    window of ``W`` frames: ``R = W + 2T - 1``). A short table there gives NaN (oasr.cache.rel_bias)."""
     if rel_bias is None:
         return
     plan = cache.host
@@ -293,8 +295,8 @@ def _check_rel_columns(cache: PagedKVCache, rel_bias, num_frames: int) -> None:
     elif cache.cache_seqlens.device.type == "cpu" and cache.cache_seqstarts.device.type == "cpu":
         spans = host_span(cache.cache_seqlens.tolist(), cache.cache_seqstarts.tolist())
         check_rel_bias_columns(rel_bias, spans, num_frames, "the view's lengths")
-    else:  # device lengths are not read: the view's host maximum stands for them
-        check_rel_bias_columns(rel_bias, cache.max_span, num_frames, "the view's max_span; device lengths not read")
+    else:
+        check_rel_bias_columns(rel_bias, 0, num_frames, "device lengths, not read: the least any window needs")
 
 
 # Rows per group on the CPU path: a group's gathered K and V stay within this many bytes, so they
