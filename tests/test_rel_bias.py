@@ -293,3 +293,15 @@ def test_minus_infinity_entries_hide_keys(twin, causal):
         out = twin.paged_attention(s.q, s.cache, s.chunk_lens, causal=causal, rel_bias=bias)
         assert not out.isnan().any()
         torch.testing.assert_close(out, dense_oracle(s, bias, causal, 16**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_empty_cohort_is_checked_like_any_other(twin):
+    s = scenario_with_chunk(0, twin, batch=1, n_kv_head=1, group=1, num_frames=3, head_dim=8, block_size=4,
+                            max_history=0)
+    c = s.cache
+    empty = replace(c, block_table=c.block_table[:0], cache_seqlens=c.cache_seqlens[:0],
+                     cache_seqstarts=c.cache_seqstarts[:0], prepared_frames=None)
+    q = s.q[:0]
+    assert twin.paged_attention(q, empty, rel_bias=torch.zeros(0, 1, 3, 5)).shape == q.shape
+    with pytest.raises(ValueError, match="needs R >= 5"):
+        twin.paged_attention(q, empty, rel_bias=torch.zeros(0, 1, 3, 4))

@@ -251,6 +251,7 @@ def paged_attention(
     what = "query frames (q's dim 2)"
     if B == 0:  # an empty cohort: an empty output (checked like any other; no row path, no launch)
         _host_lens(cache, chunk_lens, T, "paged_attention", what)
+        _check_rel_columns(cache, rel_bias, T)
         return torch.zeros_like(q)
     if name == "torch":
         kernel_policy.serve_out_of_scope("paged_attention", q.device.type)
