@@ -95,10 +95,12 @@ def test_fp8_variants_are_registered():
     # every model dtype and every head_dim the fp8 refusal admits.
     expect = {(t, str(d)) for t in registry.DTYPE_ARG.values() for d in registry.FP8_HEAD_DIMS}
     assert set(registry.BY_NAME["paged_kv_append_fp8_kernel"].instances) == expect
-    attention = {
-        (t, d) for t, page, d in registry.BY_NAME["paged_chunk_attention_kernel"].instances if page == registry.FP8_ARG
-    }
+    instances = registry.BY_NAME["paged_chunk_attention_kernel"].instances
+    attention = {(t, d) for t, page, d, *rel in instances if page == registry.FP8_ARG and not rel}
     assert attention == expect
+    # and each with the relative-position term (oasr.cache.rel_bias)
+    with_term = {(t, d) for t, page, d, *rel in instances if page == registry.FP8_ARG and rel == [registry.REL_ARG]}
+    assert with_term == expect
     assert {t for (t,) in registry.BY_NAME["gather_kv_blocks_fp8_kernel"].instances} == set(registry.DTYPE_ARG.values())
 
 
@@ -136,6 +138,8 @@ def test_attention_v2_is_registered_for_everything_the_launcher_may_choose():
     }
     assert set(registry.BY_NAME["paged_chunk_attention_v2_kernel"].instances) == expect
     assert "paged_chunk_attention_v2" in registry.families()
-    # v3 serves what v2 serves (ops.ATTENTION_SERVES), so it has the same instantiations
-    assert set(registry.BY_NAME["paged_chunk_attention_v3_kernel"].instances) == expect
+    # v3 serves what v2 serves (ops.ATTENTION_SERVES), so it has the same instantiations, each also with the
+    # relative-position term (registry.REL_ARG)
+    assert set(registry.BY_NAME["paged_chunk_attention_v3_kernel"].instances) == expect | {
+        (*a, registry.REL_ARG) for a in expect}
     assert "paged_chunk_attention_v3" in registry.families()
