@@ -43,6 +43,32 @@ keeps the stay's (older) frames.
 
 Precision: both twins score in float64 whatever the input dtype, so their
 scores agree to far better than the 1e-5 the tests ask for.
+
+Committed prefix: any length of audio in fixed-size buffers
+-------------------------------------------------------------
+A beam holds at most ``max_prefix_len`` tokens a prefix, yet a stream may run for
+hours. Every prefix of a row grows from what the row held before, so the leading
+tokens that *all* live prefixes share, with the same emission frames, can never
+change again: they are moved out of the beam into the row's *committed* part
+(host lists, ``CtcHypothesis.tokens`` = committed + stored tokens). Each prefix
+keeps at least one token (its last token drives the search), so a row commits
+``m`` shared (token, frame) pairs, or ``m - 1`` when a prefix is exactly those
+``m``. This is exact: scores, n-best and frames are what an unbounded search
+gives. Both twins apply the one rule, :func:`settle_snapshot`, at the same moments:
+
+* after a call (and after each piece of a split call), in every row whose longest
+  prefix is longer than ``commit_at`` (``max(1, max_prefix_len // 2)``);
+* a call whose chunk would outgrow ``max_prefix_len`` is decoded in pieces that
+  fit (:func:`decode_bounded`), settling between them. Its input values are
+  checked before the first piece, so the call stays all-or-nothing for bad input;
+* only when a row that still has frames to decode has no room at all (its live
+  prefixes disagree on more than ``max_prefix_len`` tokens, which a trained model
+  does not produce) is the search forced: the prefixes that part from the best
+  one earliest are dropped until the rest share all but ``commit_at`` tokens.
+  This is the one place the bounded search may differ from an unbounded one.
+
+With ``max_prefix_len = 1`` no room can ever be made once a token is kept; a
+chunk that would need it raises ``RuntimeError`` as before.
 """
 
 from __future__ import annotations
@@ -79,9 +105,10 @@ class CtcDecoderConfig:
                               non-blank tokens only; None (or 0, normalised to None) means all.
     ``blank_skip_threshold``  a probability in (0, 1]: a frame whose blank probability
                               exceeds it gets no extensions. None (default) turns it off.
-    ``max_prefix_len``        most tokens a hypothesis may hold; the fast twin's token buffer
-                              is this wide. Both twins raise ``RuntimeError`` (and leave the
-                              state unchanged) when a chunk would keep a longer prefix.
+    ``max_prefix_len``        most tokens a beam entry holds past its row's committed part; the
+                              fast twin's token buffer is this wide. Hypotheses may be any
+                              length: the shared prefix is committed as the stream advances
+                              (module docstring, "Committed prefix").
     """
 
     beam_size: int = 4
@@ -113,6 +140,11 @@ class CtcDecoderConfig:
                     f"CtcDecoderConfig.blank_skip_threshold must be None (off) or a probability in (0, 1], got {thr!r}"
                 )
             object.__setattr__(self, "blank_skip_threshold", float(thr))
+
+    @property
+    def commit_at(self) -> int:
+        """A row whose longest prefix is longer than this commits its shared prefix (module docstring)."""
+        return max(1, self.max_prefix_len // 2)
 
     @property
     def blank_skip_log_threshold(self) -> float:
@@ -202,6 +234,8 @@ class BeamEntry(NamedTuple):
 class BeamSnapshot(NamedTuple):
     """A decoder state in neither twin's layout: ``rows[b]`` is row ``b``'s live prefixes, rank order.
 
+    ``committed`` is ``()`` when no row has committed a token, else one ``(tokens, frames)``
+    pair of tuples per row: what precedes every prefix of that row (module docstring).
     Both twins' ``snapshot_state`` produce it and ``restore_state`` accept it, so a state
     taken from one twin continues in the other (``oasr.sessions.format`` serialises it).
     """
@@ -210,6 +244,18 @@ class BeamSnapshot(NamedTuple):
     vocab_size: int
     frames_decoded: int
     rows: tuple
+    committed: tuple = ()
+
+
+def committed_rows(snapshot: BeamSnapshot) -> tuple:
+    """``snapshot.committed`` with one ``(tokens, frames)`` pair per row, ``((), ())`` where nothing is."""
+    return snapshot.committed or tuple(((), ()) for _ in range(snapshot.batch))
+
+
+def pack_committed(pairs) -> tuple:
+    """The ``committed`` field for per-row ``(tokens, frames)`` pairs: ``()`` when all are empty."""
+    pairs = tuple((tuple(t), tuple(f)) for t, f in pairs)
+    return pairs if any(t for t, _ in pairs) else ()
 
 
 def check_snapshot(where: str, config: CtcDecoderConfig, snapshot) -> None:
@@ -229,7 +275,21 @@ def check_snapshot(where: str, config: CtcDecoderConfig, snapshot) -> None:
         raise ValueError(f"{where}: frames_decoded must be an int >= 0, got {fd!r}")
     if len(snapshot.rows) != snapshot.batch:
         raise ValueError(f"{where}: {len(snapshot.rows)} beam rows for batch {snapshot.batch}")
-    for b, row in enumerate(snapshot.rows):
+    if snapshot.committed and len(snapshot.committed) != snapshot.batch:
+        raise ValueError(f"{where}: {len(snapshot.committed)} committed rows for batch {snapshot.batch}")
+    for b, (row, (ctoks, cframes)) in enumerate(zip(snapshot.rows, committed_rows(snapshot), strict=True)):
+        if len(ctoks) != len(cframes):
+            raise ValueError(f"{where}: row {b} commits {len(ctoks)} tokens with {len(cframes)} frames")
+        if any(not 0 <= t < snapshot.vocab_size or t == config.blank_id for t in ctoks):
+            raise ValueError(f"{where}: row {b} commits a token outside [0, {snapshot.vocab_size}) or the blank")
+        first = [e.frames[0] for e in row if e.frames]
+        steps = zip(cframes, cframes[1:], strict=False)
+        if any(not 0 <= f < fd for f in cframes) or any(a >= b for a, b in steps) or \
+                (cframes and any(f <= cframes[-1] for f in first)):
+            raise ValueError(f"{where}: row {b}'s committed frames must increase strictly inside [0, {fd}) "
+                             "and precede its prefixes' frames")
+        if ctoks and any(not e.tokens for e in row):
+            raise ValueError(f"{where}: row {b} has committed tokens, so every prefix keeps at least one token")
         if len(row) > config.beam_size:
             raise ValueError(f"{where}: row {b} holds {len(row)} prefixes, beam_size is {config.beam_size}")
         if len({tuple(e.tokens) for e in row}) != len(row):
@@ -251,3 +311,103 @@ def check_snapshot(where: str, config: CtcDecoderConfig, snapshot) -> None:
                 raise ValueError(f"{at}: a dead prefix (both scores -inf) is never kept")
             if not e.tokens and pnb != -math.inf:
                 raise ValueError(f"{at}: the empty prefix cannot end in a token (log_pnb={pnb})")
+
+
+# ---- the committed prefix (module docstring, "Committed prefix") ------------------------------------
+
+
+def _shared(row) -> int:
+    """Leading (token, frame) pairs every entry of ``row`` shares, less one if an entry is exactly those."""
+    if not row:
+        return 0
+    m = min(len(e.tokens) for e in row)
+    first = row[0]
+    for e in row[1:]:
+        k = 0
+        while k < m and e.tokens[k] == first.tokens[k] and e.frames[k] == first.frames[k]:
+            k += 1
+        m = k
+    return max(0, m - 1) if any(len(e.tokens) == m for e in row) else m
+
+
+def _agreement(e, best) -> int:
+    """Leading (token, frame) pairs ``e`` shares with ``best``."""
+    k, n = 0, min(len(e.tokens), len(best.tokens))
+    while k < n and e.tokens[k] == best.tokens[k] and e.frames[k] == best.frames[k]:
+        k += 1
+    return k
+
+
+def settle_snapshot(config: CtcDecoderConfig, snapshot: BeamSnapshot, force: bool = False) -> BeamSnapshot | None:
+    """Apply the commit rule to every row of ``snapshot``; None when nothing changes.
+
+    Rows whose longest prefix is longer than ``config.commit_at`` move their shared prefix to
+    ``committed``. ``force`` makes room in every row that has none (its longest prefix is still
+    ``max_prefix_len`` long after committing): the prefixes that part from the best one
+    earliest are dropped until the rest share all but ``commit_at`` tokens.
+    """
+    limit, keep = config.max_prefix_len, config.commit_at
+    rows, committed, changed = [], [], False
+    for row, (ctoks, cframes) in zip(snapshot.rows, committed_rows(snapshot), strict=True):
+        longest = max((len(e.tokens) for e in row), default=0)
+        if longest > keep or (force and longest >= limit):
+            kept = list(row)
+            if force and longest - _shared(kept) >= limit:
+                while len(kept) > 1 and max(len(e.tokens) for e in kept) - _shared(kept) > keep:
+                    agree = [_agreement(e, kept[0]) for e in kept[1:]]
+                    low = min(agree)
+                    kept = kept[:1] + [e for e, a in zip(kept[1:], agree, strict=True) if a > low]
+            c = _shared(kept)
+            if c or len(kept) != len(row):
+                changed = True
+                ctoks, cframes = ctoks + kept[0].tokens[:c], cframes + kept[0].frames[:c]
+                row = tuple(BeamEntry(e.tokens[c:], e.frames[c:], e.log_pb, e.log_pnb) for e in kept)
+        rows.append(tuple(row))
+        committed.append((ctoks, cframes))
+    if not changed:
+        return None
+    return BeamSnapshot(snapshot.batch, snapshot.vocab_size, snapshot.frames_decoded, tuple(rows),
+                        pack_committed(committed))
+
+
+def decode_bounded(config: CtcDecoderConfig, states: list, log_probs_list: list, longest, settle, run,
+                   check_values) -> None:
+    """Decode one chunk per state within ``max_prefix_len``: the twins' shared driver (already validated).
+
+    ``longest(state)``: the longest prefix the state holds (host-known); ``settle(state, force)``:
+    apply :func:`settle_snapshot` to the state;
+    ``run(states, chunks)``: the twin's own all-or-nothing decode of chunks that fit;
+    ``check_values(chunks)``: raise for NaN / ``+inf`` (called before a split call changes anything).
+    """
+    limit, keep = config.max_prefix_len, config.commit_at
+    lengths = [x.shape[1] for x in log_probs_list]
+    total = max(lengths, default=0)
+    if total and all(longest(s) + n <= limit for s, n in zip(states, lengths, strict=True)):
+        run(states, log_probs_list)  # the usual case: one piece
+    elif total:
+        if limit == 1:  # no room can be made once a token is kept (module docstring)
+            raise _overflow(limit)
+        check_values(log_probs_list)
+        done = 0
+        while done < total:
+            live = [s for s, n in zip(states, lengths, strict=True) if n > done]
+            for s in live:
+                if longest(s) >= limit:
+                    settle(s, True)
+            step = min(min(limit - longest(s) for s in live), total - done)  # >= 1 once settled
+            run(states, [x[:, done : done + step] for x in log_probs_list])
+            done += step
+            for s in states:
+                if longest(s) > keep:
+                    settle(s, False)
+        return
+    for s in states:
+        if longest(s) > keep:
+            settle(s, False)
+
+
+def _overflow(limit: int) -> RuntimeError:
+    return RuntimeError(
+        f"decode_chunk: a kept prefix would hold more than CtcDecoderConfig.max_prefix_len={limit} tokens; "
+        "the state is unchanged"
+    )

@@ -18,6 +18,12 @@ State layout (``CtcBeamState``; ``R`` rows, ``W = beam_size``, ``L = max_prefix_
     log_pb       (R, W)    float64  blank-ending log score
     log_pnb      (R, W)    float64  non-blank-ending log score
 
+Committed prefix: the tokens every prefix of a row shares move out of these buffers into
+``CtcBeamState.committed`` (host tuples) once the row's longest prefix passes ``commit_at``,
+and a chunk that would outgrow ``L`` runs in pieces; the rule and the driver are the
+reference's (``oasr.ctc_config.settle_snapshot`` / ``decode_bounded``), applied through
+``snapshot_state`` / ``restore_state`` (a host round trip about once per ``L / 2`` tokens).
+
 Slot ``w`` of a row holds the rank-``w`` prefix; a slot is *live* when
 ``logaddexp(log_pb, log_pnb) > -inf``, and live slots come first. Between
 calls a dead slot holds the empty record (length 0, all padding). The buffers
@@ -97,6 +103,10 @@ from oasr.ctc.config import (
     check_log_probs,
     check_snapshot,
     check_state_shape,
+    committed_rows,
+    decode_bounded,
+    pack_committed,
+    settle_snapshot,
     values_error,
 )
 
@@ -135,6 +145,8 @@ class CtcBeamState:
     a larger batch reallocates them. ``frames_decoded`` is the absolute index
     of the stream's next frame. ``longest`` is the longest prefix any row
     holds, a host copy kept by the decoder (so the token window needs no read).
+    ``committed[b]``: row ``b``'s committed ``(tokens, frames)`` tuples, on the host
+    (``oasr.ctc_config``, "Committed prefix").
     """
 
     config: CtcDecoderConfig
@@ -143,6 +155,7 @@ class CtcBeamState:
     frames_decoded: int
     buffers: _Beams
     longest: int = 0
+    committed: list = None
 
     @property
     def capacity(self) -> int:
@@ -489,7 +502,7 @@ class StreamingCtcDecoder:
         check_state_shape("create_state", self.config, batch, vocab_size)
         buffers = _allocate(batch, self.config, self.device)
         _fill_initial(buffers)
-        return CtcBeamState(self.config, batch, vocab_size, 0, buffers)
+        return CtcBeamState(self.config, batch, vocab_size, 0, buffers, 0, [((), ())] * batch)
 
     def reset_state(self, state: CtcBeamState, batch: int, vocab_size: int) -> None:
         """Overwrite ``state`` in place so it decodes exactly as ``create_state(batch, vocab_size)``.
@@ -502,6 +515,7 @@ class StreamingCtcDecoder:
         if batch > state.capacity:
             state.buffers = _allocate(batch, self.config, state.device)
         state.batch, state.vocab_size, state.frames_decoded, state.longest = batch, vocab_size, 0, 0
+        state.committed = [((), ())] * batch
         _fill_initial(state.rows())
 
     def snapshot_state(self, state: CtcBeamState) -> BeamSnapshot:
@@ -519,7 +533,7 @@ class StreamingCtcDecoder:
             )
             for b in range(state.batch)
         )
-        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, rows)
+        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, rows, pack_committed(state.committed))
 
     def restore_state(self, state: CtcBeamState, snapshot: BeamSnapshot) -> None:
         """Overwrite ``state`` in place so it decodes exactly as the state ``snapshot`` was taken from.
@@ -549,6 +563,7 @@ class StreamingCtcDecoder:
             state.buffers = _allocate(R, self.config, state.device)
         state.batch, state.vocab_size, state.frames_decoded = R, snapshot.vocab_size, snapshot.frames_decoded
         state.longest = max((len(e.tokens) for row in snapshot.rows for e in row), default=0)
+        state.committed = [(tuple(map(int, t)), tuple(map(int, f))) for t, f in committed_rows(snapshot)]
         for buf, new in zip(state.rows(), host, strict=True):
             buf.copy_(new)
 
@@ -580,6 +595,23 @@ class StreamingCtcDecoder:
 
     def _decode(self, states: list[CtcBeamState], log_probs_list: list[torch.Tensor], where: str) -> None:
         self._check_cohort(states, log_probs_list)
+        # long chunks in pieces, shared prefixes committed: the reference's driver (oasr.ctc_config)
+        decode_bounded(self.config, states, log_probs_list, lambda s: s.longest, self._settle,
+                       lambda ss, chunks: self._decode_fitting(ss, chunks, where),
+                       lambda chunks: self._check_values(chunks, where))
+
+    def _settle(self, state: CtcBeamState, force: bool) -> None:
+        """The commit rule through the host (rare: once a row's prefixes pass ``commit_at``)."""
+        settled = settle_snapshot(self.config, self.snapshot_state(state), force)
+        if settled is not None:
+            self.restore_state(state, settled)
+
+    @staticmethod
+    def _check_values(chunks: list[torch.Tensor], where: str) -> None:
+        if any(x.numel() and not bool(x.amax() < math.inf) for x in chunks):
+            raise values_error(where)
+
+    def _decode_fitting(self, states: list[CtcBeamState], log_probs_list: list[torch.Tensor], where: str) -> None:
         lengths = [x.shape[1] for x in log_probs_list]
         if max(lengths, default=0) == 0:
             return
@@ -694,9 +726,9 @@ class StreamingCtcDecoder:
         out = []
         for b in range(B):
             live = [w for w in range(n) if score[b][w] > NEG_INF]
-            out.append(
-                [CtcHypothesis(tokens[b][w][: lengths[b][w]], score[b][w], frames[b][w][: lengths[b][w]]) for w in live]
-            )
+            ct, cf = state.committed[b]
+            out.append([CtcHypothesis(list(ct) + tokens[b][w][: lengths[b][w]], score[b][w],
+                                      list(cf) + frames[b][w][: lengths[b][w]]) for w in live])
         return out
 
     # ---- validation -----------------------------------------------------------------

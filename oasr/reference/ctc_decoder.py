@@ -19,6 +19,10 @@ once, in ``oasr.ctc.config``; this file is a literal transcription of them::
                 entries[prefix + c] += extension term
         beam = stable_sort(entries, by score, descending)[:beam_size]
 
+Each row also holds a committed part: the prefix all its beam entries share, moved out of
+the beam so a stream of any length fits ``max_prefix_len`` (``oasr.ctc_config``,
+"Committed prefix"); hypotheses are the committed part plus the entry.
+
 API (mirrored by the fast twin): ``create_state(batch, vocab_size)``,
 ``reset_state(state, batch, vocab_size)``, ``decode_chunk(state, log_probs)``
 with ``log_probs`` of shape ``(batch, T, vocab)``, ``decode_chunks(states,
@@ -43,6 +47,10 @@ from oasr.ctc.config import (
     check_log_probs,
     check_snapshot,
     check_state_shape,
+    committed_rows,
+    decode_bounded,
+    pack_committed,
+    settle_snapshot,
 )
 
 NEG_INF = -math.inf
@@ -85,7 +93,8 @@ class CtcBeamState:
     ``beams[b]`` is row ``b``'s beam in rank order (best first), never longer
     than ``config.beam_size``, holding only prefixes with a finite score.
     ``frames_decoded`` counts frames consumed since the last reset; it is the
-    absolute frame index of the next frame.
+    absolute frame index of the next frame. ``committed[b]`` is row ``b``'s committed
+    ``(tokens, frames)``: what precedes every prefix of the row (``oasr.ctc_config``).
     """
 
     config: CtcDecoderConfig
@@ -93,6 +102,12 @@ class CtcBeamState:
     vocab_size: int
     frames_decoded: int = 0
     beams: list[list[Prefix]] = field(default_factory=list)
+    committed: list = field(default_factory=list)
+
+    @property
+    def longest(self) -> int:
+        """The longest prefix any row keeps in its beam (past its committed part)."""
+        return max((len(p.tokens) for beam in self.beams for p in beam), default=0)
 
 
 @dataclass
@@ -168,7 +183,8 @@ class StreamingCtcDecoder:
     def create_state(self, batch: int, vocab_size: int) -> CtcBeamState:
         """A fresh state of ``batch`` rows, each holding only the empty prefix."""
         check_state_shape("create_state", self.config, batch, vocab_size)
-        return CtcBeamState(self.config, batch, vocab_size, 0, [empty_beam() for _ in range(batch)])
+        return CtcBeamState(self.config, batch, vocab_size, 0, [empty_beam() for _ in range(batch)],
+                            [((), ())] * batch)
 
     def reset_state(self, state: CtcBeamState, batch: int, vocab_size: int) -> None:
         """Make ``state`` decode exactly as ``create_state(batch, vocab_size)`` would.
@@ -180,13 +196,14 @@ class StreamingCtcDecoder:
         check_state_shape("reset_state", self.config, batch, vocab_size)
         state.beams.clear()
         state.beams.extend(empty_beam() for _ in range(batch))
+        state.committed[:] = [((), ())] * batch
         state.batch, state.vocab_size, state.frames_decoded = batch, vocab_size, 0
 
     def snapshot_state(self, state: CtcBeamState) -> BeamSnapshot:
         """The state as a twin-neutral ``BeamSnapshot`` (reads it, changes nothing)."""
         self._check_state(state, "snapshot_state")
         rows = tuple(tuple(BeamEntry(p.tokens, p.frames, p.pb, p.pnb) for p in beam) for beam in state.beams)
-        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, rows)
+        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, rows, pack_committed(state.committed))
 
     def restore_state(self, state: CtcBeamState, snapshot: BeamSnapshot) -> None:
         """Overwrite ``state`` so it decodes exactly as the state ``snapshot`` was taken from.
@@ -202,6 +219,7 @@ class StreamingCtcDecoder:
             for row in snapshot.rows
         ]
         state.beams[:] = beams
+        state.committed[:] = [(tuple(map(int, t)), tuple(map(int, f))) for t, f in committed_rows(snapshot)]
         state.batch, state.vocab_size = snapshot.batch, snapshot.vocab_size
         state.frames_decoded = snapshot.frames_decoded
 
@@ -215,9 +233,19 @@ class StreamingCtcDecoder:
 
         Mirrors the fast twin's batched entry point. Here it is a loop: every
         state and chunk is validated, every new beam computed, and only then
-        are the states committed.
+        are the states committed. Long chunks run in pieces and rows commit their
+        shared prefix (``oasr.ctc_config.decode_bounded``), exactly as in the fast twin.
         """
         self._check_cohort(states, log_probs_list)
+        decode_bounded(self.config, states, log_probs_list, lambda s: s.longest, self._settle, self._decode_fitting,
+                       lambda chunks: None)  # the values were checked with the shapes
+
+    def _settle(self, state: CtcBeamState, force: bool) -> None:
+        settled = settle_snapshot(self.config, self.snapshot_state(state), force)
+        if settled is not None:
+            self.restore_state(state, settled)
+
+    def _decode_fitting(self, states: list[CtcBeamState], log_probs_list: list[torch.Tensor]) -> None:
         updates = []
         for state, log_probs in zip(states, log_probs_list, strict=True):
             lp_rows = log_probs.detach().to("cpu", torch.float64).tolist()
@@ -245,7 +273,8 @@ class StreamingCtcDecoder:
         ``CtcHypothesis([], -inf, [])``.
         """
         self._check_state(state, "peek")
-        return [_hypothesis(beam[0]) if beam else CtcHypothesis([], NEG_INF, []) for beam in state.beams]
+        return [_hypothesis(beam[0], c) if beam else CtcHypothesis([], NEG_INF, [])
+                for beam, c in zip(state.beams, state.committed, strict=True)]
 
     def finalize_stream(self, state: CtcBeamState) -> list[list[CtcHypothesis]]:
         """Per row, the ``nbest`` best hypotheses, best first (fewer if the beam holds fewer).
@@ -254,7 +283,8 @@ class StreamingCtcDecoder:
         usable (decoding may go on, or ``reset_state`` recycles it).
         """
         self._check_state(state, "finalize_stream")
-        return [[_hypothesis(p) for p in beam[: self.config.nbest]] for beam in state.beams]
+        return [[_hypothesis(p, c) for p in beam[: self.config.nbest]]
+                for beam, c in zip(state.beams, state.committed, strict=True)]
 
     # ---- validation -------------------------------------------------------------
     def _check_state(self, state, where: str) -> None:
@@ -275,5 +305,6 @@ class StreamingCtcDecoder:
             )
 
 
-def _hypothesis(prefix: Prefix) -> CtcHypothesis:
-    return CtcHypothesis(list(prefix.tokens), prefix.score, list(prefix.frames))
+def _hypothesis(prefix: Prefix, committed: tuple) -> CtcHypothesis:
+    tokens, frames = committed
+    return CtcHypothesis(list(tokens + prefix.tokens), prefix.score, list(frames + prefix.frames))

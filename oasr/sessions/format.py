@@ -263,6 +263,9 @@ def _encode_beam(config: CtcDecoderConfig, beam: BeamSnapshot) -> bytes:
         for e in row:
             n = len(e.tokens)
             parts.append(struct.pack(f"<Idd{n}i{n}i", n, e.log_pb, e.log_pnb, *e.tokens, *e.frames))
+    for tokens, frames in beam.committed:  # only when a row has committed tokens (see _decode_beam)
+        n = len(tokens)
+        parts.append(struct.pack(f"<Q{n}i{n}i", n, *tokens, *frames))
     return b"".join(parts)
 
 
@@ -488,8 +491,18 @@ def _decode_beam(raw: bytes) -> tuple[CtcDecoderConfig, BeamSnapshot]:
             values = r.unpack(f"{2 * n}i")
             row.append(BeamEntry(tuple(values[:n]), tuple(values[n:]), pb, pnb))
         rows.append(tuple(row))
+    committed = []
+    if r.pos < len(raw):  # the rows' committed (tokens, frames): present once a row has committed a token
+        for _ in range(batch):
+            n = r.one("Q")
+            if 8 * n > len(raw):
+                raise SessionError(f"CTC beam section: {n} committed tokens cannot fit in {len(raw)} bytes")
+            values = r.unpack(f"{2 * n}i")
+            committed.append((tuple(values[:n]), tuple(values[n:])))
+        if not any(t for t, _ in committed):
+            raise SessionError("CTC beam section: a committed part in which no row has a token")
     r.done()
-    beam = BeamSnapshot(batch, vocab, frames_decoded, tuple(rows))
+    beam = BeamSnapshot(batch, vocab, frames_decoded, tuple(rows), tuple(committed))
     try:
         check_snapshot("CTC beam section", config, beam)
     except ValueError as exc:
