@@ -54,7 +54,7 @@ change again: they are moved out of the beam into the row's *committed* part
 keeps at least one token (its last token drives the search), so a row commits
 ``m`` shared (token, frame) pairs, or ``m - 1`` when a prefix is exactly those
 ``m``. This is exact: scores, n-best and frames are what an unbounded search
-gives. Both twins apply the one rule, :func:`settle_snapshot`, at the same moments:
+gives. Both twins apply the one rule, :func:`settle_rows`, at the same moments:
 
 * after a call (and after each piece of a split call), in every row whose longest
   prefix is longer than ``commit_at`` (``max(1, max_prefix_len // 2)``);
@@ -338,18 +338,20 @@ def _agreement(e, best) -> int:
     return k
 
 
-def settle_snapshot(config: CtcDecoderConfig, snapshot: BeamSnapshot, force: bool = False) -> BeamSnapshot | None:
-    """Apply the commit rule to every row of ``snapshot``; None when nothing changes.
+def settle_rows(config: CtcDecoderConfig, rows, force: bool = False) -> tuple[tuple, list] | None:
+    """The commit rule on a state's beam rows (``BeamSnapshot.rows``): ``(new rows, additions)``, or None.
 
-    Rows whose longest prefix is longer than ``config.commit_at`` move their shared prefix to
-    ``committed``. ``force`` makes room in every row that has none (its longest prefix is still
-    ``max_prefix_len`` long after committing): the prefixes that part from the best one
-    earliest are dropped until the rest share all but ``commit_at`` tokens.
+    Rows whose longest prefix is longer than ``config.commit_at`` move their shared prefix out;
+    ``additions[b]`` is the ``(tokens, frames)`` row ``b`` appends to its committed part. ``force``
+    makes room in every row that has none (its longest prefix is still ``max_prefix_len`` long
+    after committing): the prefixes that part from the best one earliest are dropped until the
+    rest share all but ``commit_at`` tokens. Costs what the beams hold, never the committed part.
     """
     limit, keep = config.max_prefix_len, config.commit_at
-    rows, committed, changed = [], [], False
-    for row, (ctoks, cframes) in zip(snapshot.rows, committed_rows(snapshot), strict=True):
+    out, additions, changed = [], [], False
+    for row in rows:
         longest = max((len(e.tokens) for e in row), default=0)
+        added = ((), ())
         if longest > keep or (force and longest >= limit):
             kept = list(row)
             if force and longest - _shared(kept) >= limit:
@@ -360,14 +362,21 @@ def settle_snapshot(config: CtcDecoderConfig, snapshot: BeamSnapshot, force: boo
             c = _shared(kept)
             if c or len(kept) != len(row):
                 changed = True
-                ctoks, cframes = ctoks + kept[0].tokens[:c], cframes + kept[0].frames[:c]
+                added = kept[0].tokens[:c], kept[0].frames[:c]
                 row = tuple(BeamEntry(e.tokens[c:], e.frames[c:], e.log_pb, e.log_pnb) for e in kept)
-        rows.append(tuple(row))
-        committed.append((ctoks, cframes))
-    if not changed:
+        out.append(tuple(row))
+        additions.append(added)
+    return (tuple(out), additions) if changed else None
+
+
+def settle_snapshot(config: CtcDecoderConfig, snapshot: BeamSnapshot, force: bool = False) -> BeamSnapshot | None:
+    """:func:`settle_rows` on a whole snapshot (its committed part extended); None when nothing changes."""
+    settled = settle_rows(config, snapshot.rows, force)
+    if settled is None:
         return None
-    return BeamSnapshot(snapshot.batch, snapshot.vocab_size, snapshot.frames_decoded, tuple(rows),
-                        pack_committed(committed))
+    rows, additions = settled
+    committed = [(t + at, f + af) for (t, f), (at, af) in zip(committed_rows(snapshot), additions, strict=True)]
+    return snapshot._replace(rows=rows, committed=pack_committed(committed))
 
 
 def decode_bounded(config: CtcDecoderConfig, states: list, log_probs_list: list, longest, settle, run,
@@ -375,7 +384,7 @@ def decode_bounded(config: CtcDecoderConfig, states: list, log_probs_list: list,
     """Decode one chunk per state within ``max_prefix_len``: the twins' shared driver (already validated).
 
     ``longest(state)``: the longest prefix the state holds (host-known); ``settle(state, force)``:
-    apply :func:`settle_snapshot` to the state;
+    apply :func:`settle_rows` to the state;
     ``run(states, chunks)``: the twin's own all-or-nothing decode of chunks that fit;
     ``check_values(chunks)``: raise for NaN / ``+inf`` (called before a split call changes anything).
     """
