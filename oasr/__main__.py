@@ -4,7 +4,32 @@ kernels, formats, engine-demo, serve; ``--version``."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import sys
+
+
+def _regular_package() -> None:
+    """Make ``oasr`` the package this file belongs to when Python took a folder named ``oasr`` for it.
+
+    From the folder that holds a clone named ``oasr``, ``python -m oasr`` finds the clone itself first
+    (the working directory leads ``sys.path``) and imports it as an empty namespace package: the real
+    package's modules still load (through the install's finder), but ``oasr`` lacks its own names
+    (``__version__``). Put the real package in its place before anything else is imported. (The
+    package finds its assets from its own files, so nothing else depends on how it was imported.)
+    """
+    package = sys.modules.get("oasr")
+    if package is None or getattr(package, "__file__", None) is not None:
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("oasr", os.path.join(here, "__init__.py"),
+                                                  submodule_search_locations=[here])
+    real = importlib.util.module_from_spec(spec)
+    sys.modules["oasr"] = real
+    spec.loader.exec_module(real)
+
+
+_regular_package()
 
 COMMANDS = {
     "demo": ("oasr.commands.speech_demo", "live streams of the shipped clips, transcribed (the main job)"),
