@@ -24,6 +24,7 @@ def test_demo_runs_and_reports(tmp_path, capsys, extra):
     assert "best token sequences" in out and "decoder states created" in out
     assert "-> OK" in out
     assert "demo: 1 torch thread(s)" in out
+    assert "oasr engine-demo: 6 streams" in out  # it called itself "oasr demo", the speech demo's name
     assert plot.exists() and plot.stat().st_size > 10_000
     if extra:
         assert "fp8 saves" in out
@@ -49,7 +50,17 @@ def test_bench_quick_section_json(tmp_path, capsys):
 
 def test_usage(capsys):
     assert oasr_main(["--help"]) == 0
-    assert "demo" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # every command's name stands apart from its description (transcribe and engine-demo ran into theirs)
+    from oasr.__main__ import COMMANDS
+
+    for name in COMMANDS:
+        assert re.search(rf"^  {name}  +\S", out, re.MULTILINE), out
+    assert max(map(len, out.splitlines())) <= 110
+    # no command: the same list as a usage error, on stderr, exit 2 (it went to stdout)
+    assert oasr_main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.endswith("python -m oasr: error: no command given\n")
     assert oasr_main(["nonsense"]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
@@ -179,6 +190,42 @@ def test_help_shows_every_option_with_help_and_default(capsys, command):
     for name in names:
         assert re.search(rf"^\s+{name}\b", options, re.MULTILINE), f"{name} has no help line"
     assert options.count("(default") == len(names), options
+    # issue 31 item 18: no reStructuredText markup, no "(default: None)", a required option shows no default
+    assert "``" not in out and "(default: None)" not in out
+
+
+def test_help_texts_read_whole(capsys):
+    from oasr.commands.bench import SECTIONS
+
+    with pytest.raises(SystemExit):
+        oasr_main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "finishes in seconds" not in out and "about 2 minutes" in out  # item 16: the time --quick takes
+    assert "(default: all, in this order: " + ", ".join(SECTIONS) + ")" in out  # no name cut at a line end
+    with pytest.raises(SystemExit):
+        oasr_main(["train", "--help"])
+    work = re.search(r"--work WORK(.*?)\n  --", capsys.readouterr().out, re.DOTALL).group(1)
+    assert "default" not in work  # required: no default to show
+
+
+def test_errors_name_the_command_as_invoked(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/oasr", "transcribe"])
+    with pytest.raises(SystemExit):
+        oasr_main(["transcribe", "/no/such/file.wav"])
+    assert capsys.readouterr().err.startswith("oasr transcribe: error: /no/such/file.wav: no such file")
+    assert oasr_main(["nonsense"]) == 2
+    assert capsys.readouterr().err.startswith("oasr: error: unknown command 'nonsense'")
+
+
+def test_kernels_without_the_cuda_extra_is_a_usage_error(capsys, monkeypatch):
+    from oasr.commands import kernels
+
+    def missing():
+        raise ImportError("No module named 'cuda'")
+
+    monkeypatch.setattr(kernels, "supported_archs", missing)
+    line = _refuses(capsys, ["kernels"])
+    assert "install the `cuda` extra" in line
 
 
 def test_demo_head_dim_follows_the_device():

@@ -53,8 +53,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         parser.error(f"--arch: no arch in {args.arch!r}; give e.g. sm_80,sm_90")
     try:
         supported = supported_archs()
-    except ImportError as exc:
-        parser.exit(1, f"{parser.prog}: error: NVRTC is not installed ({exc}); pip install -e '.[cuda]'\n")
+    except ImportError as exc:  # the `cuda` extra is missing: a usage error like any other (exit 2, one line)
+        parser.error(f"NVRTC is not installed ({exc}); install the `cuda` extra: pip install -e '.[cuda]' "
+                     "(or, from PyPI, pip install 'oasr[cuda]')")
     names = ", ".join(f"sm_{n}" for n in supported)
     for arch in archs:
         match = _ARCH.match(arch)
@@ -76,7 +77,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m oasr kernels`` with ``argv`` (the process's arguments by default); returns the exit status."""
-    parser = CommandParser(prog="python -m oasr kernels", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m oasr kernels", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     parser.add_argument("--arch", default="sm_80,sm_90", help="comma-separated archs")
     parser.add_argument("--no-cache", action="store_true", help="recompile instead of using the kernel cache")
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH (default: not written)")

@@ -30,7 +30,8 @@ def build_parser() -> CommandParser:
     parser.add_argument("--realtime", action=argparse.BooleanOptionalAction, default=True,
                         help="send audio at real time (latency is meaningful only then)")
     parser.add_argument("--show", type=int, default=6, help="transcripts to print beside their references")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the numbers as JSON")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the numbers as JSON (default: not written)")
     parser.add_argument("--plot", default="oasr_demo_streams.png", metavar="PATH",
                         help="plot of the run over time: live streams, pool blocks in use, chunk latency "
                              "(.png, .pdf or .svg; '' for none)")

@@ -22,7 +22,7 @@ def build_parser() -> CommandParser:
                         help="audio files, or directories: the audio files directly inside them")
     parser.add_argument("--channel", type=int, default=None, metavar="N",
                         help="of a file with several channels, transcribe channel N only (0 is the first, the "
-                             "left of a stereo file) instead of their mix (the default)")
+                             "left of a stereo file) (default: the mix of all channels)")
     parser.add_argument("--partials", action="store_true",
                         help="also print each partial result as it changes, with the audio time it was reached")
     add_model_options(parser)
