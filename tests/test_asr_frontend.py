@@ -111,7 +111,7 @@ def test_bad_audio_is_one_clear_error(tmp_path, case):
 
 
 def test_stereo_is_mixed_down_or_one_channel_is_taken(tmp_path):
-    # issue 31 item 15: most recordings are stereo; they used to be refused
+    # most recordings are stereo; they used to be refused
     pcm = _clip_pcm()
     left, right = pcm, np.roll(pcm, 800) * 0.5
     path = tmp_path / "stereo.wav"

@@ -128,7 +128,7 @@ def test_demo_runs_on_shipped_clips(capsys, tmp_path):
     out = capsys.readouterr().out
     for needle in ("WER", "real-time factor", "p50", "p99", "kv_pool", "reference:"):
         assert needle in out or needle == "reference:"
-    # issue 31 items 17 and 18: the plot the package promises, and --no-realtime keeps streams overlapping
+    # the plot the package promises, and --no-realtime keeps streams overlapping (it held one at a time)
     assert f"plot: {plot}" in out and plot.stat().st_size > 10_000
     peak = int(re.search(r"peak (\d+) streams held", out).group(1))
     assert peak >= 2, out

@@ -190,7 +190,7 @@ def test_help_shows_every_option_with_help_and_default(capsys, command):
     for name in names:
         assert re.search(rf"^\s+{name}\b", options, re.MULTILINE), f"{name} has no help line"
     assert options.count("(default") == len(names), options
-    # issue 31 item 18: no reStructuredText markup, no "(default: None)", a required option shows no default
+    # no reStructuredText markup, no "(default: None)", a required option shows no default
     assert "``" not in out and "(default: None)" not in out
 
 
@@ -310,7 +310,7 @@ def test_transcripts_label_the_shown_sequence_score():
     assert "rescored" not in lines[0] and "CTC log p     -1.00" in lines[1]
 
 
-# ---- issue 31 item 14: run from the folder that holds a clone named ``oasr`` ------------------------------
+# ---- run from the folder that holds a clone named ``oasr`` -----------------------------------------------------
 # Python takes the clone (a folder named oasr without __init__.py) for a namespace package ``oasr`` when it
 # is in the working directory, and an editable install's finder (appended to sys.meta_path) still supplies
 # the submodules. This child reproduces that: cwd = a folder holding ``oasr`` -> this checkout, the usual
@@ -358,7 +358,7 @@ def test_commands_run_from_the_folder_holding_a_clone_named_oasr(tmp_path):
     assert done.stdout.splitlines() == ["assets ok", f"oasr {oasr.__version__}"]
 
 
-# ---- issue 31 items 13 and 15: the speech commands' inputs ---------------------------------------------------
+# ---- the speech commands' inputs: folders, channels, a test set's missing clip ---------------------------------
 def test_eval_with_a_listed_clip_missing_is_one_line(capsys, tmp_path):
     (tmp_path / "transcripts.tsv").write_text("0000\thello\t{\"voice\": \"en\"}\n")
     line = _refuses(capsys, ["eval", "--testset", str(tmp_path)])

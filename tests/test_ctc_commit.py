@@ -1,6 +1,6 @@
 """The committed prefix: any length of audio through fixed-size beam buffers (``oasr.ctc.config``).
 
-Issue 31 item 2: ~45 s of speech made both twins raise at ``max_prefix_len=512`` inside a live
+Before this, ~45 s of speech made both twins raise at ``max_prefix_len=512`` inside a live
 stream. Rows now move the prefix all their beams share out of the beam; long chunks run in pieces.
 """
 
@@ -201,7 +201,7 @@ def test_two_hour_stream_in_bounded_memory():
     # 2 h at 25 encoder frames a second = 180,000 frames of synthetic posteriors through one pooled
     # state of the fast twin, 64 frames a call: the beam buffers never grow or move, the longest kept
     # prefix stays within max_prefix_len, and over a traced stretch mid-stream Python memory grows
-    # by the committed transcript only. (Before issue 31 this raised after 64 tokens.)
+    # by the committed transcript only. (It used to raise after 64 tokens.)
     frames, chunk, block, V = 2 * 3600 * 25, 64, 6000, 6
     config = CtcDecoderConfig(beam_size=2, token_topk=2, max_prefix_len=64)
     manager = CtcStateCacheManager(fast_mod.StreamingCtcDecoder(config))

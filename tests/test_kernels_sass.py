@@ -186,7 +186,7 @@ def test_kernels_command_sass_table_and_json(tmp_path, capsys):
     assert main(["--arch", "sm_90", "--sass", "--json", str(path), "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "MODEL, NOT MEASURED" in out and "| v1 | sm_90 | bf16 |" in out and "| v1 | sm_90 | fp8 |" in out
-    # without --verbose: a summary of a few lines (issue 31 item 16: the README's command printed ~685)
+    # without --verbose: a summary of a few lines (the README's command printed ~685)
     assert main(["--arch", "sm_90", "--sass"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) <= 4, lines

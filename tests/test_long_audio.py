@@ -1,4 +1,4 @@
-"""Long audio through the speech path (issue 31 item 2): minutes of continuous speech transcribe.
+"""Long audio through the speech path: minutes of continuous speech transcribe.
 
 Before the CTC search committed its shared prefix, ~45 s of speech (512 characters) made
 ``oasr transcribe`` and ``oasr eval`` end in ``RuntimeError: ... max_prefix_len=512``.

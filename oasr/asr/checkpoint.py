@@ -82,7 +82,7 @@ def read_header(path) -> dict:
 
 def default_model_path() -> Path:
     """The model shipped with the package (``oasr/assets/model/model.safetensors``)."""
-    # from this file, not importlib.resources: the right folder however ``oasr`` was imported (issue 31 item 14)
+    # from this file, not importlib.resources: right even when a clone named oasr was imported as the package
     return Path(__file__).resolve().parents[1] / "assets" / "model" / "model.safetensors"
 
 

@@ -46,7 +46,7 @@ def _voice(column: str) -> str:
 
 def shipped_testset_dir() -> Path:
     """The held-out test set shipped inside the package."""
-    # from this file, not importlib.resources: the right folder however ``oasr`` was imported (issue 31 item 14)
+    # from this file, not importlib.resources: right even when a clone named oasr was imported as the package
     return Path(__file__).resolve().parents[1] / "assets" / "testset"
 
 
