@@ -68,7 +68,7 @@ class RequestError(ValueError):
 
 
 def decode_upload(data: bytes, name: str = "upload", max_seconds: float | None = None) -> np.ndarray:
-    """Mono float32 PCM at 16 kHz from the bytes of an uploaded audio file (WAV, FLAC, OGG).
+    """Mono float32 PCM at 16 kHz from the bytes of an uploaded audio file (any format libsndfile reads).
 
     ``oasr.asr.audio.load_audio``'s reading and checks (downmix and resampling included), as
     ``RequestError``: 400 for an empty file, one soundfile cannot read, a truncated one or a rate out
