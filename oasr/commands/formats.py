@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             check_format_supported(config.kv_cache_dtype, config.head_dim, config.device, dtype=dtype,
                                    backend=args.backend)
         except (ValueError, KeyError) as exc:
-            print(f"python -m oasr formats: error: {' '.join(str(exc).split())}", file=sys.stderr)
+            print(f"{parser.prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
             return 2
         print(f"{args.check}: served (head_dim={args.head_dim}, block_size={args.block_size}, {args.dtype}, "
               f"{args.device}, backend {args.backend or 'default'}) -> kv_cache_dtype={config.kv_cache_dtype!r}")

@@ -52,7 +52,7 @@ def check_args(parser: CommandParser, args) -> None:
     """Every option, before any work (one line on stderr, exit status 2 for a bad one)."""
     check_model_options(parser, args)
     if args.full_context:
-        parser.error("the server streams; --full-context is for python -m oasr eval")
+        parser.error("the server streams; --full-context is for the eval command")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if not args.admit_timeout >= 0:

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     if args.clips is not None and args.clips < 1:
         parser.error(f"--clips must be >= 1, got {args.clips}")
     if args.full_context:
-        parser.error("the demo streams; --full-context is for python -m oasr eval")
+        parser.error("the demo streams; --full-context is for the eval command")
     if args.json:
         check_output_path(parser, args.json, "--json")
     if args.plot:
