@@ -55,3 +55,20 @@ def test_eval_on_a_minute_long_clip(tmp_path, capsys):
     assert oasr_main(["eval", "--testset", str(tmp_path), "--json", str(out_json)]) == 0
     result = json.loads(out_json.read_text())
     assert result["utterances"] == 1 and result["audio_seconds"] > 50 and result["cer"] < 0.3, result
+
+
+def test_a_long_stream_suspends_and_resumes_with_its_committed_text(tmp_path):
+    # past 512 characters the CTC rows hold a committed part; the session carries it, so a stream
+    # suspended at 50 s and resumed on another recognizer ends with the uninterrupted transcript
+    from oasr.asr.audio import load_audio
+    from oasr.asr.recognizer import Recognizer
+    from tests.test_recognizer_sessions import stream_clip
+
+    _concatenate(60, tmp_path / "minute.flac")
+    pcm = load_audio(tmp_path / "minute.flac")
+    rec = Recognizer(max_streams=2)
+    want, _ = stream_clip(rec, pcm)
+    assert len(want) > 600
+    suspend_at = int(50 * 16000 / 5120)  # the piece that ends near 50 s
+    got, _ = stream_clip(rec, pcm, suspend_at=suspend_at, target=Recognizer(max_streams=2))
+    assert got == want
