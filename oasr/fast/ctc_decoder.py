@@ -18,11 +18,11 @@ State layout (``CtcBeamState``; ``R`` rows, ``W = beam_size``, ``L = max_prefix_
     log_pb       (R, W)    float64  blank-ending log score
     log_pnb      (R, W)    float64  non-blank-ending log score
 
-Committed prefix: the tokens every prefix of a row shares move out of these buffers into
-``CtcBeamState.committed`` (host lists) once the row's longest prefix passes ``commit_at``,
-and a chunk that would outgrow ``L`` runs in pieces; the rule and the driver are the
-reference's (``oasr.ctc.config.settle_rows`` / ``decode_bounded``), applied through
-``_beam_rows`` / ``_restore_rows`` (a host round trip about once per ``L / 2`` tokens).
+Committed prefix: when a call would outgrow ``L``, the tokens every prefix of a row shares move
+out of these buffers into ``CtcBeamState.committed`` (host lists) and the call runs in pieces
+that fit; the rule and the driver are the reference's (``oasr.ctc.config.settle_rows`` /
+``decode_bounded``), applied through ``_beam_rows`` / ``_restore_rows``: a host round trip at
+most once per ``L - commit_at`` frames of a stream, none in a call that fits.
 
 Slot ``w`` of a row holds the rank-``w`` prefix; a slot is *live* when
 ``logaddexp(log_pb, log_pnb) > -inf``, and live slots come first. Between
@@ -610,9 +610,9 @@ class StreamingCtcDecoder:
                        lambda ss, chunks: self._decode_fitting(ss, chunks, where),
                        lambda chunks: self._check_values(chunks, where))
 
-    def _settle(self, state: CtcBeamState, force: bool) -> None:
-        """The commit rule through the host (rare: once a row's prefixes pass ``commit_at``)."""
-        settled = settle_rows(self.config, self._beam_rows(state), force)
+    def _settle(self, state: CtcBeamState) -> None:
+        """The commit rule through the host (rare: only when a call would outgrow ``max_prefix_len``)."""
+        settled = settle_rows(self.config, self._beam_rows(state))
         if settled is not None:
             rows, additions = settled
             self._restore_rows(state, rows)

@@ -247,8 +247,8 @@ class StreamingCtcDecoder:
         decode_bounded(self.config, states, log_probs_list, lambda s: s.longest, self._settle, self._decode_fitting,
                        lambda chunks: None)  # the values were checked with the shapes
 
-    def _settle(self, state: CtcBeamState, force: bool) -> None:
-        settled = settle_rows(self.config, self._beam_rows(state), force)
+    def _settle(self, state: CtcBeamState) -> None:
+        settled = settle_rows(self.config, self._beam_rows(state))
         if settled is not None:
             rows, additions = settled
             self._restore_rows(state, rows)
