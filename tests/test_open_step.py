@@ -17,7 +17,8 @@ import torch
 from oasr import fast, reference
 from oasr.decoder.common import ViewStep
 from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
-from oasr.fast.decoder_cache import HostStep
+from oasr.fast.decoder_cache import beams, sizes
+from oasr.fast.decoder_cache.steps import HostStep
 
 
 def _config(page: int, n_kv_head: int, head_dim: int) -> DecoderCacheConfig:
@@ -47,9 +48,7 @@ def _state(m) -> tuple:
 def test_open_step_handles_agree_on_bytes_ids_and_attention(page, n_kv_head, n_head, head_dim, few_rows,
                                                             monkeypatch):
     """``few_rows``: the fast twin's ``_prepare`` decides in numpy (0) or row by row (a beam's size)."""
-    import oasr.fast.decoder_cache as fdc
-
-    monkeypatch.setattr(fdc, "_FEW_ROWS", few_rows)
+    monkeypatch.setattr(sizes, "FEW_ROWS", few_rows)
     config = _config(page, n_kv_head, head_dim)
     managers = _managers(config, seed=page)
     g = torch.Generator().manual_seed(page * 7 + n_head)
@@ -169,8 +168,6 @@ def test_select_cancel_loop_and_numpy_branches_agree(monkeypatch):
     """``select``'s reference cancellation (``_cancel``) by size: the counting loop for a few ids, numpy
     for many. Both drop the first occurrences (an id still reaches 0 at its last place in what remains)
     and leave the same references to take."""
-    import oasr.fast.decoder_cache as fdc
-
     rng = np.random.default_rng(7)
     for _ in range(400):
         hi = int(rng.integers(1, 40))
@@ -178,8 +175,8 @@ def test_select_cancel_loop_and_numpy_branches_agree(monkeypatch):
         taken = rng.integers(0, hi, int(rng.integers(1, 300)))
         results = []
         for few in (0, 10**9):
-            monkeypatch.setattr(fdc, "_FEW_CANCEL", few)
-            results.append(fdc._cancel(released, taken))
+            monkeypatch.setattr(sizes, "FEW_CANCEL", few)
+            results.append(beams._cancel(released, taken))
         (left_a, take_a), (left_b, take_b) = results
         assert left_a.tolist() == left_b.tolist()
         assert sorted(take_a.tolist()) == sorted(take_b.tolist())
@@ -198,9 +195,7 @@ def test_select_and_steps_agree_with_the_reference_in_a_tight_pool(few_rows, mon
     """Random beams in a pool too small for every select: the fast twin's bookkeeping in numpy (0) and
     row by row (64: every cohort counts as a few rows) accepts and refuses exactly what the reference
     does (the same message, nothing changed on a refusal) and keeps the same block ids."""
-    import oasr.fast.decoder_cache as fdc
-
-    monkeypatch.setattr(fdc, "_FEW_ROWS", few_rows)
+    monkeypatch.setattr(sizes, "FEW_ROWS", few_rows)
     config = DecoderCacheConfig(num_layers=1, n_kv_head=1, head_dim=4, page_size=2, max_num_blocks=40,
                                 max_rows=12, max_self_tokens=9, max_cross_tokens=3)
     managers = [reference.DecoderKVCacheManager(config), fast.DecoderKVCacheManager(config)]

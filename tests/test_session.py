@@ -518,3 +518,13 @@ def test_resume_refuses_a_stream_longer_than_this_engine_allows():
     with pytest.raises(StreamCapacityError):
         tight.resume(data)
     assert same_snapshot(before, engine_snapshot(tight))
+
+
+def test_codec_round_trips_zero_dim_and_empty_tensors():
+    """A slot state of shape () (a scalar per stream) is written and read like any other."""
+    import torch
+
+    from oasr.sessions.codec import tensor_bytes, tensor_from
+
+    for t in (torch.tensor(3.5), torch.tensor(-7, dtype=torch.int64), torch.zeros(0, 3), torch.arange(6.0).view(2, 3)):
+        assert torch.equal(tensor_from(tensor_bytes(t), t.dtype, tuple(t.shape)), t)

@@ -1,10 +1,13 @@
 """Speech in, text out: the trained model served by ``StreamingEngine`` over the paged caches.
 
 ``Recognizer`` owns one engine. Audio reaches it stream by stream: ``open_stream()`` returns an
-``AudioStream`` whose ``accept(pcm)`` runs the online fbank (``oasr.asr.features.OnlineFbank``),
-normalizes with the model's CMVN and pushes the frames; ``end()`` closes the input. ``step()``
-runs one engine tick (a chunk for every stream with enough audio, batched) and updates each
-stream's partial transcript. ``transcribe(clips)`` is the whole loop for a list of files or PCM
+``AudioStream`` whose ``accept(pcm)`` checks the piece and copies it into the stream's PCM buffer;
+``end()`` closes the input. ``step()`` first runs the front end for every stream whose buffered
+audio completes a chunk, in one batched call (``oasr.asr.batched_fbank``: Kaldi's fbank, equal
+to kaldi-native-fbank's within ``FBANK_TOLERANCE``), normalizes with the model's CMVN and pushes
+the frames, then runs one engine tick (a chunk for every stream with enough audio, batched) and
+updates each stream's partial transcript. ``stage_clock`` (the engine's ``StageClock``) adds up
+where the time goes. ``transcribe(clips)`` is the whole loop for a list of files or PCM
 arrays, at most ``max_streams`` at once.
 
 Decoding is the engine's CTC prefix beam search; ``rescore=True`` adds the attention decoder's
@@ -37,10 +40,16 @@ import numpy as np
 import torch
 
 from oasr.asr.audio import check_pcm, load_audio
+from oasr.asr.batched_fbank import PcmBuffer, fbank_frames
 from oasr.asr.checkpoint import default_model_path, load_checkpoint
-from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE, OnlineFbank
+from oasr.asr.features import FRAME_LENGTH, FRAME_SHIFT, SAMPLE_RATE
 from oasr.ctc.config import CtcDecoderConfig
+from oasr.layers import Linear
 
+# Recognizer(matmul_dtype=): the encoder's projections in fp32 (None, torch's numerics) or bfloat16
+# (oasr.layers.Linear.set_compute_dtype; on a CPU with AVX512-BF16 ~3x the fp32 GEMM; the shipped model's
+# transcripts of the 120 shipped clips are the same either way, tests/test_capacity.py)
+MATMUL_DTYPES = {None: None, "bfloat16": torch.bfloat16}
 STREAM_MAGIC = b"OASRAUD1"  # a suspended AudioStream (Recognizer.suspend)
 
 
@@ -57,50 +66,67 @@ class Transcript:
 
 
 class AudioStream:
-    """One live utterance inside a ``Recognizer`` (from ``Recognizer.open_stream``)."""
+    """One live utterance inside a ``Recognizer`` (from ``Recognizer.open_stream``).
+
+    ``accept`` only checks the piece and copies it into the stream's ``PcmBuffer``; the fbank runs in
+    the recognizer's next ``step``, batched over every stream whose buffered audio completes a chunk
+    (``Recognizer._front_end``), or at once for this stream on ``end`` and ``suspend``.
+    """
 
     def __init__(self, recognizer: Recognizer, stream_id):
         self.recognizer = recognizer
         self.id = stream_id
-        self.fbank = OnlineFbank()
+        self.pcm = PcmBuffer()
+        self.input_finished = False  # end() was called: the last frames went in, the engine was told
         self.samples = 0
         self.frames_pushed = 0
         self.frames_done = 0  # feature frames turned into encoder output so far
         self.text = ""
         self.partials: list = []
         self.latencies: list = []
-        self._arrivals: list = []  # (feature frames available, time)
+        self._arrivals: list = []  # (samples accepted so far, time they were sent)
 
-    def accept(self, pcm, sample_rate: int = SAMPLE_RATE) -> None:
-        """Take the next piece of audio (mono samples at ``sample_rate``); ``AudioError`` for bad input."""
+    def accept(self, pcm, sample_rate: int = SAMPLE_RATE, sent_at: float | None = None) -> None:
+        """Take the next piece of audio (mono samples at ``sample_rate``); ``AudioError`` for bad input,
+        ``ValueError`` after ``end``. ``sent_at``: when the source sent it (``time.perf_counter`` of
+        this machine; default now), the start of the latency of the chunk it completes."""
+        started = time.perf_counter()
+        if self.input_finished:
+            raise ValueError(f"stream {self.id!r}: audio after end()")
+        if self.recognizer.engine.status(self.id) == "finished":
+            raise ValueError(f"stream {self.id!r} has finished; it takes no more audio")
         x = check_pcm(pcm, sample_rate, f"stream {self.id!r}") if np.asarray(pcm).size else np.zeros(0, np.float32)
-        self._push(self.fbank.accept(x))
-        self.samples += x.size
+        if x.size:
+            self.pcm.append(x)
+            self.samples += x.size
+            self._arrivals.append((self.samples, started if sent_at is None else sent_at))
+            self.recognizer._buffered.add(self.id)
+        self.recognizer.stage_clock.add("ingest", time.perf_counter() - started)
 
     def end(self) -> None:
         """End the stream's audio: the last fbank frames go in and the engine finishes the stream."""
-        self._push(self.fbank.finish())
+        started = time.perf_counter()
+        if not self.input_finished:
+            self.recognizer._push_frames([self], [self.pcm.frames_ready()])
+            self.input_finished = True
+            self.recognizer._buffered.discard(self.id)
+        self.recognizer.stage_clock.add("front_end", time.perf_counter() - started)
         self.recognizer.engine.end_stream(self.id)
-
-    def _push(self, feats: np.ndarray) -> None:
-        if len(feats):
-            self.recognizer.engine.push(self.id, self.recognizer.cmvn.normalize(feats))
-            self.frames_pushed += len(feats)
-            self._arrivals.append((self.frames_pushed, time.perf_counter()))
 
     def _advance(self, encoder_frames: int, now: float) -> None:
         """A tick turned ``encoder_frames`` more frames into output at ``now``: record the chunk's latency,
-        counted from the push that completed its audio (the first push reaching past its last frame)."""
+        counted from the piece that completed its audio (the first reaching past its last frame's window)."""
         if not encoder_frames:
             return
         rate = self.recognizer.encoder.config.subsampling_rate
         self.frames_done += encoder_frames * rate
-        completing = next((t for frames, t in self._arrivals if frames >= self.frames_done), None)
+        needed = FRAME_LENGTH + (self.frames_done - 1) * FRAME_SHIFT  # samples the chunk's last frame reads
+        completing = next((t for samples, t in self._arrivals if samples >= needed), None)
         if completing is None and self._arrivals:
             completing = self._arrivals[-1][1]
         if completing is not None:
             self.latencies.append(now - completing)
-        while self._arrivals and self._arrivals[0][0] <= self.frames_done:
+        while len(self._arrivals) > 1 and self._arrivals[0][0] < needed:
             self._arrivals.pop(0)
 
 
@@ -110,7 +136,10 @@ class Recognizer:
     def __init__(self, model_path=None, *, twin: str = "fast", device: str = "cpu", kv_cache_dtype=None,
                  chunk_size: int | None = None, num_left_chunks: int | None = None, rescore: bool = False,
                  full_context: bool = False, beam_size: int = 8, max_streams: int = 16, cuda_graphs=None,
-                 max_seconds: float = 60.0):
+                 max_seconds: float = 60.0, matmul_dtype: str | None = None):
+        if matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"Recognizer: matmul_dtype must be one of {sorted(MATMUL_DTYPES, key=str)}, "
+                             f"got {matmul_dtype!r}")
         overrides = {k: v for k, v in (("chunk_size", chunk_size), ("num_left_chunks", num_left_chunks))
                      if v is not None}
         path = Path(model_path) if model_path is not None else default_model_path()
@@ -119,6 +148,10 @@ class Recognizer:
         self.device = torch.device(device)
         self.encoder.to(self.device)
         self.decoder.to(self.device)
+        self.matmul_dtype = matmul_dtype
+        for module in self.encoder.modules():  # before the engine: a CUDA graph captures the GEMMs as they are
+            if isinstance(module, Linear):
+                module.set_compute_dtype(MATMUL_DTYPES[matmul_dtype])
         self.rescore, self.full_context = bool(rescore), bool(full_context)
         self.ctc_config = CtcDecoderConfig(beam_size=beam_size, nbest=min(beam_size, 8) if rescore else 1)
         cfg = self.encoder.config
@@ -134,6 +167,8 @@ class Recognizer:
                                       rescorer=self.decoder if self.rescore else None,
                                       ctc_weight=self.spec.ctc_weight, cuda_graphs=cuda_graphs)
         self.streams: dict = {}
+        self._buffered: set = set()  # ids of streams holding audio the front end has not turned into frames
+        self.stage_clock = self.engine.stage_clock  # the engine's stages, and ingest, front end, delivery here
         self.busy_seconds = 0.0  # time spent in feature extraction and engine ticks
 
     # ---- streaming -------------------------------------------------------------------------
@@ -150,6 +185,7 @@ class Recognizer:
             raise KeyError(f"unknown stream id {stream_id!r}")
         self.engine.cancel(stream_id)
         del self.streams[stream_id]
+        self._buffered.discard(stream_id)
 
     def suspend(self, stream_id) -> bytes:
         """Take a live stream out of the recognizer as self-contained bytes (see ``resume``).
@@ -171,6 +207,7 @@ class Recognizer:
         else:
             kind, payload, ended = "session", self.engine.suspend(stream_id), None  # raises for a finished one
         del self.streams[stream_id]
+        self._buffered.discard(stream_id)
         return self._stream_blob(stream, kind, payload, ended)
 
     def checkpoint(self, stream_id) -> bytes:
@@ -194,10 +231,10 @@ class Recognizer:
     def _stream_blob(self, stream: AudioStream, kind: str, payload: bytes, ended) -> bytes:
         meta = {"version": 1, "kind": kind, "stream_id": stream.id, "samples": stream.samples,
                 "frames_pushed": stream.frames_pushed, "frames_done": stream.frames_done, "text": stream.text,
-                "partials": [[t, text] for t, text in stream.partials], "fbank_finished": stream.fbank.finished,
+                "partials": [[t, text] for t, text in stream.partials], "fbank_finished": stream.input_finished,
                 "input_ended": ended, "model": self.engine.model_digest.hex()}
         body = json.dumps(meta).encode()
-        tail = stream.fbank.tail.astype(np.float32).tobytes()
+        tail = (b"" if stream.input_finished else stream.pcm.samples.astype(np.float32).tobytes())
         data = b"".join([STREAM_MAGIC, struct.pack("<I", len(body)), body, struct.pack("<Q", len(tail)), tail,
                          struct.pack("<Q", len(payload)), payload])
         return data + hashlib.blake2b(data, digest_size=32).digest()
@@ -211,6 +248,8 @@ class Recognizer:
         part), an id in use ``ValueError``. Latencies start afresh (the resumed stream's first chunk is
         timed from the resume)."""
         meta, tail, payload = self._read_stream_blob(data)
+        if not np.isfinite(tail).all():
+            raise ValueError("Recognizer.resume: the stream's unconsumed audio holds NaN or infinite samples")
         if meta["kind"] == "session":
             sid = self.engine.resume(payload, stream_id)
         else:
@@ -225,13 +264,14 @@ class Recognizer:
                 self.engine.cancel(sid)
                 raise
         stream = AudioStream(self, sid)
-        stream.fbank = OnlineFbank.restore(tail)
-        if meta["fbank_finished"]:
-            stream.fbank.finish()
+        stream.pcm.append(tail)
+        stream.input_finished = bool(meta["fbank_finished"])
+        if tail.size and not stream.input_finished:
+            self._buffered.add(sid)
         stream.samples, stream.frames_pushed = meta["samples"], meta["frames_pushed"]
         stream.frames_done, stream.text = meta["frames_done"], meta["text"]
         stream.partials = [(t, text) for t, text in meta["partials"]]
-        stream._arrivals = [(stream.frames_pushed, time.perf_counter())]
+        stream._arrivals = [(stream.samples, time.perf_counter())]
         self.streams[sid] = stream
         return stream
 
@@ -278,14 +318,16 @@ class Recognizer:
     def step(self, on_error=None) -> list:
         """One engine tick; returns the ``Transcript`` of every stream that finished in it.
 
-        ``on_error(stream_id, exc)``: called for an exception raised while one stream's output of the
-        tick is taken (its text, timings, transcript), after which the other streams' outputs are
-        taken as usual; the caller drops that stream. Without it the exception propagates. An
+        ``on_error(stream_id, exc)``: called for an exception raised while one stream's frames are pushed
+        (the front end) or its output of the tick is taken (its text, timings, transcript), after which
+        the other streams' are handled as usual; the caller drops that stream. Without it the exception propagates. An
         exception of the engine's batched tick itself always propagates (it names no stream)."""
         t0 = time.perf_counter()
+        self._front_end(on_error)
+        t1 = time.perf_counter()
+        self.stage_clock.add("front_end", t1 - t0)
         outputs = self.engine.step()
         now = time.perf_counter()
-        self.busy_seconds += now - t0
         done = []
         for sid, out in outputs.items():
             try:
@@ -302,10 +344,55 @@ class Recognizer:
                 if on_error is None:
                     raise
                 on_error(sid, exc)  # this stream's work failed; the others' outputs are still taken
+        delivered = time.perf_counter()
+        self.stage_clock.add("delivery", delivered - now)
+        self.busy_seconds += delivered - t0
         return done
+
+    def _front_end(self, on_error=None) -> None:
+        """Turn buffered audio into pushed frames, batched, for every stream whose audio completes a chunk.
+
+        A stream's frames wait in its ``PcmBuffer`` until, with the frames the engine already holds for
+        it, they make a whole chunk (``engine.chunk_input_frames``): before that the engine could not
+        encode them anyway. One fbank call for all of them (``fbank_frames``), one CMVN."""
+        if not self._buffered:
+            return
+        chunk = self.engine.chunk_input_frames
+        ready, counts = [], []
+        for sid in self._buffered:
+            stream = self.streams[sid]
+            n = stream.pcm.frames_ready()
+            if n and self.engine.status(sid) == "finished":  # ended early (finish_reason "length"): drop it
+                stream.pcm.take_windows(n)
+            elif n and stream.frames_pushed - stream.frames_done + n >= chunk:
+                ready.append(stream)
+                counts.append(n)
+        if ready:
+            self._push_frames(ready, counts, on_error)
+        self._buffered = {sid for sid in self._buffered if sid in self.streams and self.streams[sid].pcm.frames_ready()}
+
+    def _push_frames(self, streams: list, counts: list, on_error=None) -> None:
+        """``counts[i]`` fbank frames of ``streams[i]``'s buffered audio, computed in one call, normalized, pushed
+        (``on_error(stream_id, exc)`` as in ``step``: a push that fails is that stream's failure)."""
+        if not sum(counts):
+            return
+        windows = np.concatenate([s.pcm.take_windows(n) for s, n in zip(streams, counts, strict=True)])
+        feats = self.cmvn.normalize(fbank_frames(windows))
+        start = 0
+        for stream, n in zip(streams, counts, strict=True):
+            if n:
+                try:
+                    self.engine.push(stream.id, feats[start : start + n])
+                    stream.frames_pushed += n
+                except Exception as exc:
+                    if on_error is None:
+                        raise
+                    on_error(stream.id, exc)  # this stream's frames failed; the others' still go in
+                start += n
 
     def _finish(self, sid) -> Transcript:
         stream = self.streams.pop(sid)
+        self._buffered.discard(sid)
         result = self.engine.result(sid)
         text = self.tokenizer.decode(result.tokens)
         first = self.tokenizer.decode(result.first_pass) if result.first_pass is not None else text

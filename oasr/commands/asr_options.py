@@ -23,7 +23,12 @@ def _shipped_chunking() -> tuple:
 def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16) -> None:
     """Add the options every speech command shares (model, twin, device, streaming geometry, decoding, threads)."""
     parser.add_argument("--model", default=None,
-                        help="a model checkpoint (.safetensors) (default: the model shipped with the package)")
+                        help="a model checkpoint (.safetensors), or a Nemotron streaming checkpoint directory "
+                             "(Hugging Face layout, read locally) (default: the model shipped with the package)")
+    parser.add_argument("--lookahead", type=int, default=None,
+                        help="with a Nemotron checkpoint directory: the trained lookahead, in encoder frames, that "
+                             "sets the chunk (and latency) = (lookahead + 1) x 80 ms; the published checkpoint "
+                             "trains 13, 6, 1, 0 = 1120, 560, 160, 80 ms chunks (default: the checkpoint's)")
     parser.add_argument("--twin", choices=("fast", "reference"), default="fast", help="engine twin")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--kv-cache-dtype", choices=("model", "auto", *FORMAT_NAMES[1:]), default=None,
@@ -54,8 +59,45 @@ def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespac
     if args.full_context and args.kv_cache_dtype:
         parser.error("--full-context uses no K/V cache, so --kv-cache-dtype has nothing to store")
     check_device(parser, args.device)
-    if args.model is not None:
+    if args.model is not None and os.path.isdir(args.model):
+        check_transducer_options(parser, args)
+    elif args.lookahead is not None:
+        parser.error("--lookahead applies to a Nemotron checkpoint directory (--model DIR)")
+    elif args.model is not None:
         check_model_file(parser, args.model)
+
+
+def is_transducer(args: argparse.Namespace) -> bool:
+    """Whether ``--model`` names a checkpoint directory (served by ``oasr.asr.transducer``)."""
+    return args.model is not None and os.path.isdir(args.model)
+
+
+def check_transducer_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--model DIR`` is a Nemotron checkpoint oasr reads, ``--lookahead`` one it was trained with, and no
+    option it cannot serve was given (one line on stderr and exit 2 otherwise)."""
+    unsupported = [flag for flag, given in (("--rescore", args.rescore), ("--full-context", args.full_context),
+                                            ("--chunk-size", args.chunk_size is not None),
+                                            ("--num-left-chunks", args.num_left_chunks is not None),
+                                            ("--kv-cache-dtype auto", args.kv_cache_dtype == "auto"),
+                                            ("--beam", args.beam != parser.get_default("beam")),
+                                            ("--device", args.device != "cpu")) if given]
+    if unsupported:
+        parser.error(f"--model {args.model}: a transducer checkpoint does not take {', '.join(unsupported)} "
+                     f"(its chunk is set by --lookahead; greedy RNN-T decoding on the CPU)")
+    from oasr.asr.transducer import Lookaheads
+    from oasr.checkpoints import detect_format
+    from oasr.models.transducer import read_hf_transducer
+
+    try:
+        fmt = detect_format(args.model)
+        if fmt != "nemotron_asr_streaming":
+            raise ValueError(f"{args.model}: a {fmt} checkpoint, not a Nemotron streaming (RNN-T) one")
+        lookaheads = Lookaheads.from_checkpoint(args.model)
+        if args.lookahead is not None:
+            lookaheads.check(args.lookahead)
+        read_hf_transducer(args.model)
+    except ValueError as exc:
+        parser.error(f"--model {str(exc).splitlines()[0]}")
 
 
 def check_model_file(parser: argparse.ArgumentParser, path: str) -> None:
@@ -84,8 +126,27 @@ def recognizer(args: argparse.Namespace, **extra):
                       full_context=args.full_context, beam_size=args.beam, max_streams=args.max_streams, **extra)
 
 
+def transducer_recognizer(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """A ``TransducerRecognizer`` for ``--model DIR`` (after :func:`check_transducer_options`); what only building
+    it can find (e.g. a page format that does not serve the model's head size) is one line and exit 2."""
+    import torch
+
+    from oasr.asr.transducer import TransducerRecognizer
+
+    torch.set_num_threads(args.threads)
+    kv = None if args.kv_cache_dtype in (None, "model") else args.kv_cache_dtype
+    try:
+        return TransducerRecognizer(args.model, None, args.lookahead, {"twin": args.twin},
+                                    max_batch_size=args.max_streams, kv_cache_dtype=kv)
+    except ValueError as exc:
+        parser.error(f"--model {args.model}: {str(exc).splitlines()[0]}")
+
+
 def configuration(args: argparse.Namespace, rec) -> dict:
     """The configuration a result was measured under, with the model's defaults filled in."""
+    if is_transducer(args):
+        return {"model": str(Path(args.model)), "twin": args.twin, "device": args.device,
+                "lookahead": rec.lookahead, "decoder": "rnnt_greedy", "kv_cache_dtype": args.kv_cache_dtype or "model"}
     cfg = rec.encoder.config
     streaming = not args.full_context
     return {"model": str(Path(args.model)) if args.model else "shipped", "twin": args.twin, "device": args.device,

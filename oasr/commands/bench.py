@@ -28,6 +28,7 @@ SECTIONS = {
     "accuracy": ("oasr.bench.accuracy", "section", True),  # WER per cache choice (the trained model)
     "speech": ("oasr.bench.speech", "section", True),  # RTF and latency at 1/8/64 live streams, training speed
     "serve": ("oasr.bench.serve", "section", True),  # python -m oasr serve under the openai client and live clients
+    "capacity": ("oasr.bench.capacity", "section", True),  # live streams held at real time within a latency budget
 }
 
 
@@ -43,6 +44,8 @@ QUICK_HELP = ("a reduced grid; all sections take about 2 minutes on a 2-core CPU
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """Every option, before any work (one line on stderr, exit status 2); returns the sections to run."""
     check_at_least(parser, args, {"threads": 1})
+    if not args.latency_budget_ms > 0 or args.latency_budget_ms == float("inf"):
+        parser.error(f"--latency-budget-ms must be a finite number > 0, got {args.latency_budget_ms}")
     names = [n.strip() for n in args.sections.split(",") if n.strip()]
     unknown = [n for n in names if n not in SECTIONS]
     if unknown or not names:
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="device for the sections that take one: cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: small ops on a shared 2-core machine are noisy with more)")
+    parser.add_argument("--latency-budget-ms", type=float, default=250.0,
+                        help="capacity section: the p99 chunk latency a number of live streams must hold")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="also write all rows as JSON to PATH; without PATH the JSON alone goes to stdout "
                              "and the tables to stderr (default: not written)")
@@ -92,7 +97,8 @@ def _run(args: argparse.Namespace, names: list[str]) -> list[dict]:
     for name in tqdm(names, desc="bench", unit="section", file=sys.stderr):
         module_name, function, takes_device = SECTIONS[name]
         section = getattr(importlib.import_module(module_name), function)
-        rows = section(args.quick, args.device) if takes_device else section(args.quick)
+        extra = {"latency_budget_ms": args.latency_budget_ms} if name == "capacity" else {}
+        rows = section(args.quick, args.device, **extra) if takes_device else section(args.quick)
         rows = with_ratio(rows)
         all_rows += rows
         notes = getattr(importlib.import_module(module_name), "NOTES", "")

@@ -6,7 +6,14 @@ import json
 
 from oasr.asr.evaluation import evaluate
 from oasr.commands import CommandParser, check_output_path
-from oasr.commands.asr_options import add_model_options, check_model_options, configuration, recognizer
+from oasr.commands.asr_options import (
+    add_model_options,
+    check_model_options,
+    configuration,
+    is_transducer,
+    recognizer,
+    transducer_recognizer,
+)
 
 
 def build_parser() -> CommandParser:
@@ -38,7 +45,7 @@ def main(argv=None) -> int:
         clips = load_testset(args.testset, args.limit)
     except ValueError as exc:
         parser.error(str(exc))
-    rec = recognizer(args)
+    rec = transducer_recognizer(args, parser) if is_transducer(args) else recognizer(args)
     result = evaluate(rec, clips)
     result["configuration"] = configuration(args, rec)
     print(f"{result['utterances']} utterances, {result['audio_seconds']:.0f} s of audio: "

@@ -16,7 +16,7 @@ import os
 import tempfile
 
 from oasr.commands import CommandParser
-from oasr.commands.asr_options import add_model_options, check_model_options, recognizer
+from oasr.commands.asr_options import add_model_options, check_model_options, is_transducer, recognizer
 
 DEFAULT_CHECKPOINT_EVERY = 5.0  # seconds, with --state-dir
 
@@ -51,6 +51,9 @@ def build_parser() -> CommandParser:
 def check_args(parser: CommandParser, args) -> None:
     """Every option, before any work (one line on stderr, exit status 2 for a bad one)."""
     check_model_options(parser, args)
+    if is_transducer(args):  # the server drives Recognizer's stream API; TransducerRecognizer does not offer it yet
+        parser.error(f"--model {args.model}: a Nemotron checkpoint directory is served by transcribe, eval and demo; "
+                     f"the server does not take one yet")
     if args.full_context:
         parser.error("the server streams; --full-context is for the eval command")
     if not 0 <= args.port <= 65535:

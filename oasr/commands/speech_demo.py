@@ -17,7 +17,14 @@ import numpy as np
 
 from oasr.asr.playback import play
 from oasr.commands import CommandParser, check_at_least, check_output_path
-from oasr.commands.asr_options import add_model_options, check_model_options, configuration, recognizer
+from oasr.commands.asr_options import (
+    add_model_options,
+    check_model_options,
+    configuration,
+    is_transducer,
+    recognizer,
+    transducer_recognizer,
+)
 
 
 def build_parser() -> CommandParser:
@@ -84,6 +91,32 @@ def plot_run(run: dict, pool_blocks: int, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def transducer_demo(args, parser, clips, audio) -> int:
+    """``demo --model DIR``: the shipped clips through a Nemotron checkpoint (its lookahead and chunk duration,
+    the trained ones, the transcripts beside their references, WER and real-time factor)."""
+    import time
+
+    from oasr.asr.metrics import error_rates
+
+    rec = transducer_recognizer(args, parser)
+    la = rec.lookaheads
+    params = sum(p.numel() for p in rec.encoder.model.parameters()) if hasattr(rec.encoder, "model") else 0
+    print(f"oasr demo: {len(clips)} clips through {args.model} ({params:,}-parameter encoder + "
+          f"{sum(p.numel() for p in rec.head.parameters()):,}-parameter transducer), twin {args.twin}")
+    print(f"  lookahead {rec.lookahead}: {la.latency_seconds(rec.lookahead) * 1000:.0f} ms chunks; trained: "
+          f"{la.describe()}")
+    t0 = time.perf_counter()
+    transcripts = rec.transcribe(audio, piece_seconds=args.piece_ms / 1000)
+    wall = time.perf_counter() - t0
+    for clip, t in list(zip(clips, transcripts, strict=True))[: args.show]:
+        print(f"   {clip.id} {t.text}\n   {' ' * len(clip.id)} reference: {clip.text}")
+    rates = error_rates([c.text for c in clips], [t.text for t in transcripts])
+    seconds = sum(len(a) for a in audio) / 16000
+    print(f"accuracy: WER {100 * rates['wer']:.2f}%, CER {100 * rates['cer']:.2f}% over {len(clips)} clips; "
+          f"speed: real-time factor {wall / seconds:.3f} ({wall:.1f} s for {seconds:.1f} s of audio)")
+    return 0
+
+
 def main(argv=None) -> int:
     """Run ``python -m oasr demo`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = build_parser()
@@ -107,6 +140,8 @@ def main(argv=None) -> int:
 
     clips = load_testset(limit=args.clips)
     audio = [load_audio(c.path) for c in clips]
+    if is_transducer(args):
+        return transducer_demo(args, parser, clips, audio)
     rec = recognizer(args)
     cfg = rec.encoder.config
     print(f"demo: {args.threads} torch thread(s)")

@@ -9,7 +9,13 @@ import sys
 from pathlib import Path
 
 from oasr.commands import CommandParser
-from oasr.commands.asr_options import add_model_options, check_model_options, recognizer
+from oasr.commands.asr_options import (
+    add_model_options,
+    check_model_options,
+    is_transducer,
+    recognizer,
+    transducer_recognizer,
+)
 
 
 def build_parser() -> CommandParser:
@@ -44,8 +50,12 @@ def main(argv=None) -> int:
             audio.append(load_audio(path, args.channel))
         except AudioError as exc:
             parser.error(str(exc))
-    rec = recognizer(args, max_seconds=max(60.0, max(len(a) for a in audio) / 16000 + 1))
-    for path, transcript in zip(files, rec.transcribe(audio), strict=True):
+    if is_transducer(args):
+        transcripts = transducer_recognizer(args, parser).transcribe(audio)
+    else:
+        rec = recognizer(args, max_seconds=max(60.0, max(len(a) for a in audio) / 16000 + 1))
+        transcripts = rec.transcribe(audio)
+    for path, transcript in zip(files, transcripts, strict=True):
         if args.partials:
             for seconds, text in transcript.partials:
                 print(f"{path} [{seconds:6.2f} s] {text}")

@@ -62,8 +62,10 @@ from oasr.cache.config import CacheConfig
 from oasr.cache.errors import StreamCapacityError
 from oasr.cache.stream_context import StreamContext
 from oasr.ctc.config import CtcDecoderConfig
+from oasr.engine.decode_families import resolve_decode_family
 from oasr.engine.decoding import GreedyCtcDecoder
 from oasr.engine.rescoring import RescoreJob
+from oasr.engine.stage_clock import StageClock
 from oasr.engine.streaming_backend import STREAMING_BACKENDS, check_streamable
 from oasr.engine.tick import FastModelTick
 from oasr.models.twins import twin_module, twin_name
@@ -113,6 +115,14 @@ def refuse_unless_offered(backend_cls, model, feature: str, what: str) -> None:
     if reason is not None:
         raise ValueError(f"StreamingEngine: {what} is not offered for {type(model).__name__} "
                          f"(streaming_kind={backend_cls.kind!r}): {reason}")
+
+
+def _common_prefix(old: list, new: list) -> int:
+    """Length of the longest common prefix of two token lists (compared in C while they agree)."""
+    n = min(len(old), len(new))
+    if old[:n] == new[:n]:
+        return n
+    return next(i for i, (a, b) in enumerate(zip(old[:n], new[:n], strict=True)) if a != b)
 
 
 @dataclass
@@ -234,7 +244,10 @@ class StreamingEngine:
                  graph_capture=None, rescore: bool = False, rescorer=None, ctc_weight: float = 0.5,
                  decode_steps_per_tick: int | None = None, max_tick_ms: float | None = None, clock=None):
         if decoder not in ("beam", "greedy"):
-            raise ValueError(f"StreamingEngine: decoder must be 'beam' or 'greedy', got {decoder!r}")
+            raise ValueError(f"StreamingEngine: decoder must be 'beam' or 'greedy', got {decoder!r} (the CTC "
+                             f"families; a transducer is served by oasr.asr.transducer.TransducerRecognizer)")
+        # the decode family (oasr.engine.decode_families): the model checked against its capabilities, once
+        self.decode_family, _ = resolve_decode_family(decoder, model)
         if admission not in ADMISSION_POLICIES:
             raise ValueError(f"StreamingEngine: admission must be one of {ADMISSION_POLICIES}, got {admission!r}")
         if isinstance(max_wait_time, bool) or not isinstance(max_wait_time, int) or max_wait_time < 0:
@@ -288,6 +301,7 @@ class StreamingEngine:
         self._ids = itertools.count()
         self.results: dict = {}
         self.stats: list[TickStats] = []
+        self.stage_clock = StageClock(config.device)  # host (and device) time per stage of the ticks
         self.tick = 0
         self.admission = admission
         self.max_wait_time = max_wait_time
@@ -574,6 +588,9 @@ class StreamingEngine:
     def step(self) -> dict:
         """Run one tick; returns ``{stream_id: StepOutput}`` for every stream that produced or finished."""
         self._check_open()
+        started = time.perf_counter()
+        clock = self.stage_clock
+        timed = clock.host["model"] + clock.host["decode"]
         self.tick += 1
         outputs: dict = {}
         # a waiting stream that ended with too little input for one encoder frame needs no admission
@@ -616,21 +633,29 @@ class StreamingEngine:
             used_blocks=used, live_frames=live, encoder_frames=encoder_frames, input_frames=sum(frames_in),
             finished=sum(1 for o in outputs.values() if o.finished), decode_steps=decode_steps,
         ))
+        clock.stream_chunks += len(cohort)
+        clock.add("bookkeeping", time.perf_counter() - started - (clock.host["model"] + clock.host["decode"] - timed))
         return outputs
 
     def _forward(self, cohort: list, frames_in: list, enc: list, width: int, outputs: dict) -> None:
         for row, sid in enumerate(cohort):
             s = self._streams[sid]
             s.max_extent = max(s.max_extent, self.backend.history_frames(sid) + enc[row])
+        clock, started = self.stage_clock, time.perf_counter()
         if self.att is None:
             log_probs, hidden = self._model_step_fixed_extent(cohort, frames_in)
         elif self.model_tick is not None:
             log_probs, hidden = self._model_step_fast(cohort, frames_in, enc, width)
         else:
             log_probs, hidden = self._model_step_reference(cohort, frames_in, enc, width)
+        decoding = time.perf_counter()
+        clock.add("model", decoding - started)
         self._keep_encoder_out(cohort, enc, hidden)
         chunks = [log_probs[row, : enc[row]] for row in range(len(cohort))]
-        partials = self._decode(cohort, chunks)
+        with clock.device_region("decode"):
+            partials = self._decode(cohort, chunks)
+        clock.add("decode", time.perf_counter() - decoding)
+        clock.collect()
         for row, sid in enumerate(cohort):
             s = self._streams[sid]
             n = enc[row]
@@ -638,9 +663,7 @@ class StreamingEngine:
             s.input_frames += frames_in[row]
             if self.keep_log_probs:
                 s.log_probs.append(chunks[row].clone())
-            kept = 0
-            while kept < min(len(s.partial), len(partials[row])) and s.partial[kept] == partials[row][kept]:
-                kept += 1
+            kept = _common_prefix(s.partial, partials[row])
             outputs[sid] = StepOutput(sid, partials[row][kept:], n, retracted=len(s.partial) - kept,
                                       partial=list(partials[row]))
             s.partial = list(partials[row])
@@ -665,7 +688,7 @@ class StreamingEngine:
             xs[row, :n] = self._take(s, n)
             values[row] = (s.offset, n)
         meta.numpy()[:] = values
-        with self._model_region(width):
+        with self._model_region(width), self.stage_clock.device_region("model"):
             tick.run(cohort, width)
             self.att.commit_chunks_batched(cohort, enc)
         return tick.log_probs(width), (tick.hidden(width) if self.rescore else None)
@@ -717,8 +740,11 @@ class StreamingEngine:
                 self._streams[sid].greedy.decode_chunk(lp)
             return [self._streams[sid].greedy.finalize() for sid in cohort]
         # one batched decoder call for the whole cohort; short last chunks are masked per row
-        self.ctc.decode_cohort(list(cohort), [lp.unsqueeze(0) for lp in chunks])
-        return [list(self._contexts[sid].get_decoder().peek()[0].tokens) for sid in cohort]
+        # inference mode: the search's temporaries skip autograd's bookkeeping (~15% of its CPU time); it
+        # only writes into the states' existing buffers, so no inference tensor outlives the call
+        with torch.inference_mode():
+            self.ctc.decode_cohort(list(cohort), [lp.unsqueeze(0) for lp in chunks])
+            return [list(rows[0].tokens) for rows in self.ctc.peek_cohort(list(cohort))]  # one read, whole cohort
 
     def run(self, max_ticks: int | None = None) -> dict:
         """Step until no tick makes progress (everything finished, or waiting for input).

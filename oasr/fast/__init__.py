@@ -6,9 +6,10 @@ sequence. Bookkeeping is vectorised over a cohort and reaches the device
 through one staged copy per call (``oasr.fast.staging``).
 """
 
+from oasr.cache.paged import StreamKVInfo
 from oasr.cache.state_spec import StreamStateSpec
 from oasr.cache.stream_context import StreamContext
-from oasr.fast.attention_cache import AttentionCacheManager, StreamKVInfo
+from oasr.fast.attention_cache import AttentionCacheManager
 from oasr.fast.block_pool import BlockPool
 from oasr.fast.ctc_decoder import CtcBeamState, StreamingCtcDecoder
 from oasr.fast.ctc_state import CtcStateCacheManager, StreamHandle

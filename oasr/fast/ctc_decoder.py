@@ -717,6 +717,38 @@ class StreamingCtcDecoder:
         self._check_state(state, "peek")
         return [row[0] if row else CtcHypothesis([], NEG_INF, []) for row in self._hypotheses(state, 1)]
 
+    def peek_states(self, states: list[CtcBeamState]) -> list[list[CtcHypothesis]]:
+        """``[peek(state) for state in states]`` read back in one copy for all of them: a cohort's partial
+        results cost one device read, not one per stream. Per state a few views, then one ``cat`` per field."""
+        for state in states:
+            self._check_state(state, "peek_states")
+        if not states:
+            return []
+        Lw = max(state.longest for state in states)  # positions at or past a state's longest hold padding
+
+        def slot0(name: str, *window) -> torch.Tensor:  # every state's rows, beam slot 0, stacked
+            return torch.cat([getattr(state.buffers, name)[(slice(state.batch), 0, *window)] for state in states])
+
+        fields = [torch.logaddexp(slot0("log_pb"), slot0("log_pnb")).view(torch.int64), slot0("lengths"),
+                  slot0("tokens", slice(Lw)).reshape(-1).long(), slot0("frames", slice(Lw)).reshape(-1).long()]
+        packed = torch.cat(fields).cpu()
+        R = fields[1].shape[0]
+        score = packed[:R].view(torch.float64).tolist()
+        lengths = packed[R : 2 * R].tolist()
+        tokens = packed[2 * R : 2 * R + R * Lw].view(R, Lw).tolist()
+        frames = packed[2 * R + R * Lw :].view(R, Lw).tolist()
+        out, r = [], 0
+        for state in states:
+            rows = []
+            for b in range(state.batch):
+                ct, cf = state.committed[b]
+                n = lengths[r]
+                rows.append(CtcHypothesis(list(ct) + tokens[r][:n], score[r], list(cf) + frames[r][:n])
+                            if score[r] > NEG_INF else CtcHypothesis([], NEG_INF, []))
+                r += 1
+            out.append(rows)
+        return out
+
     def finalize_stream(self, state: CtcBeamState) -> list[list[CtcHypothesis]]:
         """Per row, the ``nbest`` best hypotheses, best first; reads the state, changes nothing."""
         self._check_state(state, "finalize_stream")

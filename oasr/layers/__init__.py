@@ -18,8 +18,10 @@ registered architecture has no tiny configuration in the test.
 | convolution | :class:`Conv1d`, :class:`DepthwiseConv1d`, :class:`Conv2d` |
 | embeddings | :class:`Embedding` |
 | recurrence | :class:`LSTM` |
+| activation | :func:`silu` |
 """
 
+from oasr.layers.activation import silu
 from oasr.layers.conv import Conv1d, Conv2d, DepthwiseConv1d
 from oasr.layers.embedding import Embedding
 from oasr.layers.linear import Linear
@@ -30,4 +32,5 @@ from oasr.layers.recurrent import LSTM
 BARE_TORCH_LAYERS = ("Linear", "Conv1d", "Conv2d", "LayerNorm", "Embedding", "LSTM", "GRU", "RNN", "RMSNorm",
                      "GroupNorm", "BatchNorm1d", "BatchNorm2d", "AvgPool1d", "MultiheadAttention")
 
-__all__ = ["BARE_TORCH_LAYERS", "Conv1d", "Conv2d", "DepthwiseConv1d", "Embedding", "LSTM", "LayerNorm", "Linear"]
+__all__ = ["BARE_TORCH_LAYERS", "Conv1d", "Conv2d", "DepthwiseConv1d", "Embedding", "LSTM", "LayerNorm", "Linear",
+           "silu"]

@@ -82,7 +82,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """LayerNorm, up-projection, SiLU, down-projection of ``x`` (the caller scales it and adds the residual)."""
-        return self.down(F.silu(self.up(self.norm(x))))
+        return self.down(layers.silu(self.up(self.norm(x))))
 
 
 class GroupedQueryProjections(nn.Module):
@@ -129,7 +129,7 @@ class CausalConvModule(nn.Module):
         glu = F.glu(self.pointwise_in(self.norm(x)), dim=-1)
         extended = torch.cat([left_context.to(glu.dtype), glu], dim=1)
         d = self.depthwise(extended.transpose(1, 2)).transpose(1, 2)
-        return self.pointwise_out(F.silu(self.conv_norm(d))), extended
+        return self.pointwise_out(layers.silu(self.conv_norm(d))), extended
 
 
 class ConformerBlock(nn.Module):

@@ -24,7 +24,6 @@ offline pass computes for the valid prefix (``T // 4`` over the whole stream).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from oasr import layers
@@ -62,7 +61,7 @@ class CausalConvStage(nn.Module):
         if out_frames == 0:
             y = x.new_zeros((x.shape[0], 0, self.out_dim))
         else:
-            y = F.silu(self.conv(extended.transpose(1, 2)).transpose(1, 2))
+            y = layers.silu(self.conv(extended.transpose(1, 2)).transpose(1, 2))
         return y, lens // 2, last_valid_frames(extended, lens, self.tail_frames)
 
 

@@ -287,6 +287,10 @@ class StreamingCtcDecoder:
         return [_hypothesis(beam[0], c) if beam else CtcHypothesis([], NEG_INF, [])
                 for beam, c in zip(state.beams, state.committed, strict=True)]
 
+    def peek_states(self, states: list[CtcBeamState]) -> list[list[CtcHypothesis]]:
+        """``peek`` of each state, in order (the fast twin reads them back in one copy)."""
+        return [self.peek(state) for state in states]
+
     def finalize_stream(self, state: CtcBeamState) -> list[list[CtcHypothesis]]:
         """Per row, the ``nbest`` best hypotheses, best first (fewer if the beam holds fewer).
 

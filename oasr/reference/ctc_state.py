@@ -181,6 +181,14 @@ class CtcStateCacheManager:
             raise unknown_stream(stream_id)
         return self._active[stream_id][0]
 
+    def peek_cohort(self, stream_ids: list) -> list:
+        """Each stream's ``peek`` (its rows' best partial hypotheses), in one decoder call (``peek_states``);
+        ``KeyError`` for an unknown id, checked before anything is read."""
+        for stream_id in stream_ids:
+            if stream_id not in self._active:
+                raise unknown_stream(stream_id)
+        return self.decoder.peek_states([self._active[sid][0] for sid in stream_ids])
+
     def decode_cohort(self, stream_ids: list, log_probs_list: list) -> None:
         """Decode one chunk for each of several streams in one decoder call (``decode_chunks``).
 

@@ -31,7 +31,7 @@ class SessionError(ValueError):
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """``t``'s elements as raw little-endian bytes (contiguous, on the host); empty for no elements."""
     t = t.detach().contiguous().cpu()
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def tensor_from(raw: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
