@@ -352,7 +352,10 @@ def test_cuda_graphed_engine_equals_eager_and_the_stateful_oracle(model):
         feats = features({sid: 16 * 4 + 5 * sid for sid in range(5)}, seed=13)
         arrivals = {sid: sid for sid in feats}
     graphed = StreamingEngine(encoder, config, keep_log_probs=True)
-    assert graphed.execution == "graphed"
+    if model == "slot":
+        assert graphed.execution == "graphed"
+    else:  # head_dim 16 on fp32 pages is a declared kernel gap: decided before capture, the engine runs eager
+        assert graphed.execution == "eager" and "kernel gap" in graphed.execution_note, graphed.execution_note
     a = serve(graphed, feats, arrivals, piece=piece)
     b = serve(StreamingEngine(encoder, config, keep_log_probs=True, cuda_graphs=False), feats, arrivals, piece=piece)
     for sid in feats:

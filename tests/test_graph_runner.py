@@ -54,18 +54,34 @@ class StandInCapture:
         self.warmups = 0
         self.replays = 0
         self.began = self.ended = False
+        self.capturing = False  # True while the captured call runs (what torch.cuda reports during a capture)
+        self.left_open = False  # a capture that raised and was not discarded (CUDA: every later capture fails)
+        self.aborted = []  # the handles each abort() discarded
 
     def begin(self):
+        assert not self.left_open, "operation failed due to a previous error during capture"
         self.began = True
 
     def capture(self, fn, warmup):
+        assert not self.left_open, "operation failed due to a previous error during capture"
         for _ in range(warmup):
             fn()
             self.warmups += 1
-        with _ExternalReads() as reads:
-            outputs = fn()
+        self.capturing = True
+        try:
+            with _ExternalReads() as reads:
+                outputs = fn()
+        except BaseException:
+            self.left_open = True  # as a CUDA stream capture an exception interrupted
+            raise
+        finally:
+            self.capturing = False
         self.captured.append(len(self.captured))
         return {"fn": fn, "reads": reads.read, "outputs": outputs}, outputs
+
+    def abort(self, handles):
+        self.aborted.append(list(handles))
+        self.left_open = False
 
     def replay(self, handle):
         with _ExternalReads() as reads:
@@ -97,8 +113,8 @@ def test_runner_captures_each_width_once_largest_first_and_replays_into_the_capt
     stats = runner.capture_all()
     assert prepared == [True] and capture.began and capture.ended
     assert stats.widths == (4, 2, 1) and stats.num_graphs == 3 and stats.memory_bytes == 12345
-    assert calls == [4, 4, 4, 2, 2, 2, 1, 1, 1]  # two warm-ups and one capture per width
-    assert runner.capture_all() is stats and len(calls) == 9  # captured once
+    assert calls == [4] * 4 + [2] * 4 + [1] * 4  # per width: the preflight, two warm-ups, one capture
+    assert runner.capture_all() is stats and len(calls) == 12  # captured once
     out4 = runner.outputs(4)
     static[4].fill_(3.0)
     assert runner.replay(4) is out4 and torch.equal(out4, torch.full((4,), 7.0))

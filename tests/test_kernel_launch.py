@@ -98,12 +98,16 @@ def test_loading_a_family_leaves_the_callers_device_current(monkeypatch):
     loaded = types.SimpleNamespace(get_kernel=lambda mangled: (mangled, devices.current))
     monkeypatch.setattr(cuda_core, "ObjectCode", types.SimpleNamespace(from_cubin=lambda *a, **k: loaded))
     compiled = nvrtc.CompiledFamily("gather_kv_blocks", "sm_90", b"", {"expr": "_Z6mangled"}, "")
-    monkeypatch.setattr(nvrtc, "compile_family", lambda family, arch: compiled)
+    asked = []
+    monkeypatch.setattr(nvrtc, "compile_family",
+                        lambda family, arch, expressions=None: asked.append(expressions) or compiled)
     executor = object.__new__(nvrtc.CudaExecutor)  # no GPU: skip __init__'s device queries
     executor.device, executor.arch, executor._kernels = torch.device("cuda", 0), "sm_90", {}
     executor._load_family("gather_kv_blocks")
     assert executor._kernels["expr"] == ("_Z6mangled", 0)  # loaded with device 0 current
     assert devices.current == 1  # and the caller's device is current again
+    executor._load_family("gather_kv_blocks", ["expr"])  # a launch loads its own instantiation only
+    assert asked == [None, ["expr"]]
 
 
 KIND_PROBE = """
@@ -139,3 +143,47 @@ def test_invoke_refuses_a_parameter_type_other_than_the_registrys_kind(tmp_path,
 def test_invoke_accepts_the_registrys_kinds(tmp_path):
     result = _compile_probe(tmp_path, "int")
     assert result.returncode == 0, result.stderr
+
+
+def test_cuda_executor_launch_looks_up_each_instantiation_stream_and_config_once(monkeypatch):
+    """Issue 36 (the launcher's host cost): a launch converts its arguments and launches; the kernel object,
+    the parameter kinds, the cuda.core Stream of a handle and each LaunchConfig are made once. cuda.core and
+    torch.cuda are stand-ins here (no GPU)."""
+    made = {"streams": 0, "configs": 0, "loads": 0}
+    launched = []
+    def count(what, value):
+        made[what] += 1
+        return value
+
+    fake_core = types.SimpleNamespace(
+        Stream=types.SimpleNamespace(from_handle=lambda h: count("streams", ("S", h))),
+        LaunchConfig=lambda grid, block: count("configs", ("C", grid, block)),
+        launch=lambda stream, config, kernel, *params: launched.append((stream, config, kernel, params)),
+    )
+    monkeypatch.setattr(nvrtc, "_CUDA_CORE", fake_core)
+    handles = {"now": 7}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(cuda_stream=handles["now"]))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    executor = object.__new__(nvrtc.CudaExecutor)  # no GPU: skip __init__'s device queries
+    executor.device, executor.arch = torch.device("cuda", 0), "sm_90"
+    executor._kernels, executor._resident, executor._entries, executor._streams, executor._configs = {}, {}, {}, {}, {}
+
+    def load(family, expressions=None):
+        made["loads"] += 1
+        for expr in expressions:
+            executor._kernels[expr] = f"K[{expr}]"
+
+    monkeypatch.setattr(executor, "_load_family", load)
+    kernel = registry.BY_NAME["paged_attention_combine_kernel"]
+    targs = kernel.instances[0]
+    args = (1, 2, 3, 4, 5)
+    for _ in range(3):
+        executor.launch(kernel, targs, (8, 1, 1), (128, 1, 1), args)
+    handles["now"] = 9  # another stream (e.g. a capture's side stream)
+    executor.launch(kernel, targs, [8, 1, 1], [128, 1, 1], args)  # lists: the same config
+    assert made == {"streams": 2, "configs": 1, "loads": 1} and len(launched) == 4
+    stream, config, compiled, params = launched[-1]
+    assert stream == ("S", 9) and config == ("C", (8, 1, 1), (128, 1, 1))
+    assert compiled == f"K[{kernel.name_expression(targs)}]" and [int(p) for p in params] == list(args)

@@ -52,6 +52,33 @@ def test_family_compiles_without_spills(kernel_cache, family, arch):
     assert again.cached and again.resources == compiled.resources
 
 
+@pytest.mark.parametrize("family", ["paged_chunk_attention_v3", "paged_kv_append"])
+def test_one_instantiation_compiles_alone(kernel_cache, family):
+    """What a launch compiles on a cold cache: its own instantiation, one small program (issue 36: a
+    cold test file compiled every family), cached under its own key."""
+    kernel = registry.kernels_of(family)[0]
+    expr = kernel.name_expression(kernel.instances[0])
+    compiled = nvrtc.compile_family(family, "sm_90", expressions=[expr])
+    assert set(compiled.symbols) == {expr} and compiled.resources[expr].registers > 0
+    assert nvrtc.compile_family(family, "sm_90", expressions=[expr]).cached
+
+
+def test_warm_cache_compiles_what_a_launch_reads(kernel_cache, monkeypatch, capsys):
+    """``python -m oasr kernels --warm``: each instantiation compiled on its own, in worker processes; a launch's
+    lazy compile of that instantiation is then a cache hit (two instantiations here, to stay quick)."""
+    import dataclasses
+
+    from oasr.commands.kernels import main
+
+    kernel = registry.BY_NAME["gather_kv_blocks_kernel"]
+    small = dataclasses.replace(kernel, instances=kernel.instances[:2])
+    monkeypatch.setattr(registry, "KERNELS", (small,))
+    assert main(["--arch", "sm_90", "--warm", "--jobs", "2"]) == 0
+    assert "2 instantiations cached for sm_90" in capsys.readouterr().out
+    for targs in small.instances:
+        assert nvrtc.compile_family(small.family, "sm_90", expressions=[small.name_expression(targs)]).cached
+
+
 def test_kernels_command_reports_every_kernel(kernel_cache, capsys):
     from oasr.commands.kernels import main
 

@@ -214,7 +214,7 @@ def test_kernels_command_fails_when_an_attention_loop_is_lost(monkeypatch, capsy
 V3 = [k for k in registry.attention_kernels() if registry.kernel_version(k) == 3]
 # v3's main loop on sm_90 (D 64, block 16, bf16 queries), per warp per 32 keys: the budget the kernel was
 # cut to (v2: about 550 on 16-bit pages, 670 on fp8). On fp8 pages both mma run in f16 (about 243 per 32 keys);
-# 250 is about the most that keeps fp8 modelled 1.5x faster than bf16 at 4,096 frames (below).
+# the H200 measured that the dependent chain, not these counts, bounds fp8 (the recalibrated model below).
 V3_CEILINGS = {"__nv_bfloat16": 360, "__nv_fp8_e4m3": 250}
 
 
@@ -252,8 +252,30 @@ def test_model_prices_v3_against_v2(attention_report):
     for history in (1024, 4096):
         v2, v3 = rows["v2", "bf16", history], rows["v3", "bf16", history]
         assert v3["kernel_us"][1] < v2["kernel_us"][0]  # v3 is modelled faster than v2, kernel-only
-        assert v3["fraction_of_bw"][0] >= 0.8, v3  # and at 80% or more of the achievable bandwidth (bf16)
+        # memory-bound on bf16 pages, at 75% or more of 4.3 TB/s (measured on the H200: 78-90% of its copy)
+        assert v3["bound"] == "memory" and v3["fraction_of_bw"][0] >= 0.75, v3
         assert v3["live_warps"] == 4 and v2["live_warps"] == 2  # every v3 warp has rows; half of v2's idle
-    fp8, bf16 = rows["v3", "fp8", 4096], rows["v3", "bf16", 4096]
-    # fp8 pages modelled at least 1.5x faster than bf16 kernel-only (fp8's slowest against bf16's fastest)
-    assert bf16["kernel_us"][0] >= 1.5 * fp8["kernel_us"][1], (fp8["kernel_us"], bf16["kernel_us"])
+
+
+
+@needs_toolchain
+@pytest.mark.skipif(not V3, reason="no v3 attention kernel registered")
+def test_model_recalibrated_on_the_measured_v3_points(attention_report):
+    """Issue 36: the first H200 run measured v3 kernel-only (graph replay); the model, recalibrated on those
+    six points, predicts each within 10% and the fp8 / bf16 speed-up within 10%, and says what bounds
+    the fp8 loop (the per-warp dependent chain: latency, not bytes, not conversions)."""
+    check = sass.calibration_check_v3(attention_report)
+    assert {(r["page"], r["history"]) for r in check} == set(sass.MEASURED_V3)
+    for r in check:
+        assert abs(r["error"]) <= 0.10, r
+        if r["page"] == "fp8":
+            assert abs(r["ratio_error"]) <= 0.10, r
+            assert r["bound"] == "latency", r  # the chain binds: issue slots and the XU pipe are below it
+            terms = r["step_terms"]
+            assert terms["chain"] > terms["xu"] > terms["issue"] > terms["mio"][1], terms
+    fit = sass.fit_kernel_calibration(attention_report)
+    assert fit["launch_us"] == pytest.approx(sass.CALIBRATION.launch_us, abs=0.2)
+    assert fit["stream_bandwidth_tbs"] == pytest.approx(sass.CALIBRATION.stream_bandwidth_tbs, rel=0.03)
+    chain = sass.TILINGS["paged_chunk_attention_v3_kernel"].chain_cycles_32
+    assert fit["chain_cycles_32"] == pytest.approx(chain, rel=0.03)
+    assert "fp8 speed-up model / measured" in sass.format_report(attention_report)

@@ -67,6 +67,8 @@ from __future__ import annotations
 
 import torch
 
+from oasr.cache.validate import same_device
+
 
 def required_columns(max_span: int, num_frames: int) -> int:
     """Columns ``R`` a table needs for rows whose widest history is ``max_span`` (``cache_seqlens -
@@ -88,7 +90,7 @@ def check_rel_bias(cache, q: torch.Tensor, rel_bias) -> None:
                          f"see oasr.cache.rel_bias), got {tuple(rel_bias.shape)}")
     if rel_bias.dtype != torch.float32:
         raise ValueError(f"paged_attention: rel_bias must be float32, got {rel_bias.dtype}; convert it before the call")
-    if rel_bias.device != q.device:
+    if not same_device(rel_bias.device, q.device):
         raise ValueError(f"paged_attention: rel_bias is on {rel_bias.device}, q on {q.device}")
 
 

@@ -8,6 +8,30 @@ from oasr.cache.errors import PoolExhaustedError, SlotsExhaustedError, StreamCap
 from oasr.kv_formats.fp8_e4m3 import MODEL_DTYPES  # the dtypes a model runs in (CacheConfig.dtype)
 
 
+def canonical_device(device) -> torch.device:
+    """``device`` with its index spelled out: ``cuda`` is the current CUDA device (``cuda:N``), an
+    index-less device of another type is index 0 (``cpu`` is ``cpu:0``)."""
+    device = torch.device(device)
+    if device.index is not None:
+        return device
+    index = 0
+    if device.type == "cuda":
+        try:
+            index = torch.cuda.current_device()
+        except (RuntimeError, AssertionError):  # no CUDA in this build / no device: "cuda" names device 0
+            index = 0
+    return torch.device(device.type, index)
+
+
+def same_device(a, b) -> bool:
+    """Whether ``a`` and ``b`` (devices or their names) are one device: ``cuda`` and ``cuda:0`` are when
+    device 0 is current (a tensor always reports its index, a config may be written without one). Every
+    check that compares devices goes through here, never through ``!=`` on what was written."""
+    if a == b:  # the common case: spelled alike (cheap, no CUDA query)
+        return True
+    return canonical_device(a) == canonical_device(b)
+
+
 def check_count(owner: str, name: str, value, minimum: int = 0) -> None:
     """``value`` must be an int (not a bool) ``>= minimum``; ``ValueError`` naming ``owner.name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -137,7 +161,7 @@ def check_kv_chunk(cache, k: torch.Tensor, v: torch.Tensor) -> None:
     if k.dtype != v.dtype:
         raise ValueError(f"append_kv: k and v dtypes differ: {k.dtype} vs {v.dtype}")
     for name, t in (("k", k), ("v", v)):
-        if t.device != cache.k_cache.device:
+        if not same_device(t.device, cache.k_cache.device):
             raise ValueError(f"append_kv: {name} is on {t.device}, the pool on {cache.k_cache.device}")
 
 
@@ -189,7 +213,7 @@ def check_query(cache, q: torch.Tensor) -> None:
             f"n_kv_head={cache.n_kv_head}; {layout()}, got {tuple(q.shape)}"
         )
     _check_dtype("paged_attention", "q", q, cache)
-    if q.device != cache.k_cache.device:
+    if not same_device(q.device, cache.k_cache.device):
         raise ValueError(f"paged_attention: q is on {q.device}, the pool on {cache.k_cache.device}")
 
 

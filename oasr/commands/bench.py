@@ -22,6 +22,7 @@ SECTIONS = {
     "ctc": ("oasr.bench.ctc", "section", False),
     "fp8": ("oasr.bench.fp8", "section", True),
     "kv_formats": ("oasr.bench.kv_formats", "section", True),
+    "launcher": ("oasr.bench.launcher", "section", True),  # the attention launcher's host us per call
     "graphs": ("oasr.bench.graphs", "section", True),  # CUDA only: one "skipped" row on the CPU
     "decoder": ("oasr.bench.decoder", "section", True),
     "shared_pages": ("oasr.bench.shared_pages", "section", True),

@@ -17,6 +17,9 @@ Output: a few summary lines (counts, the largest kernel, whether every attention
 main loop was found); ``--verbose`` prints every kernel's row and the SASS tables
 (some 700 lines for two archs).
 
+``--warm`` compiles every instantiation on its own for each arch, in ``--jobs`` processes: the cache
+entries a launch reads (one instantiation each), so a cold machine pays the compiles once, in parallel.
+
 ``--gaps`` prints the kernel policy's report instead (``oasr.fast.kernel_policy``): the
 declared kernel gaps (in scope, no kernel: torch serves them, counted), the declared
 "kernel slower than torch" routings, and what torch served out of scope. It compiles
@@ -86,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gaps", action="store_true", help="print the declared kernel gaps and exit (no compile)")
     parser.add_argument("--verbose", action="store_true",
                         help="print every kernel's resources and, with --sass, the SASS tables (else a summary)")
+    parser.add_argument("--warm", action="store_true",
+                        help="compile every instantiation on its own (what a launch reads from the cache), "
+                             "in --jobs processes, then exit")
+    parser.add_argument("--jobs", type=int, default=None, help="--warm: processes (default: the CPUs)")
     args = parser.parse_args(argv)
     if args.gaps:
         from oasr.fast.kernel_policy import format_gap_report
@@ -95,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     archs = _check_args(parser, args)
 
     from oasr.fast.kernels import nvrtc, registry
+
+    if args.warm:
+        for arch in archs:
+            print(f"{nvrtc.warm_cache(arch, args.jobs)} instantiations cached for {arch} in {nvrtc.cache_dir()}")
+        return 0
 
     rows, failed = [], []
     for arch in archs:

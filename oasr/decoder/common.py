@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from oasr.cache.validate import check_kv_numbers
+from oasr.cache.validate import check_kv_numbers, same_device
 from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 
 
@@ -174,7 +174,7 @@ def check_kv(config: DecoderCacheConfig, k: torch.Tensor, v: torch.Tensor, op: s
         if len(shape) != len(want) or shape[0] != L or shape[-2:] != (H, D) or \
                 tuple(shape[1:1 + len(lead)]) != tuple(lead):
             raise ValueError(f"{op}: {name} must be {want}, got {shape}")
-        if t.device != config.device:
+        if not same_device(t.device, config.device):
             raise ValueError(f"{op}: {name} is on {t.device}, the pool on {config.device}")
         if not t.is_floating_point():
             raise ValueError(f"{op}: {name} must be floating point, got {t.dtype}")

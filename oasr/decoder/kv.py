@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from oasr.cache.validate import check_kv_numbers
+from oasr.cache.validate import check_kv_numbers, same_device
 from oasr.decoder.common import as_index, check_cross_fill, check_kv, check_step_kv, select_sources
 from oasr.decoder.config import DecoderCacheConfig, DecoderRequest
 from oasr.kv_formats import get_format
@@ -146,7 +146,7 @@ class DenseDecoderKV:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"write: {name} must be (B, 1, H, D) = {want}, got {got}")
-            if t.device != cfg.device:
+            if not same_device(t.device, cfg.device):
                 raise ValueError(f"write: {name} is on {t.device}, the group on {cfg.device}")
             if t.dtype != cfg.dtype:
                 raise ValueError(f"write: {name} is {t.dtype}, the decoder serves {cfg.dtype} (no silent conversion)")

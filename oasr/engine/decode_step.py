@@ -106,13 +106,13 @@ class FastDecodeStep:
         for w in self.widths:  # the width buffers exist before any capture, every row on the padding lane
             self._plan([], w)
         self.runner = None
+        self.graph_refusal = None  # why graphs were asked for and every width runs eager (a preflight reason)
         if graphs:
-            from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
-            from oasr.fast.paged_ops import load_kernels
+            from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner, capture_or_eager
 
             capture = capture if capture is not None else CudaGraphCapture(device)
-            self.runner = GraphRunner(self._step, self.widths, capture, prepare=lambda: load_kernels(device))
-            self.runner.capture_all()
+            runner = GraphRunner(self._step, self.widths, capture)  # its preflight loads what a width launches
+            self.runner, self.graph_refusal = capture_or_eager(runner)
 
     @property
     def graphed(self) -> bool:
@@ -186,6 +186,6 @@ class FastDecodeStep:
         self._meta[width].copy_(self._host_meta[:, :width], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
-        logits = self.runner.replay(width) if self.runner is not None else self._step(width)
+        logits = self.runner.run(width) if self.runner is not None else self._step(width)
         manager.commit_step(rows)
         return logits[:B]

@@ -61,6 +61,7 @@ import torch
 from oasr.cache.config import CacheConfig
 from oasr.cache.errors import StreamCapacityError
 from oasr.cache.stream_context import StreamContext
+from oasr.cache.validate import same_device
 from oasr.ctc.config import CtcDecoderConfig
 from oasr.engine.decode_families import resolve_decode_family
 from oasr.engine.decoding import GreedyCtcDecoder
@@ -272,7 +273,7 @@ class StreamingEngine:
         if config.kv_cache_dtype is not None:
             refuse_unless_offered(backend_cls, model, "kv_format", f"kv_cache_dtype={config.kv_cache_dtype!r}")
         param = next(model.parameters())
-        if param.device.type != config.device.type:
+        if not same_device(param.device, config.device):
             raise ValueError(f"StreamingEngine: the model is on {param.device}, the caches on {config.device}")
         self.model = model
         self.config = config
@@ -329,10 +330,17 @@ class StreamingEngine:
                                             graphs=graphs, capture=capture, hidden=self.rescore)
         elif graphs:  # a fixed-extent runtime captures its own step per width
             self.backend.capture_graphs(capture)
+        owner = self.model_tick if self.model_tick is not None else self.backend
+        refusal = getattr(owner, "graph_refusal", None) if graphs else None
+        graphs = graphs and refusal is None  # the preflight left every width eager: the engine runs eager
         self.execution = "graphed" if graphs else "eager"
         if graphs:
             stats = self.model_tick.graph_stats if self.model_tick is not None else self.backend.runner.stats
             self.execution_note = f"graphed: {stats.format()}"
+        elif refusal is not None:
+            self.execution_note = f"eager: not captured: {refusal}"
+            logger.warning("StreamingEngine model step: %s", self.execution_note)
+            return
         elif not capturable:
             self.execution_note = f"eager: streaming_kind={self.backend_kind!r} captures nothing"
         elif self.twin != "fast":

@@ -365,6 +365,7 @@ class SlotStreamingBackend(_ListStateBackend):
             self.state.views([], pad_to=w)
         self.step_monitor = None  # e.g. a CaptureSafetyChecker: its region(label) wraps each device step
         self.runner = None
+        self.graph_refusal = None  # why graphs were asked for and every width runs eager (a preflight reason)
         if graphs:
             self.capture_graphs(capture)
 
@@ -377,13 +378,12 @@ class SlotStreamingBackend(_ListStateBackend):
     def capture_graphs(self, capture=None) -> None:
         """Capture ``step(width)`` for every width (CUDA graphs; ``capture`` a stand-in in tests); from now
         on a step replays. A CPU device without a stand-in is refused (``ValueError``)."""
-        from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
+        from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner, capture_or_eager
 
         if capture is None and self.device.type != "cuda":
             raise ValueError(f"SlotStreamingBackend: graphs=True needs a CUDA device, got {self.device}")
         capture = capture if capture is not None else CudaGraphCapture(self.device)
-        self.runner = GraphRunner(self.step, self.widths, capture)
-        self.runner.capture_all()
+        self.runner, self.graph_refusal = capture_or_eager(GraphRunner(self.step, self.widths, capture))
 
     @property
     def graphed(self) -> bool:
@@ -447,7 +447,7 @@ class SlotStreamingBackend(_ListStateBackend):
                 torch.index_select(view.buffer, spec.slot_axis, view.index, out=out)
             else:
                 out.copy_(view.gather())
-        log_probs, out_lens, new = self.runner.replay(width) if self.runner else self.step(width)
+        log_probs, out_lens, new = self.runner.run(width) if self.runner else self.step(width)
         for spec, tensor in zip(self.specs, new, strict=True):
             views[spec.name].scatter(tensor)
         return log_probs, out_lens

@@ -115,15 +115,15 @@ class FastModelTick:
             self.states.views([], pad_to=w)
             self.cnn.state.view(self.cnn.SPEC_NAME, [], pad_to=w)
         self.runner = None
+        self.graph_refusal = None  # why graphs were asked for and every width runs eager (a preflight reason)
         if graphs:
-            from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner
-            from oasr.fast.paged_ops import load_kernels
+            from oasr.fast.graph_runner import CudaGraphCapture, GraphRunner, capture_or_eager
 
             capture = capture if capture is not None else CudaGraphCapture(device)
             for w in self.widths:  # every row the padding lane: capture advances no stream
                 self._plan(self.att.get_paged_caches([], pad_to=w), w)
-            self.runner = GraphRunner(self._step, self.widths, capture, prepare=lambda: load_kernels(device))
-            self.runner.capture_all()
+            runner = GraphRunner(self._step, self.widths, capture)  # its preflight loads what a width launches
+            self.runner, self.graph_refusal = capture_or_eager(runner)
 
     @property
     def graphed(self) -> bool:
@@ -202,7 +202,7 @@ class FastModelTick:
             v = views[spec.name]
             torch.index_select(v.buffer, spec.slot_axis, v.index, out=out)
         torch.index_select(cnn_view.buffer, cnn_view.spec.slot_axis, cnn_view.index, out=b.cnn)
-        log_probs, _, new_cnn, new_tails, *hidden = self.runner.replay(width) if self.runner else self._step(width)
+        log_probs, _, new_cnn, new_tails, *hidden = self.runner.run(width) if self.runner else self._step(width)
         for spec, tail in zip(self.specs, new_tails, strict=True):
             views[spec.name].scatter(tail)
         cnn_view.scatter(new_cnn)

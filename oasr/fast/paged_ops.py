@@ -62,7 +62,14 @@ import torch.nn.functional as F
 
 from oasr.cache.paged import PagedKVCache
 from oasr.cache.rel_bias import check_rel_bias, check_rel_bias_columns, host_span
-from oasr.cache.validate import check_chunk_lens, check_kv_chunk, check_kv_numbers, check_lens_values, check_query
+from oasr.cache.validate import (
+    check_chunk_lens,
+    check_kv_chunk,
+    check_kv_numbers,
+    check_lens_values,
+    check_query,
+    same_device,
+)
 from oasr.fast import cpu_rows, kernel_policy
 from oasr.fast.backend import choose_backend, resolve_backend
 from oasr.fast.kernels import ops, registry
@@ -125,7 +132,7 @@ def _kernel_lens(cache: PagedKVCache, chunk_lens, num_frames: int, device: torch
         _check_full_rows(cache, num_frames, op, what)
         return None
     if isinstance(chunk_lens, torch.Tensor) and chunk_lens.device.type == "cuda":
-        if chunk_lens.device != device:
+        if not same_device(chunk_lens.device, device):
             raise ValueError(f"{op}: chunk_lens is on {chunk_lens.device}, the pool on {device}")
         lens = check_chunk_lens(chunk_lens, batch, num_frames, device)  # shape and integer dtype only
         return lens.contiguous()  # device values: not read back, not validated
@@ -431,7 +438,7 @@ def gather_kv_blocks(
     start, num_frames = int(start), int(num_frames)
     if block_ids.dim() != 1 or block_ids.dtype.is_floating_point:
         raise ValueError(f"gather_kv_blocks: block_ids must be a 1-D integer tensor, got {block_ids.dtype}")
-    if block_ids.device != k_pool.device:
+    if not same_device(block_ids.device, k_pool.device):
         raise ValueError(f"gather_kv_blocks: block_ids is on {block_ids.device}, the pool on {k_pool.device}")
     if start < 0 or num_frames < 0 or start + num_frames > block_ids.shape[0] * bs:
         raise ValueError(
@@ -450,7 +457,7 @@ def gather_kv_blocks(
     shape = (L, Hkv, num_frames, 2 * D)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=k_pool.device)
-    elif out.shape != shape or out.device != k_pool.device or not out.is_contiguous():
+    elif out.shape != shape or not same_device(out.device, k_pool.device) or not out.is_contiguous():
         raise ValueError(
             f"gather_kv_blocks: out must be a contiguous {shape} {dtype} tensor on {k_pool.device}, "
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
@@ -500,7 +507,7 @@ def _check_gather_scales(k_pool: torch.Tensor, k_scale, v_scale, fmt) -> bool:
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         dtype_ok = t.dtype == fmt.scale_dtype(t.dtype) if fmt.name.startswith("affine") \
             else t.dtype == fmt.scale_dtype(torch.float32)
-        if tuple(t.shape) != shape or not dtype_ok or t.device != k_pool.device:
+        if tuple(t.shape) != shape or not dtype_ok or not same_device(t.device, k_pool.device):
             raise ValueError(
                 f"gather_kv_blocks: {name} must be {shape} "
                 f"{fmt.scale_dtype(torch.float32) if not fmt.name.startswith('affine') else 'model dtype'} on "

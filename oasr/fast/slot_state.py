@@ -28,7 +28,7 @@ import torch
 from oasr.cache.cnn_cache import CnnCacheManagerBase
 from oasr.cache.errors import duplicate_stream
 from oasr.cache.state_spec import StreamStateSpec
-from oasr.cache.validate import check_count
+from oasr.cache.validate import check_count, same_device
 from oasr.fast.slot_pool import StreamSlotPool
 from oasr.fast.staging import Stager
 
@@ -77,7 +77,7 @@ class StateView:
                 f"state {self.spec.name!r}: expected shape {self.shape}, got {tuple(new.shape)}"
             )
         axis, buffer = self.spec.slot_axis, self.buffer
-        if new.dtype != buffer.dtype or new.device != buffer.device:
+        if new.dtype != buffer.dtype or not same_device(new.device, buffer.device):
             new = new.to(device=buffer.device, dtype=buffer.dtype)
         B, width = self.num_streams, len(self.slots)
         if B is None:

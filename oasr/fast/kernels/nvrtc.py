@@ -7,9 +7,12 @@
   the NVRTC version; the cache keeps the ptxas log too, so the resource report
   survives a cache hit.
 * Loading needs a driver: ``CudaExecutor(device)`` compiles (or reads the
-  cache) for the device's own arch and loads each family lazily, the first time
-  one of its kernels is launched. Call ``CudaExecutor.load_all()`` before
-  capturing a CUDA graph so that nothing compiles or loads inside the capture.
+  cache) for the device's own arch and loads each instantiation lazily, the
+  first time it is launched: one small NVRTC program per kernel a process
+  reaches (a cold cache no longer compiles every family for one test; the H200's
+  first ``test_decode_step.py`` test spent 22 s doing that). Nothing may compile
+  inside a CUDA graph capture: run the step once eagerly first (``GraphRunner``'s
+  preflight does) or call ``CudaExecutor.load_all()``.
 * Every launch goes to ``torch.cuda.current_stream()``, read at the call (never
   cached), so launches follow ``torch.cuda.stream(...)`` and are captured by
   ``torch.cuda.graph``. Launching reads nothing back from the device.
@@ -176,12 +179,17 @@ class _Log:
         self.text += s
 
 
-def compile_family(family: str, arch: str, *, use_cache: bool = True) -> CompiledFamily:
-    """NVRTC-compile every instantiation of one kernel family for ``arch`` (e.g. "sm_90").
+def compile_family(family: str, arch: str, *, use_cache: bool = True,
+                   expressions: list[str] | None = None) -> CompiledFamily:
+    """NVRTC-compile every instantiation of one kernel family for ``arch`` (e.g. "sm_90"), or only
+    ``expressions`` (name expressions of that family): a launch compiles just the instantiation it
+    needs, so a cold cache costs one small program per kernel a process reaches, not every family.
 
     Raises ``RuntimeError`` with the compiler log on a compile error.
     """
-    expressions = [k.name_expression(t) for k in registry.kernels_of(family) for t in k.instances]
+    if expressions is None:
+        expressions = [k.name_expression(t) for k in registry.kernels_of(family) for t in k.instances]
+    expressions = list(expressions)
     key = _cache_key(family, arch, expressions)
     base = cache_dir() / f"{family}-{arch}-{key}"
     meta_path, cubin_path = base.with_suffix(".json"), base.with_suffix(".cubin")
@@ -211,6 +219,23 @@ def compile_family(family: str, arch: str, *, use_cache: bool = True) -> Compile
         expr: by_mangled.get(mangled, KernelResources(mangled)) for expr, mangled in compiled.symbols.items()
     }
     return compiled
+
+
+def _compile_one(job: tuple[str, str, str]) -> str:
+    family, arch, expr = job
+    compile_family(family, arch, expressions=[expr])
+    return expr
+
+
+def warm_cache(arch: str, jobs: int | None = None) -> int:
+    """Compile every instantiation on its own for ``arch``, as a launch would (the cache entries lazy loading
+    reads), in ``jobs`` processes (default: the CPUs). A cold machine then pays the compiles once, in parallel,
+    before its test processes. Returns how many instantiations are cached."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    work = [(k.family, arch, k.name_expression(t)) for k in registry.KERNELS for t in k.instances]
+    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        return sum(1 for _ in pool.map(_compile_one, work))
 
 
 def device_arch(device: torch.device) -> str:
@@ -266,11 +291,14 @@ class CudaExecutor:
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernels: dict[str, object] = {}  # name expression -> cuda.core Kernel
         self._resident: dict[str, int] = {}  # name expression -> CTAs per SM (occupancy, read once)
+        self._entries: dict[tuple, tuple] = {}  # (kernel name, targs) -> (kernel object, parameter kinds)
+        self._streams: dict[int, object] = {}  # CUstream handle -> cuda.core Stream
+        self._configs: dict[tuple, object] = {}  # (grid, block) -> cuda.core LaunchConfig
 
-    def _load_family(self, family: str) -> None:
+    def _load_family(self, family: str, expressions: list[str] | None = None) -> None:
         from cuda.core import ObjectCode
 
-        compiled = compile_family(family, self.arch)
+        compiled = compile_family(family, self.arch, expressions=expressions)
         with device_current(self.device.index):  # the caller's current device is restored after
             obj = ObjectCode.from_cubin(compiled.cubin, name=f"{family}.cubin", symbol_mapping=compiled.symbols)
             for expr, mangled in compiled.symbols.items():
@@ -295,7 +323,7 @@ class CudaExecutor:
         if expr not in self._resident:
             if expr not in self._kernels:
                 self._require_not_capturing(expr)
-                self._load_family(kernel.family)
+                self._load_family(kernel.family, [expr])
             occupancy = self._kernels[expr].occupancy
             self._resident[expr] = max(1, int(occupancy.max_active_blocks_per_multiprocessor(threads, 0)))
         return self._resident[expr]
@@ -303,22 +331,51 @@ class CudaExecutor:
     def launch(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args) -> None:
         """Launch one instantiation of ``kernel`` on torch's current stream of this device (``args`` by
         ``kernel.params``).
-        """
-        from cuda.core import LaunchConfig, Stream, launch
 
+        Per call only what can change is done: the grid check, the stream, the arguments' conversion;
+        the instantiation's kernel object, its parameter kinds, each (grid, block) ``LaunchConfig`` and
+        each stream's cuda.core ``Stream`` are looked up once.
+        """
         registry.check_grid(kernel, grid)
         if torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):  # the launch needs this device's context current
                 return self.launch(kernel, targs, grid, block, args)
-        expr = kernel.name_expression(targs)
-        if expr not in self._kernels:
-            self._require_not_capturing(expr)
-            self._load_family(kernel.family)
-        params = [_convert(kind, value) for (_, kind), value in zip(kernel.params, args, strict=True)]
-        stream = Stream.from_handle(torch.cuda.current_stream(self.device).cuda_stream)
-        launch(stream, LaunchConfig(grid=tuple(grid), block=tuple(block)), self._kernels[expr], *params)
+        entry = self._entries.get((kernel.name, targs))
+        if entry is None:
+            expr = kernel.name_expression(targs)
+            if expr not in self._kernels:
+                self._require_not_capturing(expr)
+                self._load_family(kernel.family, [expr])  # this instantiation only (lazy, cached on disk)
+            entry = self._entries[(kernel.name, targs)] = (self._kernels[expr], [kind for _, kind in kernel.params])
+        compiled, kinds = entry
+        params = [_convert(kind, value) for kind, value in zip(kinds, args, strict=True)]
+        handle = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            if len(self._streams) >= 64:  # side streams come and go (captures): keep the cache small
+                self._streams.clear()
+            stream = self._streams[handle] = _cuda_core().Stream.from_handle(handle)
+        shape = (tuple(grid), tuple(block))
+        config = self._configs.get(shape)
+        if config is None:
+            if len(self._configs) >= 1024:
+                self._configs.clear()
+            config = self._configs[shape] = _cuda_core().LaunchConfig(grid=shape[0], block=shape[1])
+        _cuda_core().launch(stream, config, compiled, *params)
 
 
+def _cuda_core():
+    """cuda.core, imported on first use (compiling for an explicit arch needs no driver; importing it does not
+    either, but the CPU-only install may lack it)."""
+    global _CUDA_CORE
+    if _CUDA_CORE is None:
+        import cuda.core as module
+
+        _CUDA_CORE = module
+    return _CUDA_CORE
+
+
+_CUDA_CORE = None
 _EXECUTORS: dict[int, CudaExecutor] = {}
 
 

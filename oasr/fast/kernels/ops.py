@@ -21,14 +21,17 @@ through ``paged_kv_append_quant_kernel``, attention v1's page variants and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
 from oasr.cache.paged import PagedKVCache
 from oasr.cache.rel_bias import check_rel_bias_columns
+from oasr.cache.validate import same_device
 from oasr.fast.kernels import registry
 from oasr.kv_formats import get_format
 
@@ -55,14 +58,14 @@ def _ptr(t: torch.Tensor | None) -> int:
 def _int32_vector(t: torch.Tensor, name: str, batch: int, device) -> torch.Tensor:
     if t.shape != (batch,):
         raise ValueError(f"{name}: expected shape ({batch},), got {tuple(t.shape)}")
-    if t.device != device:
+    if not same_device(t.device, device):
         raise ValueError(f"{name} is on {t.device}, the pool on {device}")
     return t.to(torch.int32).contiguous()
 
 
 def _block_table(cache: PagedKVCache) -> torch.Tensor:
     table = cache.block_table
-    if table.device != cache.k_cache.device:
+    if not same_device(table.device, cache.k_cache.device):
         raise ValueError(f"block_table is on {table.device}, the pool on {cache.k_cache.device}")
     table = table.to(torch.int32)
     if table.dim() != 2 or (table.shape[1] > 1 and table.stride(1) != 1):
@@ -97,7 +100,7 @@ def _check_quant_planes(fmt, k_pool, v_pool, k_scale, v_scale) -> None:
         raise ValueError(f"{fmt.name} pages: the pools must be {fmt.data_dtype(torch.float32)}, got {k_pool.dtype}")
     shape = tuple(k_pool.shape[:-1]) + fmt.scale_shape(D)
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t is None or tuple(t.shape) != shape or not t.is_contiguous() or t.device != k_pool.device:
+        if t is None or tuple(t.shape) != shape or not t.is_contiguous() or not same_device(t.device, k_pool.device):
             got = None if t is None else f"{tuple(t.shape)} {t.dtype}"
             raise ValueError(f"{fmt.name} pages: {name} must be a contiguous {shape} plane on {k_pool.device}, "
                              f"got {got}")
@@ -123,7 +126,7 @@ def _check_scales(k_pool, v_pool, k_scale, v_scale) -> None:
         if t is None or t.shape != k_pool.shape[:-1] or t.dtype != torch.float32:
             got = None if t is None else f"{tuple(t.shape)} {t.dtype}"
             raise ValueError(f"fp8 pages: {name} must be {tuple(k_pool.shape[:-1])} float32, got {got}")
-        if not t.is_contiguous() or t.device != k_pool.device:
+        if not t.is_contiguous() or not same_device(t.device, k_pool.device):
             raise ValueError(f"fp8 pages: {name} must be contiguous and on {k_pool.device}")
     for name, t in (("k", k_pool), ("v", v_pool)):
         if t.data_ptr() % 16:
@@ -306,7 +309,7 @@ def _rel_args(rel_bias: torch.Tensor | None, B: int, H: int, T: int, device) -> 
     if rel_bias.dim() != 4 or tuple(rel_bias.shape[:3]) != (B, H, T) or rel_bias.dtype != torch.float32:
         raise ValueError(f"fast paged_attention: rel_bias must be float32 (B={B}, n_head={H}, T={T}, R), got "
                          f"{tuple(rel_bias.shape)} {rel_bias.dtype}")
-    if rel_bias.device != device:
+    if not same_device(rel_bias.device, device):
         raise ValueError(f"fast paged_attention: rel_bias is on {rel_bias.device}, the pool on {device}")
     if rel_bias.shape[3] >= 2**31:
         raise ValueError(f"fast paged_attention: rel_bias has {rel_bias.shape[3]} columns, the kernels index < 2**31")
@@ -333,7 +336,102 @@ def paged_attention(
     ``ValueError`` where ``v2_supports`` is false). ``num_splits`` None: v1 sizes splits with
     ``choose_num_splits`` (two waves of SMs), v2 with ``choose_num_splits_by_waves``, v3 with
     ``choose_num_splits_filled``; an int forces the count.
+
+    Checked once per plan: everything a call derives from the view (the checks, the kernel, the split
+    count, the grid, the packed pointers and scalars) is a function of the tensors' addresses, shapes,
+    dtypes and strides and of the view's host fields, so it is kept under that key (``_PLANS``) and a
+    call with the same key only allocates its output and launches. A view whose table or lengths need a
+    conversion (not int32, not contiguous), a non-contiguous ``rel_bias`` or a non-contiguous ``q`` is
+    planned at every call.
     """
+    if not q.is_contiguous():
+        q = q.contiguous()
+    key = _plan_key(executor, q, cache, chunk_lens, scale, causal, num_splits, version, rel_bias)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan_attention(executor, q, cache, chunk_lens, scale, causal, num_splits, version, rel_bias)
+        if plan.reusable:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan.kept()
+    out = torch.empty(q.shape, dtype=plan.dtype, device=q.device)
+    if plan.kernel is None:
+        return out
+    part_acc = part_ml = 0
+    if plan.num_splits > 1:
+        shape = (plan.num_splits, *plan.shape)
+        acc = torch.empty(shape, dtype=torch.float32, device=q.device)
+        ml = torch.empty((*shape[:-1], 2), dtype=torch.float32, device=q.device)
+        part_acc, part_ml = acc.data_ptr(), ml.data_ptr()
+    out_ptr = out.data_ptr()
+    executor.launch(plan.kernel, plan.kernel_targs, plan.grid, (THREADS, 1, 1),
+                    (*plan.head, out_ptr, part_acc, part_ml, *plan.tail))
+    del plan  # a converted rel_bias table it held was needed until the launch was queued
+    if part_acc:
+        rows = q.shape[0] * q.shape[1] * q.shape[2]
+        executor.launch(registry.BY_NAME["paged_attention_combine_kernel"], _combine_targs(out.dtype, q.shape[3]),
+                        (math.ceil(rows / 4), 1, 1), (THREADS, 1, 1), (part_acc, part_ml, out_ptr, rows,
+                                                                       acc.shape[0]))
+    return out
+
+
+_MAX_PLANS = 512
+_PLANS: dict = {}
+
+
+def _combine_targs(dtype: torch.dtype, head_dim: int) -> tuple:
+    return (registry.DTYPE_ARG[dtype], str(head_dim))
+
+
+@dataclass(frozen=True)
+class _AttentionPlan:
+    """What one attention call derives from its view: the launch without the output's pointers."""
+
+    dtype: torch.dtype
+    kernel: object  # None: an empty call (no launch)
+    kernel_targs: tuple = ()
+    grid: tuple = ()
+    head: tuple = ()  # the pointers before ``out`` (q, pools, scales, table, lengths, chunk_lens)
+    tail: tuple = ()  # the scalars after the partials (and the rel_bias table's pointer and width)
+    num_splits: int = 1
+    shape: tuple = ()  # (B, H, T, D)
+    combine_targs: tuple = ()
+    reusable: bool = False
+    rel_table: object = None  # a contiguous copy of rel_bias made for this call (never in a kept plan)
+
+    def kept(self) -> _AttentionPlan:
+        """The plan as ``_PLANS`` keeps it: no tensor (a reusable plan's table is the caller's own)."""
+        return dataclasses.replace(self, rel_table=None)
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple:
+    if t is None:
+        return ()
+    return (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device)
+
+
+def _view_key(cache: PagedKVCache) -> tuple:
+    """The view's part of a plan key, computed once per view object (a view's fields are fixed; a tick
+    builds new views, so a new view is keyed anew)."""
+    key = cache.__dict__.get("_launch_key")
+    if key is None:
+        key = (_tensor_key(cache.k_cache), _tensor_key(cache.v_cache), _tensor_key(cache.k_scale),
+               _tensor_key(cache.v_scale), cache.kv_format, _tensor_key(cache.block_table),
+               _tensor_key(cache.cache_seqlens), _tensor_key(cache.cache_seqstarts), cache.block_size, cache.max_span)
+        cache.__dict__["_launch_key"] = key
+    return key
+
+
+def _plan_key(executor, q, cache: PagedKVCache, chunk_lens, scale, causal, num_splits, version, rel_bias) -> tuple:
+    """Everything ``_plan_attention`` reads, addresses included (a plan holds them); ``q`` is contiguous."""
+    lens = () if chunk_lens is None else _tensor_key(chunk_lens)
+    rel = () if rel_bias is None else _tensor_key(rel_bias)
+    return (executor, version, num_splits, causal, scale, q.data_ptr(), q.shape, q.dtype, q.device, _view_key(cache),
+            lens, rel)
+
+
+def _plan_attention(executor, q, cache: PagedKVCache, chunk_lens, scale, causal, num_splits, version, rel_bias):
+    """Every check and choice of one attention call (``paged_attention``'s contract); the launch as a plan."""
     _check_pool(cache)
     B, H, T, D = q.shape
     Hkv = cache.n_kv_head
@@ -357,10 +455,8 @@ def paged_attention(
                 f"(kernels: {sorted(str(d) for d in registry.DTYPE_ARG)}, head_dim {registry.HEAD_DIMS})"
             )
         page = registry.DTYPE_ARG[dtype]
-    q = q.contiguous()
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
     if B == 0 or T == 0 or H == 0:
-        return out
+        return _AttentionPlan(dtype, None)
     for t in (q, cache.k_cache, cache.v_cache):
         if t.data_ptr() % 16:
             raise ValueError("fast paged_attention: q and the pool must be 16-byte aligned")
@@ -406,32 +502,18 @@ def paged_attention(
     split_len = TILE_KEYS * math.ceil(math.ceil(max_keys / num_splits) / TILE_KEYS)
     num_splits = max(1, math.ceil(max_keys / split_len))  # drop splits that would start past every range
 
-    part_acc = part_ml = None
-    if num_splits > 1:
-        part_acc = torch.empty((num_splits, B, H, T, D), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((num_splits, B, H, T, 2), dtype=torch.float32, device=q.device)
-    targs = (registry.DTYPE_ARG[dtype], str(D))
     block_size = () if version in ("v2", "v3") else (cache.block_size,)  # v2, v3: a template argument
-    args = (
+    head = (
         _ptr(q), _ptr(cache.k_cache), _ptr(cache.v_cache), _ptr(cache.k_scale), _ptr(cache.v_scale), _ptr(table),
-        table.stride(0), _ptr(seqlens), _ptr(seqstarts), _ptr(chunk_lens), _ptr(out), _ptr(part_acc),
-        _ptr(part_ml), H, Hkv, T, *block_size, num_splits, split_len, scale * math.log2(math.e),
-        int(bool(causal)), *rel,
+        table.stride(0), _ptr(seqlens), _ptr(seqstarts), _ptr(chunk_lens),
     )  # fmt: skip
-    executor.launch(kernel, kernel_targs, (q_tiles * num_splits, Hkv, B), (THREADS, 1, 1), args)
-    del rel_table  # (held until the launch is queued: its pointer is in args)
-    if num_splits > 1:
-        rows = B * H * T
-        executor.launch(
-            registry.BY_NAME["paged_attention_combine_kernel"],
-            targs,
-            (math.ceil(rows / 4), 1, 1),
-            (THREADS, 1, 1),
-            (_ptr(part_acc), _ptr(part_ml), _ptr(out), rows, num_splits),
-        )
-    return out
-
-
+    tail = (H, Hkv, T, *block_size, num_splits, split_len, scale * math.log2(math.e), int(bool(causal)), *rel)
+    # the plan may be reused only when it holds no tensor made here: every input already in the layout the
+    # kernel reads (a converted copy would be stale at the next call, whose values may differ)
+    reusable = (table is cache.block_table and seqlens is cache.cache_seqlens and seqstarts is cache.cache_seqstarts
+                and rel_table is rel_bias)
+    return _AttentionPlan(dtype, kernel, kernel_targs, (q_tiles * num_splits, Hkv, B), head, tail, num_splits,
+                          (B, H, T, D), (registry.DTYPE_ARG[dtype], str(D)), reusable, rel_table)
 def _launch_scaled_gather(executor, kernel: str, targs: tuple, what: str, k_pool, v_pool, k_scale, v_scale, out,
                           block_ids, start: int, num_frames: int, D: int) -> torch.Tensor:
     """The dequantizing gathers (fp8, int8 / q8_0 / affine4): one launch over ``out`` in 16-byte units."""

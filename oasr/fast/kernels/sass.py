@@ -84,6 +84,8 @@ class Machine:
     default_pipe: tuple[str, int] = ("alu", 2)  # integer/logic ALU: 16 lanes per SMSP
     mio_bytes_per_clk: int = 128  # shared memory / L1 per SM, shared by the SMSPs
     shfl_mio_cycles: int = 1  # 32 shuffle lanes per SM per clock
+    l2_bytes: int = 50 * 2**20  # L2 (H100/H200: 50 MB): a working set below it stays resident across calls
+    l2_bandwidth_tbs: float = 10.0  # ASSUMED: L2 read bandwidth (order of magnitude; Hopper microbenchmarks)
 
 
 # Sources: NVIDIA H200 product brief (132 SMs in the SXM part, 4.8 TB/s HBM3e); the CUDA C++
@@ -137,8 +139,12 @@ class Calibration:
 
     issue_efficiency: float  # FITTED: clocks a busy SMSP issues / clocks (v2 bf16 slope, 1.375 us per tile)
     host_us: float  # FITTED: launcher time inside an event window (v2 bf16 intercept less the fixed term)
-    launch_us: float = 4.0  # ASSUMED: a kernel launch reaching an idle GPU's SMs
+    launch_us: float = 4.0  # FITTED (v3 kernel-only): a kernel reaching the SMs from a graph replay
     memory_trip_us: float = 0.8  # ASSUMED: one dependent HBM round trip under load (~1,600 clocks)
+    stream_bandwidth_tbs: float | None = None  # FITTED (v3 bf16 kernel-only): what a paged streaming kernel
+    #                                            reaches (None: the machine's copy bandwidth)
+    pipe_efficiency: float = 1.0  # FITTED (v3 fp8 kernel-only): fraction of clocks a saturated XU pipe
+    #                               (conversions F2F/F2FP/I2F, MUFU) accepts an instruction
 
 
 # The measured v2 points (docs/kernels.md, one H200, three runs, ranges; CUDA events around the whole
@@ -151,7 +157,17 @@ MEASURED_V2 = {
 # the bf16 midpoints (98, 134, 266 us at 9, 33, 129 tiles of v2: 553 instructions x 4 CTAs on SMSP 0,
 # NVRTC 13, sm_90): slope 1.375 us per tile -> efficiency 0.81; intercept 87.6 us less the fixed term
 # (4 + 4 trips x 0.8 = 7.2 us) -> host 80 us. ``fit_calibration`` recomputes both from a report.
-CALIBRATION = Calibration(issue_efficiency=0.81, host_us=80.0)
+# v3 kernel-only (graph replay), two H200 runs of 2026-12-04 (../shared/measurements/gpu-2026-12-04.json):
+# (pages, history) -> (low, high) microseconds. ``fit_kernel_calibration`` fits launch, the streaming bandwidth
+# and v3's chain latency on their midpoints: bf16 at 1,024 and 4,096 frames stream from HBM; bf16 at 256 (40 MB,
+# resident in L2 across the replays) and every fp8 point are bound by the chain (fp8: 64-key tiles, twice
+# the chain of a 32-key one). Least squares: launch 3.24 us, 3.82 TB/s, 1,805 cycles per 32 keys.
+MEASURED_V3 = {
+    ("bf16", 256): (13.49, 13.70), ("bf16", 1024): (42.44, 42.48), ("bf16", 4096): (147.28, 148.45),
+    ("fp8", 256): (14.39, 14.44), ("fp8", 1024): (37.21, 37.50), ("fp8", 4096): (123.88, 124.11),
+}  # fmt: skip
+# host: the v2 fit's intercept (87.6 us) less v2's fixed term with the refitted launch (3.24 + 4 x 0.8)
+CALIBRATION = Calibration(issue_efficiency=0.81, host_us=81.2, launch_us=3.24, stream_bandwidth_tbs=3.82)
 HISTORIES = (256, 1024, 4096)
 
 DISCLAIMER = (
@@ -206,6 +222,9 @@ class Tiling:
     stages: tuple[int, int] = (1, 1)  # cp.async ring stages at head_dim 64: (16-bit pages, fp8 pages)
     prologue_trips: int = 1  # dependent memory trips before the first tile's math
     fp8_keys_per_iteration: int | None = None  # when fp8 pages use another tile
+    # FITTED (kernel-only H200 points): cycles of one warp's dependent chain per 32 keys (load -> mma -> softmax
+    # -> mma), which the few warps of a sub-partition cannot hide; None: not measured, not priced
+    chain_cycles_32: float | None = None
 
     def keys(self, page: str) -> int:
         """Keys one main-loop iteration consumes for ``page`` (``"bf16"`` or ``"fp8"``)."""
@@ -228,7 +247,8 @@ TILINGS = {
     "paged_chunk_attention_v2_kernel": Tiling(ops.TILE_KEYS, ops.V2_ROWS_PER_CTA, "waves", stages=(3, 3),
                                               prologue_trips=4),
     "paged_chunk_attention_v3_kernel": Tiling(ops.TILE_KEYS, ops.V3_ROWS_PER_CTA, "filled", warps_per_row_tile=2,
-                                              stages=(4, 3), prologue_trips=3, fp8_keys_per_iteration=64),
+                                              stages=(4, 3), prologue_trips=3, fp8_keys_per_iteration=64,
+                                              chain_cycles_32=1805.0),
 }  # fmt: skip
 
 # -- finding the tools ---------------------------------------------------------------------------
@@ -621,9 +641,18 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
         for w in range(warps):
             load[(c * warps + w) % machine.sub_partitions] += counts.total if w < live else idle
     smsp_cycles = max(load) / cal.issue_efficiency
+    # the XU pipe (conversions, MUFU: 16 lanes per SM per clock, 8 cycles a warp instruction on one SMSP),
+    # busiest SMSP, live warps only: what bounds a loop that converts its pages (fp8 -> f16)
+    xu_per_warp = xu_cycles(counts, machine)
+    xu_load = [0.0] * machine.sub_partitions
+    for c in range(concurrent):
+        for w in range(min(warps, live)):
+            xu_load[(c * warps + w) % machine.sub_partitions] += xu_per_warp
+    xu_step = max(xu_load) / cal.pipe_efficiency
+    chain = 0.0 if tiling.chain_cycles_32 is None else tiling.chain_cycles_32 * keys_per_tile / 32
     mio = [(mb / machine.mio_bytes_per_clk + counts.roots["SHFL"] * machine.shfl_mio_cycles) * live * concurrent
            for mb in (counts.mio_bytes_low, counts.mio_bytes)]  # fmt: skip
-    step = [max(smsp_cycles, m) for m in mio]
+    step = [max(smsp_cycles, xu_step, chain, m) for m in mio]
     issue_us = [waves * tiles * c / (machine.clock_ghz * 1e3) for c in step]
 
     # memory: the bytes at the achievable bandwidth, capped by Little's law on the bytes in flight
@@ -640,7 +669,9 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
     else:  # synchronous loads: each warp's outstanding loads only (about one 16-byte load per thread)
         in_flight = concurrent * threads * 16
     little_tbs = machine.sms * in_flight / (cal.memory_trip_us * 1e-6) / 1e12
-    bandwidth = min(machine.bandwidth_tbs, little_tbs)
+    streaming = cal.stream_bandwidth_tbs or machine.bandwidth_tbs
+    l2_resident = moved + partial_bytes <= machine.l2_bytes  # back-to-back calls (a bench's graph replays)
+    bandwidth = machine.l2_bandwidth_tbs if l2_resident else min(streaming, little_tbs)
     memory_us = (moved + partial_bytes) / (bandwidth * 1e6)
 
     fixed_us = cal.launch_us + tiling.prologue_trips * cal.memory_trip_us
@@ -658,7 +689,11 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
         "live_warps": live,
         "busiest_smsp_instr": max(load),
         "step_cycles": [round(c) for c in step],
-        "tile_bound": ["issue" if smsp_cycles >= m else "mio" for m in mio],
+        "step_terms": {"issue": round(smsp_cycles), "xu": round(xu_step), "chain": round(chain),
+                       "mio": [round(m) for m in mio]},
+        "xu_per_warp": xu_per_warp,
+        "l2_resident": l2_resident,
+        "tile_bound": [_step_bound(smsp_cycles, xu_step, chain, m) for m in mio],
         "ctas": ctas,
         "splits": splits,
         "ctas_per_sm": resident,
@@ -676,8 +711,22 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
         "event_us": [round(cal.host_us + t, 1) for t in kernel],
         "modelled_tbs": [round(moved / (t * 1e6), 2) for t in reversed(kernel)],  # [low, high]
         "fraction_of_bw": [round(moved / (t * 1e6) / machine.bandwidth_tbs, 3) for t in reversed(kernel)],
-        "bound": "memory" if memory_us >= issue_us[1] else ("issue" if memory_us < issue_us[0] else "issue/memory"),
+        "bound": "memory" if memory_us >= issue_us[1] else (
+            _step_bound(smsp_cycles, xu_step, chain, mio[0]) if memory_us < issue_us[0] else "issue/memory"),
     }
+
+
+def xu_cycles(counts: LoopCounts, machine: Machine = H200) -> float:
+    """Cycles one warp's iteration holds the XU pipe (conversions and MUFU) of its sub-partition."""
+    return float(sum(n * machine.pipe_cycles[root][1] for root, n in counts.roots.items()
+                     if machine.pipe_cycles.get(root, ("",))[0] == "xu"))
+
+
+def _step_bound(issue: float, xu: float, chain: float, mio: float) -> str:
+    """What binds a tile step: "issue" (the sub-partition's issue slots at the fitted efficiency), "xu"
+    (the conversion / MUFU pipe), "latency" (one warp's dependent chain, which the sub-partition's few
+    warps do not hide) or "mio" (shared memory)."""
+    return max((("issue", issue), ("xu", xu), ("latency", chain), ("mio", mio)), key=lambda kv: kv[1])[0]
 
 
 def calibration_check(rep: dict) -> list[dict]:
@@ -709,6 +758,53 @@ def fit_calibration(rep: dict, cal: Calibration = CALIBRATION, machine: Machine 
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     return 1 / slope, my - slope * mx - fixed
+
+
+def calibration_check_v3(rep: dict) -> list[dict]:
+    """The model's kernel-only v3 (sm_90) against ``MEASURED_V3`` (graph replay, two runs), and for each
+    history the modelled fp8 speed-up over bf16 against the measured one (``ratio_error``: relative)."""
+    rows, by = [], {}
+    for r in rep["attention_model"]:
+        key = (r["page"], r["history"])
+        if r["version"] != "v3" or r["arch"] != "sm_90" or key not in MEASURED_V3:
+            continue
+        low, high = MEASURED_V3[key]
+        model = r["kernel_us"][0]
+        by[key] = (model, (low + high) / 2)
+        rows.append({"page": r["page"], "history": r["history"], "modelled_kernel_us": model,
+                     "measured_us": [low, high], "error": round(model / ((low + high) / 2) - 1, 3),
+                     "bound": r["bound"], "step_terms": r.get("step_terms")})  # fmt: skip
+    for row in rows:
+        if row["page"] == "fp8" and ("bf16", row["history"]) in by:
+            (m_bf16, x_bf16), (m_fp8, x_fp8) = by["bf16", row["history"]], by["fp8", row["history"]]
+            row["modelled_ratio"] = round(m_bf16 / m_fp8, 3)
+            row["measured_ratio"] = round(x_bf16 / x_fp8, 3)
+            row["ratio_error"] = round((m_bf16 / m_fp8) / (x_bf16 / x_fp8) - 1, 3)
+    return rows
+
+
+def fit_kernel_calibration(rep: dict, cal: Calibration = CALIBRATION, machine: Machine = H200) -> dict:
+    """Launch us, streaming TB/s and v3's chain cycles per 32 keys by least squares on the ``MEASURED_V3``
+    midpoints, each point priced by the term the model says binds it (memory: fixed + bytes / bandwidth;
+    latency: fixed + tiles x chain x keys per tile / 32 / clock)."""
+    import numpy as np
+
+    rows_a, ys, trips = [], [], None
+    for r in rep["attention_model"]:
+        key = (r["page"], r["history"])
+        if r["version"] != "v3" or r["arch"] != "sm_90" or key not in MEASURED_V3:
+            continue
+        trips = round((r["fixed_us"] - cal.launch_us) / cal.memory_trip_us)
+        if r["bound"] == "memory":
+            rows_a.append([1.0, r["mbytes_moved"], 0.0])
+        else:
+            rows_a.append([1.0, 0.0, r["tiles_per_cta"] * r["keys_per_tile"] / 32 / (machine.clock_ghz * 1e3)])
+        ys.append(sum(MEASURED_V3[key]) / 2)
+    if len(ys) < 3 or trips is None:
+        raise ValueError("fit_kernel_calibration: the report has no v3 sm_90 rows at the measured histories")
+    (fixed, us_per_mb, chain), *_ = np.linalg.lstsq(np.array(rows_a), np.array(ys), rcond=None)
+    return {"launch_us": float(fixed - trips * cal.memory_trip_us), "stream_bandwidth_tbs": float(1 / us_per_mb),
+            "chain_cycles_32": float(chain)}
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -853,6 +949,22 @@ def format_report(rep: dict, *, all_kernels: bool = True) -> str:
             _markdown(["pages", "history", "modelled event us", "measured us (3 runs)", "inside"],
                       [[r["page"], r["history"], _span(r["modelled_event_us"], "{:.0f}"),
                         "{}-{}".format(*r["measured_us"]), "yes" if r["inside"] else "NO"] for r in check]),
+        ]  # fmt: skip
+    check3 = calibration_check_v3(rep)
+    if check3:
+        out += [
+            "",
+            "v3 on sm_90, kernel-only (graph replay), model against the H200 measurements of 2026-12-04 "
+            "(launch, streaming bandwidth and v3's chain latency fitted on them; step terms in cycles of the "
+            "busiest sub-partition per tile):",
+            "",
+            _markdown(["pages", "history", "modelled us", "measured us (2 runs)", "error", "bound",
+                       "issue / xu / chain / mio cycles", "fp8 speed-up model / measured"],
+                      [[r["page"], r["history"], r["modelled_kernel_us"], "{}-{}".format(*r["measured_us"]),
+                        f"{100 * r['error']:+.0f}%", r["bound"],
+                        "{issue} / {xu} / {chain} / {m}".format(m=r["step_terms"]["mio"][1], **r["step_terms"]),
+                        f"{r['modelled_ratio']}x / {r['measured_ratio']}x" if "modelled_ratio" in r else ""]
+                       for r in check3]),
         ]  # fmt: skip
     rows = [r for r in rep["kernels"] if all_kernels or r["version"]]
     out += [
