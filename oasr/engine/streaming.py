@@ -313,6 +313,7 @@ class StreamingEngine:
         self.model_tick = None
         self._setup_rescoring(rescore, rescorer, ctc_weight)  # first: the model step returns what it consumes
         self._setup_model_tick(cuda_graphs, graph_capture)
+        self._setup_ctc_search(cuda_graphs, graph_capture)
 
     def _setup_model_tick(self, cuda_graphs, capture) -> None:
         """Pick the eager or graphed model step (fast twin) and report the choice once."""
@@ -350,6 +351,28 @@ class StreamingEngine:
         else:
             self.execution_note = "eager: cuda_graphs=False"
         logger.info("StreamingEngine model step: %s", self.execution_note)
+
+    def _setup_ctc_search(self, cuda_graphs, capture) -> None:
+        """The CTC search's path, chosen once and reported: with graphs on (``cuda_graphs`` True, or None
+        on CUDA; fast twin), the beam states live on the device and each chunk's search replays one CUDA
+        graph (``oasr.fast.ctc_graph``), whether or not the model step's preflight left it eager (the
+        search reaches no kernel gap); otherwise the states stay on the host (the fast twin's CPU paths).
+        A stand-in ``graph_capture`` (tests) drives the graphed search on the CPU, one capture per graph."""
+        self.ctc_execution = None
+        if self.ctc is None:
+            return
+        on_cuda = self.config.device.type == "cuda"
+        wanted = bool(cuda_graphs) if cuda_graphs is not None else on_cuda
+        if wanted and self.twin == "fast" and (on_cuda or capture is not None):
+            factory = None if capture is None else type(capture)
+            decoder = self.ops.StreamingCtcDecoder(self.ctc_config, device=self.config.device, cuda_graphs=True,
+                                                   graph_capture=factory)
+            self.ctc = self.ops.CtcStateCacheManager(decoder)
+            self.ctc_execution = f"graphed on {self.config.device} (one graph per cohort width bucket and chunk)"
+        else:
+            self.ctc_execution = f"{self.twin} twin on the host ({self.ctc.decoder.__module__})"
+        self.execution_note += f"; CTC search: {self.ctc_execution}"
+        logger.info("StreamingEngine CTC search: %s", self.ctc_execution)
 
     # ---- input ---------------------------------------------------------------------------
     def _stream(self, stream_id) -> _Stream:

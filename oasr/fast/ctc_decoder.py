@@ -119,7 +119,7 @@ _SORT_WIDTH = 1024
 # 1 stream at beam 4 or 10, and up to 4 streams at beam 4, with top-k = beam).
 HOST_LOOP_MAX_WORK = 110
 _logger = logging.getLogger("oasr.fast")
-_reported: set[int] = set()
+_reported: set = set()
 _HASH_MOD = 2**31 - 1
 _HASH_MUL = (911_382_323, 972_663_749)
 
@@ -269,7 +269,7 @@ def _chunk_candidates(lp: torch.Tensor, config: CtcDecoderConfig, all_tokens) ->
         lp_tokens = lp.gather(2, tokens).to(torch.float64)
     else:
         masked = lp.clone()
-        masked[:, :, blank] = NEG_INF
+        masked.select(2, blank).fill_(NEG_INF)  # a fill, not a scalar upload: capture-safe
         tokens = _top_set(masked.reshape(R * T, V), K).reshape(R, T, K)
         # from `masked`: if fewer than K tokens are possible the blank may be picked, and must stay -inf
         lp_tokens = masked.gather(2, tokens).to(torch.float64)
@@ -392,6 +392,27 @@ def _advance(beams: _Beams, cand: _Candidates, t: int, frame: torch.Tensor, beam
     return new_beams, overflow
 
 
+def search_chunk(beams: _Beams, lp: torch.Tensor, first_frame: torch.Tensor, row_len, config: CtcDecoderConfig,
+                 candidates) -> tuple[_Beams, torch.Tensor]:
+    """A whole chunk ``lp`` (R, T, V) over ``beams``: device work only, no host read, no shape from values.
+
+    ``first_frame`` (R,) int64: each row's absolute index of frame 0; ``row_len`` (R,) int64 or None
+    (every row has ``T`` frames): a row past its length keeps its beams. ``candidates(lp)`` gives the
+    chunk's ``_Candidates``. Returns the new beams (dead slots cleared) and the header (2 + R,) int64:
+    bad input (NaN / ``+inf`` anywhere in ``lp``), a prefix outgrew the window, each row's longest
+    prefix. Capture-safe for fixed shapes (``oasr.fast.ctc_graph`` replays it as one CUDA graph).
+    """
+    cand = candidates(lp)
+    overflow = torch.zeros((), dtype=torch.bool, device=lp.device)
+    for t in range(lp.shape[1]):
+        active = row_len > t if row_len is not None else None
+        beams, over = _advance(beams, cand, t, first_frame + t, config.beam_size, active)
+        overflow |= over
+    beams = _clear_dead(beams)
+    bad_input = ~(lp.amax() < math.inf)  # NaN or +inf anywhere (the padding is 0)
+    return beams, torch.cat([torch.stack([bad_input, overflow]).long(), beams.lengths.amax(1)])
+
+
 def _clear_dead(beams: _Beams) -> _Beams:
     """Reset dead slots to the empty, all-padding record (run once per chunk, before commit)."""
     live = torch.logaddexp(beams.log_pb, beams.log_pnb) > NEG_INF
@@ -472,7 +493,10 @@ class StreamingCtcDecoder:
     ``host_loop_max_work`` picks the path by size (module docstring): CPU
     cohorts with ``rows * beam_size * (1 + candidates)`` at most this run the
     host loop, larger ones (and every CUDA cohort) the batched search; 0 turns
-    the host loop off. Both give the same results.
+    the host loop off. Both give the same results. ``cuda_graphs=True`` (CUDA
+    states) replays each chunk's whole search as one CUDA graph instead
+    (``oasr.fast.ctc_graph``; ``graph_capture``: a capture-strategy factory,
+    tests only); ``execution`` names the path.
     """
 
     def __init__(
@@ -480,6 +504,8 @@ class StreamingCtcDecoder:
         config: CtcDecoderConfig | None = None,
         device: torch.device | str = "cpu",
         host_loop_max_work: int = HOST_LOOP_MAX_WORK,
+        cuda_graphs: bool = False,
+        graph_capture=None,
     ):
         self.config = config if config is not None else CtcDecoderConfig()
         if not isinstance(self.config, CtcDecoderConfig):
@@ -489,6 +515,22 @@ class StreamingCtcDecoder:
         self.device = torch.device(device)
         self.host_loop_max_work = host_loop_max_work
         self._all_tokens: dict[tuple[int, str], torch.Tensor] = {}
+        if cuda_graphs not in (True, False):
+            raise ValueError(f"StreamingCtcDecoder: cuda_graphs must be True or False, got {cuda_graphs!r}")
+        if cuda_graphs and self.device.type != "cuda" and graph_capture is None:
+            raise ValueError(f"StreamingCtcDecoder: cuda_graphs=True needs a CUDA device, got {self.device}; "
+                             "on the CPU the search runs eager (cuda_graphs=False)")
+        self.graphs = None
+        if cuda_graphs:
+            from oasr.fast.ctc_graph import ChunkSearchGraphs
+
+            self.graphs = ChunkSearchGraphs(self, graph_capture)
+        self.execution = ("graphed" if cuda_graphs else "batched" if self.device.type == "cuda"
+                          else "host loop or batched, by size")
+        if ("graphs", str(self.device)) not in _reported and cuda_graphs:
+            _reported.add(("graphs", str(self.device)))
+            _logger.info("oasr.fast: CTC decoder on %s: each chunk's search replays one CUDA graph per (width "
+                         "bucket, frames); no per-frame host work", self.device)
         if host_loop_max_work not in _reported:
             _reported.add(host_loop_max_work)
             _logger.info(
@@ -632,7 +674,9 @@ class StreamingCtcDecoder:
         device = states[0].device
         lp = _stack_padded(log_probs_list, lengths, device)
         row_lengths = [n for state, n in zip(states, lengths, strict=True) for _ in range(state.batch)]
-        if self.uses_host_loop(lp.shape[0], lp.shape[2], device):
+        if self.graphs is not None:
+            self.graphs.decode(states, lp, row_lengths, where)
+        elif self.uses_host_loop(lp.shape[0], lp.shape[2], device):
             self._decode_host(states, lp, row_lengths, where)
         else:
             self._decode_batched(states, lp, row_lengths, where)
@@ -664,16 +708,8 @@ class StreamingCtcDecoder:
         )
         mixed = len(set(row_lengths)) > 1
         row_len = torch.tensor(row_lengths, dtype=torch.int64, device=device) if mixed else None
-        cand = self._candidates(lp)
-        overflow = torch.zeros((), dtype=torch.bool, device=device)
-        for t in range(T):
-            active = row_len > t if mixed else None
-            beams, over = _advance(beams, cand, t, first_frame + t, self.config.beam_size, active)
-            overflow |= over
-        beams = _clear_dead(beams)
-        # The one host read: input check, prefix-length check, each row's longest prefix.
-        bad_input = ~(lp.amax() < math.inf)  # NaN or +inf anywhere (the padding is 0)
-        header = torch.cat([torch.stack([bad_input, overflow]).long(), beams.lengths.amax(1)]).tolist()
+        beams, header = search_chunk(beams, lp, first_frame, row_len, self.config, self._candidates)
+        header = header.tolist()  # the one host read: input check, prefix-length check, longest prefixes
         if header[0]:
             raise values_error(where)
         if header[1]:
