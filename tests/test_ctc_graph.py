@@ -223,8 +223,10 @@ def test_engine_with_graphs_decodes_through_the_graphed_search():
     search = graphed_engine.ctc.decoder
     assert search.execution == "graphed" and "CTC search: graphed" in graphed_engine.execution_note
     assert eager.ctc.decoder.graphs is None and "CTC search: fast twin on the host" in eager.execution_note
+    prepared = search.graphs.keys  # captured at construction: every cohort width for a full chunk
+    assert [k[:2] for k in prepared] == [(w, 4) for w in sorted([1, 2, 4, 8], key=str)]
     got, want = drive_streams(graphed_engine), drive_streams(eager)
-    assert search.graphs.replays > 0 and search.graphs.keys
+    assert search.graphs.replays > 0 and search.graphs.keys == prepared  # nothing captured while serving
     for sid in want:
         assert got[sid].tokens == want[sid].tokens, sid
 

@@ -68,7 +68,7 @@ from oasr.engine.decoding import GreedyCtcDecoder
 from oasr.engine.rescoring import RescoreJob
 from oasr.engine.stage_clock import StageClock
 from oasr.engine.streaming_backend import STREAMING_BACKENDS, check_streamable
-from oasr.engine.tick import FastModelTick
+from oasr.engine.tick import FastModelTick, engine_widths
 from oasr.models.twins import twin_module, twin_name
 from oasr.sessions.format import (
     EngineStream,
@@ -368,6 +368,10 @@ class StreamingEngine:
             decoder = self.ops.StreamingCtcDecoder(self.ctc_config, device=self.config.device, cuda_graphs=True,
                                                    graph_capture=factory)
             self.ctc = self.ops.CtcStateCacheManager(decoder)
+            # every cohort width's graph for a full chunk, now: no capture lands in a served tick
+            decoder.graphs.max_width = self.config.max_batch_size
+            decoder.graphs.prepare(engine_widths(self.config.max_batch_size), self.chunk_input_frames // self.rate,
+                                   self.model.config.vocab_size)
             self.ctc_execution = f"graphed on {self.config.device} (one graph per cohort width bucket and chunk)"
         else:
             self.ctc_execution = f"{self.twin} twin on the host ({self.ctc.decoder.__module__})"

@@ -13,7 +13,8 @@ and replayed; the host does per call::
     copy out    the new beams into each state (one multi-tensor copy per field), only if the header
                 says the call succeeded: a failed call leaves every state unchanged
 
-Shapes are fixed per graph: the rows are padded to the width bucket (a power of two) with
+Shapes are fixed per graph: the rows are padded to the width bucket (a power of two, capped at
+``max_width``: an engine's ``max_batch_size``, whose widths it captures up front with ``prepare``) with
 rows of length 0, the frames to the graph's ``T`` with zeros (a row past its length keeps its
 beams, so padding changes nothing), and the token window is the whole ``max_prefix_len`` (the
 eager path's narrower window only trims positions that hold padding). A call with ``T`` frames
@@ -73,6 +74,19 @@ class ChunkSearchGraphs:
         self._capture = capture if capture is not None else (lambda: CudaGraphCapture(decoder.device))
         self._graphs: dict[tuple, _ChunkGraph] = {}
         self.replays = 0
+        self.max_width: int | None = None  # widths cap here (an engine's max_batch_size): no bucket past it
+
+    def prepare(self, widths, frames: int, vocab: int, dtype: torch.dtype = torch.float32) -> None:
+        """Capture the graphs of ``widths`` x ``frames`` now (an engine does this at construction, so no
+        capture lands in a served tick); a width already captured for at least ``frames`` is skipped."""
+        for width in sorted(set(widths), reverse=True):
+            self._graph(width, frames, vocab, dtype)
+
+    def _width(self, rows: int) -> int:
+        width = width_bucket(rows)
+        if self.max_width is not None and rows <= self.max_width:
+            width = min(width, self.max_width)
+        return width
 
     @property
     def keys(self) -> list[tuple]:
@@ -80,7 +94,7 @@ class ChunkSearchGraphs:
         return sorted(self._graphs, key=str)
 
     def _graph(self, rows: int, frames: int, vocab: int, dtype) -> _ChunkGraph:
-        width = width_bucket(rows)
+        width = self._width(rows)
         fits = [k for k in self._graphs if k[0] == width and k[2] == vocab and k[3] == dtype and k[1] >= frames]
         if fits:
             return self._graphs[min(fits, key=lambda k: k[1])]
