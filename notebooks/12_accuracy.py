@@ -16,9 +16,10 @@
 # The package ships a small streaming Conformer trained here on synthesized speech
 # (`oasr/assets/model/MODEL_CARD.md`) and a held-out test set: sentences never trained on, spoken by
 # voices never heard in training. We stream clips through the engine, watch a transcript form chunk
-# by chunk, then trade K/V memory for accuracy: the left-context window, fp8 pages, the attention
-# rescoring pass, and full context as the ceiling. To keep the notebook quick it uses the first 24
-# clips; `python -m oasr bench --sections accuracy` runs the same grid on all of them.
+# by chunk, then lay out the two choices a deployment makes, the chunk (latency) and the K/V page
+# format (memory), as a grid of their WER and bytes, with full context as the ceiling. To keep the
+# notebook quick it uses the first 16 clips; `python -m oasr bench --sections accuracy` measures the
+# cache choices on all of them.
 
 # %%
 import matplotlib.pyplot as plt
@@ -31,7 +32,7 @@ from oasr.asr.testset import load_testset
 from oasr.bench.accuracy import kv_bytes_per_stream
 
 torch.set_num_threads(1)
-clips = load_testset(limit=24)
+clips = load_testset(limit=16)
 rec = Recognizer(max_streams=8)
 print(rec.info)
 LEFT = rec.encoder.config.num_left_chunks  # the model's serving window, in chunks
@@ -54,14 +55,20 @@ print("reference:", clip.text)
 assert t.partials[-1][1] == t.text
 
 # %% [markdown]
-# ## The window, the page format, the second pass
+# ## The chunk against the page format
 #
-# For each configuration: the WER on the clips and the K/V bytes one stream holds at its end
-# (the window's frames, at most, times the bytes a frame takes in all layers' pages).
+# The chunk is the latency choice: a stream's text for a chunk can only come once the chunk's audio has
+# arrived, and the frames at a chunk's end see no future audio. The page format is the memory choice.
+# For each chunk size (at the model's serving window of `LEFT` chunks) and each page format: the WER on
+# the clips, and the K/V bytes one stream holds at its end (the window's frames, at most, times the
+# bytes a frame takes in all layers' pages). The model was trained with dynamic chunks, so every chunk
+# size runs on the same weights.
 
 # %%
 frames = [int(len(load_audio(c.path)) / 16000 * 25) for c in clips]
 refs = [c.text for c in clips]
+CHUNKS = (4, 8, 16, 32)  # encoder frames of 40 ms: 160 ms to 1.28 s
+FORMATS = (None, "int8", "affine4")  # the model dtype (fp32 here), 8-bit, 4-bit
 
 
 def measure(**config):
@@ -71,43 +78,51 @@ def measure(**config):
     return error_rates(refs, texts)["wer"] * 100, kv, texts
 
 
-results = {}
-for kv_dtype in (None, "fp8_e4m3"):
-    for left in (1, 2, 4, -1):
-        results[(kv_dtype, left)] = measure(num_left_chunks=left, kv_cache_dtype=kv_dtype)
-rescored = measure(rescore=True)
+grid = {(chunk, fmt): measure(chunk_size=chunk, kv_cache_dtype=fmt) for chunk in CHUNKS for fmt in FORMATS}
 full = measure(full_context=True)
-for (kv_dtype, left), (wer, kv, _) in results.items():
-    print(f"{kv_dtype or 'model dtype':12s} left {'all' if left < 0 else left:>3}: WER {wer:5.2f}%  "
+for (chunk, fmt), (wer, kv, _) in grid.items():
+    print(f"chunk {chunk:2d} ({chunk * 40:4d} ms)  {fmt or 'model dtype':11s}: WER {wer:5.2f}%  "
           f"K/V {kv / 1024:7.1f} KiB per stream")
-print(f"rescored (left {LEFT}): WER {rescored[0]:.2f}%   full context: WER {full[0]:.2f}%")
+print(f"full context (no streaming): WER {full[0]:.2f}%")
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 4))
-for kv_dtype, marker in ((None, "o"), ("fp8_e4m3", "s")):
-    pts = sorted((kv, wer, left) for (d, left), (wer, kv, _) in results.items() if d == kv_dtype)
-    ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker=marker, label=kv_dtype or "model dtype (fp32)")
-    for kv, wer, left in pts:
-        ax.annotate("all" if left < 0 else f"{left}", (kv / 1024, wer), textcoords="offset points", xytext=(4, 4))
-ax.axhline(full[0], color="grey", linestyle="--", label="full context (no streaming)")
-ax.axhline(rescored[0], color="green", linestyle=":", label=f"left {LEFT} + attention rescoring")
-ax.set_xlabel("K/V bytes held per stream (KiB), labels: left-context chunks")
-ax.set_ylabel("WER (%)")
-ax.set_title(f"Word error rate against K/V memory, {len(clips)} held-out clips")
-ax.legend()
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+panels = (("WER %", 0, "{:.1f}", "Reds"), ("K/V KiB held per stream", 1, "{:.0f}", "Blues"))
+for ax, (title, which, fmt_text, cmap) in zip(axes, panels, strict=True):
+    values = [[grid[(c, f)][which] / (1 if which == 0 else 1024) for f in FORMATS] for c in CHUNKS]
+    ax.imshow(values, cmap=cmap, aspect="auto")
+    top = max(max(row) for row in values)
+    for i, row in enumerate(values):
+        for j, v in enumerate(row):  # white on the dark cells
+            ax.text(j, i, fmt_text.format(v), ha="center", va="center", fontsize=11,
+                    color="white" if v > 0.55 * top else "black")
+    ax.set_xticks(range(len(FORMATS)), [f or "model (fp32)" for f in FORMATS])
+    ax.set_yticks(range(len(CHUNKS)), [f"{c} frames\n{c * 40} ms" for c in CHUNKS])
+    ax.set_xlabel("K/V page format")
+    ax.set_title(title)
+axes[0].set_ylabel("chunk (latency)")
+fig.suptitle(f"Latency against accuracy against memory: {len(clips)} held-out clips, left context {LEFT} chunks "
+             f"(full context: WER {full[0]:.1f}%)")
+fig.tight_layout()
 plt.show()
 
 # %% [markdown]
 # ## What holds
 #
-# fp8 pages hold about a quarter of the bytes (one byte per value plus a 4-byte scale per head
-# vector, against 4 bytes per value in fp32) and change the transcripts little; the twins give the
-# same text. These are asserted on this subset; the bench reports the full set.
+# The trade-off runs along the chunk: shorter chunks answer sooner and hear worse, and a stream's
+# window (so its K/V bytes) shrinks with them. Along the format, 8-bit pages hold about a quarter of the
+# model dtype's bytes (one byte per value plus a 4-byte scale per head vector, against 4 bytes per value
+# in fp32) and 4-bit ones less than a fifth, for little or no WER. The twins give the same text. These
+# are asserted on this subset; `python -m oasr bench --sections accuracy` reports the full set.
 
 # %%
-for left in (1, 2, 4, -1):
-    assert results[("fp8_e4m3", left)][1] < 0.3 * results[(None, left)][1]
-    assert abs(results[("fp8_e4m3", left)][0] - results[(None, left)][0]) <= 2.0  # points, on 24 clips
+for fmt in FORMATS:
+    assert grid[(4, fmt)][0] > grid[(32, fmt)][0] + 10  # points: the chunk is the accuracy lever
+    assert grid[(4, fmt)][1] < grid[(32, fmt)][1]  # and a shorter chunk holds a smaller window
+for chunk in CHUNKS:
+    assert grid[(chunk, "int8")][1] < 0.3 * grid[(chunk, None)][1]
+    assert grid[(chunk, "affine4")][1] < 0.2 * grid[(chunk, None)][1]
+    assert abs(grid[(chunk, "int8")][0] - grid[(chunk, None)][0]) <= 2.0  # points
 reference_texts = [x.text for x in Recognizer(twin="reference", max_streams=8).transcribe([c.path for c in clips[:6]])]
-assert reference_texts == results[(None, LEFT)][2][:6]
-print("twins agree on", len(reference_texts), "clips; fp8 within 2 WER points at every window")
+assert reference_texts == grid[(rec.encoder.config.chunk_size, None)][2][:6]
+print("twins agree on", len(reference_texts), "clips; int8 within 2 WER points at every chunk")

@@ -73,7 +73,7 @@ def test_other_sample_rates_are_resampled(tmp_path):
         assert np.corrcoef(back[:n], pcm[:n])[0, 1] > (0.6 if rate == 8000 else 0.97)
 
 
-@pytest.mark.parametrize("case", ["not audio", "empty", "stereo", "nan", "rate", "missing"])
+@pytest.mark.parametrize("case", ["not audio", "empty", "channel", "nan", "rate", "missing", "truncated", "folder"])
 def test_bad_audio_is_one_clear_error(tmp_path, case):
     path = tmp_path / "x.wav"
     if case == "not audio":
@@ -82,9 +82,18 @@ def test_bad_audio_is_one_clear_error(tmp_path, case):
     elif case == "empty":
         path.write_bytes(b"")
         match = "empty"
-    elif case == "stereo":
+    elif case == "channel":  # stereo is mixed down (below); a channel it does not have is refused
         sf.write(path, np.zeros((1600, 2), np.float32), SAMPLE_RATE)
-        match = "2 channels"
+        with pytest.raises(AudioError, match="2 channel"):
+            load_audio(path, channel=2)
+        return
+    elif case == "truncated":  # a WAV cut inside its data
+        sf.write(path, np.zeros(16000, np.float32), SAMPLE_RATE, subtype="PCM_16")
+        path.write_bytes(path.read_bytes()[:-5000])
+        match = "truncated WAV: its data chunk runs 5000 bytes past the end"
+    elif case == "folder":
+        path = tmp_path
+        match = "a directory"
     elif case == "nan":
         x = np.zeros(1600, np.float32)
         x[5] = np.nan
@@ -99,6 +108,51 @@ def test_bad_audio_is_one_clear_error(tmp_path, case):
     with pytest.raises(AudioError, match=match):
         load_audio(path)
     assert issubclass(AudioError, ValueError)
+
+
+def test_stereo_is_mixed_down_or_one_channel_is_taken(tmp_path):
+    # most recordings are stereo; they used to be refused
+    pcm = _clip_pcm()
+    left, right = pcm, np.roll(pcm, 800) * 0.5
+    path = tmp_path / "stereo.wav"
+    sf.write(path, np.stack([left, right], 1), SAMPLE_RATE, subtype="FLOAT")
+    np.testing.assert_allclose(load_audio(path), (left + right) / 2, atol=1e-7)
+    np.testing.assert_array_equal(load_audio(path, channel=0), left)
+    np.testing.assert_array_equal(load_audio(path, channel=1), right)
+    with pytest.raises(AudioError, match="mix it down"):  # in memory, (N, C) stays refused: it is ambiguous
+        check_pcm(np.stack([left, right], 1), SAMPLE_RATE)
+
+
+def test_formats_libsndfile_reads_are_read(tmp_path):
+    pcm = _clip_pcm()[:16000]
+    for name, fmt, subtype in [("a.mp3", "MP3", "MPEG_LAYER_III"), ("a.ogg", "OGG", "VORBIS"), ("a.aiff", "AIFF",
+                                                                                                   "PCM_16")]:
+        if fmt not in sf.available_formats():
+            continue
+        sf.write(tmp_path / name, pcm, SAMPLE_RATE, format=fmt, subtype=subtype)
+        got = load_audio(tmp_path / name)
+        assert abs(len(got) - len(pcm)) < 2000 and np.isfinite(got).all(), name
+
+
+def test_audio_error_imports_as_documented():
+    from oasr.asr import AudioError as documented
+
+    assert documented is AudioError
+
+
+def test_testset_voice_column_plain_or_json_and_missing_clips(tmp_path):
+    sf.write(tmp_path / "a.flac", np.zeros(1600, np.float32), SAMPLE_RATE)
+    sf.write(tmp_path / "b.wav", np.zeros(1600, np.float32), SAMPLE_RATE)
+    (tmp_path / "transcripts.tsv").write_text('a\thello there\t{"voice": "en+f3", "rate": 150}\nb\tbye\ten-us\n')
+    clips = load_testset(tmp_path)
+    assert [(c.id, c.text, c.voice, c.path.name) for c in clips] == [("a", "hello there", "en+f3", "a.flac"),
+                                                                    ("b", "bye", "en-us", "b.wav")]
+    (tmp_path / "transcripts.tsv").write_text("a\thello\nc\tgone\n")
+    with pytest.raises(ValueError, match=r"transcripts.tsv:2: clip 'c' is listed but .*c.flac does not exist"):
+        load_testset(tmp_path)
+    (tmp_path / "transcripts.tsv").write_text("a hello\n")
+    with pytest.raises(ValueError, match=r"transcripts.tsv:1: expected id<TAB>text"):
+        load_testset(tmp_path)
 
 
 def test_check_pcm_takes_int_samples_and_refuses_bad_rates():

@@ -1,6 +1,7 @@
 """The shipped speech model through the engine: text out, twins agree, bad input refused, CLI."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -121,11 +122,16 @@ def test_eval_cli_json(tmp_path, capsys):
     assert "WER" in capsys.readouterr().out
 
 
-def test_demo_runs_on_shipped_clips(capsys):
-    assert oasr_main(["demo", "--clips", "6", "--no-realtime", "--concurrency", "3"]) == 0
+def test_demo_runs_on_shipped_clips(capsys, tmp_path):
+    plot = tmp_path / "streams.png"
+    assert oasr_main(["demo", "--clips", "6", "--no-realtime", "--concurrency", "3", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     for needle in ("WER", "real-time factor", "p50", "p99", "kv_pool", "reference:"):
         assert needle in out or needle == "reference:"
+    # the plot the package promises, and --no-realtime keeps streams overlapping (it held one at a time)
+    assert f"plot: {plot}" in out and plot.stat().st_size > 10_000
+    peak = int(re.search(r"peak (\d+) streams held", out).group(1))
+    assert peak >= 2, out
 
 
 @pytest.mark.parametrize("argv, expect", [

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,6 +24,7 @@ def test_demo_runs_and_reports(tmp_path, capsys, extra):
     assert "best token sequences" in out and "decoder states created" in out
     assert "-> OK" in out
     assert "demo: 1 torch thread(s)" in out
+    assert "oasr engine-demo: 6 streams" in out  # it called itself "oasr demo", the speech demo's name
     assert plot.exists() and plot.stat().st_size > 10_000
     if extra:
         assert "fp8 saves" in out
@@ -48,7 +50,17 @@ def test_bench_quick_section_json(tmp_path, capsys):
 
 def test_usage(capsys):
     assert oasr_main(["--help"]) == 0
-    assert "demo" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # every command's name stands apart from its description (transcribe and engine-demo ran into theirs)
+    from oasr.__main__ import COMMANDS
+
+    for name in COMMANDS:
+        assert re.search(rf"^  {name}  +\S", out, re.MULTILINE), out
+    assert max(map(len, out.splitlines())) <= 110
+    # no command: the same list as a usage error, on stderr, exit 2 (it went to stdout)
+    assert oasr_main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.endswith("python -m oasr: error: no command given\n")
     assert oasr_main(["nonsense"]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
@@ -178,6 +190,42 @@ def test_help_shows_every_option_with_help_and_default(capsys, command):
     for name in names:
         assert re.search(rf"^\s+{name}\b", options, re.MULTILINE), f"{name} has no help line"
     assert options.count("(default") == len(names), options
+    # no reStructuredText markup, no "(default: None)", a required option shows no default
+    assert "``" not in out and "(default: None)" not in out
+
+
+def test_help_texts_read_whole(capsys):
+    from oasr.commands.bench import SECTIONS
+
+    with pytest.raises(SystemExit):
+        oasr_main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "finishes in seconds" not in out and "about 2 minutes" in out  # item 16: the time --quick takes
+    assert "(default: all, in this order: " + ", ".join(SECTIONS) + ")" in out  # no name cut at a line end
+    with pytest.raises(SystemExit):
+        oasr_main(["train", "--help"])
+    work = re.search(r"--work WORK(.*?)\n  --", capsys.readouterr().out, re.DOTALL).group(1)
+    assert "default" not in work  # required: no default to show
+
+
+def test_errors_name_the_command_as_invoked(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/oasr", "transcribe"])
+    with pytest.raises(SystemExit):
+        oasr_main(["transcribe", "/no/such/file.wav"])
+    assert capsys.readouterr().err.startswith("oasr transcribe: error: /no/such/file.wav: no such file")
+    assert oasr_main(["nonsense"]) == 2
+    assert capsys.readouterr().err.startswith("oasr: error: unknown command 'nonsense'")
+
+
+def test_kernels_without_the_cuda_extra_is_a_usage_error(capsys, monkeypatch):
+    from oasr.commands import kernels
+
+    def missing():
+        raise ImportError("No module named 'cuda'")
+
+    monkeypatch.setattr(kernels, "supported_archs", missing)
+    line = _refuses(capsys, ["kernels"])
+    assert "install the `cuda` extra" in line
 
 
 def test_demo_head_dim_follows_the_device():
@@ -260,3 +308,88 @@ def test_transcripts_label_the_shown_sequence_score():
     result.tokens = [1, 2]
     lines = demo.transcripts(engine, [types.SimpleNamespace(stream_id="s000")])
     assert "rescored" not in lines[0] and "CTC log p     -1.00" in lines[1]
+
+
+# ---- run from the folder that holds a clone named ``oasr`` -----------------------------------------------------
+# Python takes the clone (a folder named oasr without __init__.py) for a namespace package ``oasr`` when it
+# is in the working directory, and an editable install's finder (appended to sys.meta_path) still supplies
+# the submodules. This child reproduces that: cwd = a folder holding ``oasr`` -> this checkout, the usual
+# path finder first, then a finder for this checkout's package standing in for the install's.
+_CLONE_CHILD = r'''
+import importlib.abc, importlib.util, os, runpy, sys
+PACKAGE = sys.argv[1]
+class Install(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] != "oasr":
+            return None
+        base = os.path.join(PACKAGE, *name.split(".")[1:])
+        if os.path.isfile(os.path.join(base, "__init__.py")):
+            return importlib.util.spec_from_file_location(name, os.path.join(base, "__init__.py"),
+                                                          submodule_search_locations=[base])
+        if os.path.isfile(base + ".py"):
+            return importlib.util.spec_from_file_location(name, base + ".py")
+        return None
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()] + [Install()]
+sys.path[:] = [""] + [p for p in sys.path if p and os.path.abspath(p) != os.path.dirname(PACKAGE)]
+import oasr
+assert getattr(oasr, "__file__", None) is None, "the clone was not taken for a namespace package"
+from oasr.asr.checkpoint import default_model_path  # the library, as imported there: its assets
+from oasr.asr.testset import load_testset
+assert default_model_path().is_file(), default_model_path()
+assert len(load_testset()) == 120 and load_testset()[0].path.is_file()
+print("assets ok")
+sys.argv = ["oasr", "--version"]  # and the command line
+try:
+    runpy.run_module("oasr", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    assert exc.code in (0, None), exc.code
+'''
+
+
+def test_commands_run_from_the_folder_holding_a_clone_named_oasr(tmp_path):
+    import oasr
+
+    package = os.path.dirname(os.path.abspath(oasr.__file__))
+    (tmp_path / "oasr").symlink_to(os.path.dirname(package), target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", _CLONE_CHILD, package], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["assets ok", f"oasr {oasr.__version__}"]
+
+
+# ---- the speech commands' inputs: folders, channels, a test set's missing clip ---------------------------------
+def test_eval_with_a_listed_clip_missing_is_one_line(capsys, tmp_path):
+    (tmp_path / "transcripts.tsv").write_text("0000\thello\t{\"voice\": \"en\"}\n")
+    line = _refuses(capsys, ["eval", "--testset", str(tmp_path)])
+    assert "transcripts.tsv:1: clip '0000' is listed but" in line and "0000.flac does not exist" in line
+
+
+def test_transcribe_a_folder_and_a_channel(capsys, tmp_path):
+    import shutil
+
+    import numpy as np
+    import soundfile as sf
+
+    from oasr.asr.testset import load_testset
+
+    clips = load_testset(limit=2)
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    for clip in clips:
+        shutil.copy(clip.path, folder / clip.path.name)
+    (folder / "notes.txt").write_text("not audio, not listed")
+    assert oasr_main(["transcribe", str(folder)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(": ")[0] for line in lines] == [str(folder / c.path.name) for c in clips]
+    texts = [line.split(": ", 1)[1] for line in lines]
+    # a stereo file of clip 0 (left) and silence (right): channel 0 is clip 0's text
+    pcm, rate = sf.read(clips[0].path, dtype="float32")
+    stereo = tmp_path / "stereo.wav"
+    sf.write(stereo, np.stack([pcm, np.zeros_like(pcm)], 1), rate)
+    assert oasr_main(["transcribe", "--channel", "0", str(stereo)]) == 0
+    assert capsys.readouterr().out.strip() == texts[0]
+    assert "channel 2 does not exist" in _refuses(capsys, ["transcribe", "--channel", "2", str(stereo)])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "a directory with no audio files in it" in _refuses(capsys, ["transcribe", str(empty)])

@@ -8,6 +8,7 @@ only while no v2 attention kernel is registered.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -182,9 +183,14 @@ def test_kernels_command_sass_table_and_json(tmp_path, capsys):
     from oasr.commands.kernels import main
 
     path = tmp_path / "kernels.json"
-    assert main(["--arch", "sm_90", "--sass", "--json", str(path)]) == 0
+    assert main(["--arch", "sm_90", "--sass", "--json", str(path), "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "MODEL, NOT MEASURED" in out and "| v1 | sm_90 | bf16 |" in out and "| v1 | sm_90 | fp8 |" in out
+    # without --verbose: a summary of a few lines (the README's command printed ~685)
+    assert main(["--arch", "sm_90", "--sass"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 4, lines
+    assert re.search(r"the K/V main loop found in (\d+) of \1 attention kernels", lines[-1]), lines[-1]
     data = json.loads(path.read_text())
     assert {r["kernel"] for r in data["sass"]["kernels"]} == {r["kernel"] for r in data["kernels"]}
 

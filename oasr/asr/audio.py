@@ -1,18 +1,29 @@
-"""Reading audio for recognition: WAV/FLAC/OGG through ``soundfile``, resampled to 16 kHz by ``soxr``.
+"""Reading audio for recognition: any format libsndfile reads (WAV, FLAC, OGG, MP3, ...), resampled to 16 kHz.
 
-``load_audio(path)`` returns mono float32 PCM in [-1, 1] at ``SAMPLE_RATE``. Every refusal is one
-``AudioError`` (a ``ValueError``) that says what was expected and what came:
+``load_audio(path, channel=None)`` returns mono float32 PCM in [-1, 1] at ``SAMPLE_RATE``;
+``decode_audio(source, name)`` does the same for a path or a binary file object (an upload).
+Several channels are averaged into one (a downmix) unless ``channel`` picks one of them
+(0 is the first, the left of a stereo file). Every refusal is one ``AudioError`` (a ``ValueError``)
+that says what was expected and what came:
 
-* a file soundfile cannot decode (not audio, truncated, unknown container);
+* a file soundfile cannot decode (not audio, unknown container);
+* a truncated WAV: its data chunk runs past the end of the file (a FLAC cut short fails to decode;
+  any other file that holds fewer frames than libsndfile says its header declares is refused too,
+  except MP3, whose length may be an estimate; other containers cut short are read as far as they go);
 * an empty file, or one with no samples;
-* more than one channel (a recognizer hears one speaker stream; mix down first, say how you want it);
+* a ``channel`` the file does not have;
 * NaN or infinite samples (possible in float WAV files);
 * a sample rate outside ``[MIN_RATE, MAX_RATE]``. Any rate inside it is resampled with soxr's
   high-quality filter; 16 kHz passes through untouched.
+
+PCM already in memory goes through ``check_pcm``, which takes mono only: ``(N,)`` or ``(N, 1)``
+(an ``(N, C)`` array is ambiguous with channels-first audio; mix it down yourself, e.g. ``pcm.mean(1)``).
 """
 
 from __future__ import annotations
 
+import io
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +31,7 @@ import numpy as np
 from oasr.asr.features import SAMPLE_RATE
 
 MIN_RATE, MAX_RATE = 8000, 192000
+FORMATS = "WAV, FLAC, OGG, MP3 and the other formats libsndfile reads"
 
 
 class AudioError(ValueError):
@@ -33,7 +45,8 @@ def check_pcm(pcm, sample_rate: int, what: str = "audio") -> np.ndarray:
         x = x[:, 0]
     if x.ndim != 1:
         channels = x.shape[1] if x.ndim == 2 else "?"
-        raise AudioError(f"{what}: expected mono audio, got {channels} channels (shape {x.shape})")
+        raise AudioError(f"{what}: expected mono audio, got {channels} channels (shape {x.shape}); "
+                         "mix it down first (e.g. pcm.mean(axis=1)) or pick a channel")
     if x.dtype.kind in "iu":
         x = x.astype(np.float32) / float(np.iinfo(x.dtype).max + 1)
     elif x.dtype.kind != "f":
@@ -54,19 +67,80 @@ def check_pcm(pcm, sample_rate: int, what: str = "audio") -> np.ndarray:
     return x
 
 
-def load_audio(path) -> np.ndarray:
-    """Mono float32 PCM at 16 kHz from an audio file (``AudioError`` for anything else)."""
+def wav_truncation(head: bytes, size: int) -> int:
+    """Bytes a RIFF/WAVE file of ``size`` bytes lacks, from its first bytes ``head`` (0: whole, or not a WAV).
+
+    Walks the chunks to ``data``; a data size of 0 or 0xFFFFFFFF (written by a stream that could
+    not seek back) says nothing and counts as whole.
+    """
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return 0
+    pos = 12
+    while pos + 8 <= len(head):
+        chunk, length = struct.unpack_from("<4sI", head, pos)
+        if chunk == b"data":
+            if length in (0, 0xFFFFFFFF):
+                return 0
+            return max(0, pos + 8 + length - size)
+        pos += 8 + length + (length & 1)
+    return 0
+
+
+def pick_channel(pcm: np.ndarray, channel, what: str) -> np.ndarray:
+    """``(N, C)`` samples to ``(N,)``: their mean (``channel=None``), or channel ``channel`` (0-based)."""
+    count = pcm.shape[1]
+    if channel is None:
+        return pcm[:, 0] if count == 1 else pcm.mean(axis=1, dtype=np.float32)
+    if isinstance(channel, bool) or not isinstance(channel, (int, np.integer)) or not 0 <= channel < count:
+        raise AudioError(f"{what}: channel {channel!r} does not exist: the file has {count} channel(s), "
+                         f"0..{count - 1}")
+    return pcm[:, channel]
+
+
+def decode_audio(source, name: str, channel: int | None = None) -> np.ndarray:
+    """Mono float32 PCM at 16 kHz from a path or a binary file object (``AudioError`` for anything else)."""
     import soundfile as sf
 
+    if isinstance(source, (str, Path)):
+        size = Path(source).stat().st_size
+        with open(source, "rb") as f:
+            head = f.read(1 << 16)
+        source = str(source)
+    else:
+        start = source.tell()
+        head = source.read(1 << 16)
+        size = start + len(head) + len(source.read())
+        source.seek(start)
+    if size == 0:
+        raise AudioError(f"{name}: the file is empty (0 bytes)")
+    missing = wav_truncation(head, size)
+    if missing:
+        raise AudioError(f"{name}: truncated WAV: its data chunk runs {missing} bytes past the end of the file")
+    try:
+        info = sf.info(source)
+        # an MP3 without a Xing header has only an estimate of its length: no truncation check from it
+        declared = 0 if info.format == "MP3" else info.frames
+        if not isinstance(source, str):
+            source.seek(start)
+        pcm, rate = sf.read(source, dtype="float32", always_2d=True)
+    except Exception as exc:  # soundfile raises LibsndfileError / RuntimeError / TypeError by format
+        why = str(exc).strip().rsplit(">: ", 1)[-1] or type(exc).__name__  # drop soundfile's "<BytesIO at 0x..>"
+        raise AudioError(f"{name}: not a readable audio file ({FORMATS} expected; {why})") from None
+    if 0 < len(pcm) < declared:
+        raise AudioError(f"{name}: truncated: the header declares {declared} frames, the file holds {len(pcm)}")
+    return check_pcm(pick_channel(pcm, channel, name), rate, name)
+
+
+def load_audio(path, channel: int | None = None) -> np.ndarray:
+    """Mono float32 PCM at 16 kHz from an audio file (``AudioError`` for anything else; see the module)."""
     path = Path(path)
+    if path.is_dir():
+        raise AudioError(f"{path}: a directory, not an audio file")
     if not path.is_file():
         raise AudioError(f"{path}: no such file")
-    if path.stat().st_size == 0:
-        raise AudioError(f"{path}: the file is empty")
-    try:
-        pcm, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    except Exception as exc:  # soundfile raises LibsndfileError / RuntimeError / TypeError by format
-        raise AudioError(f"{path}: not a readable audio file ({str(exc).strip() or type(exc).__name__})") from None
-    if pcm.shape[1] != 1:
-        raise AudioError(f"{path}: expected mono audio, got {pcm.shape[1]} channels")
-    return check_pcm(pcm[:, 0], rate, str(path))
+    return decode_audio(path, str(path), channel)
+
+
+def read_bytes(data: bytes, name: str = "upload", channel: int | None = None) -> np.ndarray:
+    """``decode_audio`` of an in-memory file."""
+    return decode_audio(io.BytesIO(data), name, channel)

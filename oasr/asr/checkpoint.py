@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -83,7 +82,8 @@ def read_header(path) -> dict:
 
 def default_model_path() -> Path:
     """The model shipped with the package (``oasr/assets/model/model.safetensors``)."""
-    return Path(str(resources.files("oasr") / "assets" / "model" / "model.safetensors"))
+    # from this file, not importlib.resources: right even when a clone named oasr was imported as the package
+    return Path(__file__).resolve().parents[1] / "assets" / "model" / "model.safetensors"
 
 
 def serving_chunking(path=None) -> tuple[int, int]:

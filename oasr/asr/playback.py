@@ -9,11 +9,20 @@ import numpy as np
 
 
 def play(rec, audio: list, concurrency: int, piece: int, realtime: bool) -> tuple[list, dict]:
-    """Stream ``audio`` (16 kHz arrays) through ``rec`` as staggered live sources; transcripts in order."""
+    """Stream ``audio`` (16 kHz arrays) through ``rec`` as staggered live sources; transcripts in order.
+
+    Sources start ``mean clip length / concurrency`` apart and send one ``piece`` (samples) per
+    ``piece / 16000`` s of their clock: the wall clock (``realtime``) or a virtual one that moves a
+    piece per round and never waits, so about ``concurrency`` streams are live at once either way.
+    The run dict holds ``wall_seconds``, ``peak_streams`` and, for a plot, ``timeline`` (per round:
+    clock seconds, streams held, pool blocks in use) and ``latencies`` (per chunk: clock seconds, latency
+    seconds).
+    """
     rate = 16000
     mean = float(np.mean([len(a) for a in audio])) / rate
     starts = [i * mean / concurrency for i in range(len(audio))]
     results, live, peak = {}, {}, 0
+    timeline, chunk_latencies, seen = [], [], {}
     t0 = time.perf_counter()
     virtual = 0.0
     next_clip = 0
@@ -26,7 +35,7 @@ def play(rec, audio: list, concurrency: int, piece: int, realtime: bool) -> tupl
         for sid, entry in list(live.items()):
             index, fed = entry
             pcm = audio[index]
-            due = len(pcm) if not realtime else min(len(pcm), int((now - starts[index]) * rate) // piece * piece)
+            due = min(len(pcm), int((now - starts[index]) * rate) // piece * piece)
             while fed < due:  # one push per piece, as a live source sends them
                 rec.streams[sid].accept(pcm[fed : fed + piece])
                 fed += piece
@@ -39,8 +48,13 @@ def play(rec, audio: list, concurrency: int, piece: int, realtime: bool) -> tupl
             done = rec.step()
             for transcript in done:
                 results[live.pop(transcript.id)[0]] = transcript
+                chunk_latencies += [(now, x) for x in transcript.latencies[seen.pop(transcript.id, 0):]]
+            for sid, stream in rec.streams.items():
+                chunk_latencies += [(now, x) for x in stream.latencies[seen.get(sid, 0):]]
+                seen[sid] = len(stream.latencies)
             if not rec.engine.stats[-1].cohort and not done:
                 break
+        timeline.append((now, len(rec.streams), rec.engine.stats[-1].used_blocks if rec.engine.stats else 0))
         if realtime:
             wake = now + piece / rate  # the next piece is due, or the next stream starts, whichever is first
             if next_clip < len(audio):
@@ -49,4 +63,5 @@ def play(rec, audio: list, concurrency: int, piece: int, realtime: bool) -> tupl
         else:
             virtual = now + piece / rate
     wall = time.perf_counter() - t0
-    return [results[i] for i in range(len(audio))], {"wall_seconds": wall, "peak_streams": peak}
+    return [results[i] for i in range(len(audio))], {"wall_seconds": wall, "peak_streams": peak,
+                                                     "timeline": timeline, "latencies": chunk_latencies}

@@ -3,8 +3,14 @@
 ``make_testset(directory, count, seed)`` (recipe only, needs espeak-ng) speaks ``count`` held-out
 sentences (``oasr.asr.text.is_held_out``: never in the training stream) with the held-out voice variants
 (``oasr.asr.synth.TEST_VARIANTS``: never heard in training), perturbed like the training data, and writes
-``NNNN.flac`` (16 kHz, 16-bit, mono) and ``transcripts.tsv`` (``id<TAB>text<TAB>voice``).
+``NNNN.flac`` (16 kHz, 16-bit, mono) and ``transcripts.tsv``.
 ``load_testset()`` reads it back: the shipped copy under ``oasr/assets/testset`` by default.
+
+``transcripts.tsv`` has one clip a line, ``id<TAB>text[<TAB>voice]``: the clip is ``<id>.flac`` beside
+it (or ``<id>.wav`` / ``<id>.ogg`` / ``<id>.mp3``), ``text`` its reference transcript and the optional
+``voice`` column either a plain voice name or a JSON object whose ``"voice"`` key names it (what
+``make_testset`` writes: the object holds the other synthesis settings too). Any other line, or a listed
+clip with no file, is refused with a ``ValueError`` naming the line.
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from oasr.asr.text import SentenceGenerator
@@ -26,9 +31,23 @@ class Clip:
     voice: str
 
 
+CLIP_EXTENSIONS = (".flac", ".wav", ".ogg", ".mp3")
+
+
+def _voice(column: str) -> str:
+    """The voice name of a ``voice`` column: a plain name, or the ``"voice"`` of a JSON object."""
+    if column.startswith("{"):
+        try:
+            return str(json.loads(column).get("voice", ""))
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    return column
+
+
 def shipped_testset_dir() -> Path:
     """The held-out test set shipped inside the package."""
-    return Path(str(resources.files("oasr") / "assets" / "testset"))
+    # from this file, not importlib.resources: right even when a clone named oasr was imported as the package
+    return Path(__file__).resolve().parents[1] / "assets" / "testset"
 
 
 def make_testset(directory, count: int = 120, seed: int = 20261201) -> Path:
@@ -63,7 +82,16 @@ def load_testset(directory=None, limit: int | None = None) -> list[Clip]:
     if not table.exists():
         raise ValueError(f"no test set at {directory} (transcripts.tsv missing)")
     clips = []
-    for line in table.read_text().splitlines():
-        clip_id, text, voice = line.split("\t")
-        clips.append(Clip(clip_id, directory / f"{clip_id}.flac", text, json.loads(voice)["voice"]))
+    for number, line in enumerate(table.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) not in (2, 3) or not fields[0] or not fields[1]:
+            raise ValueError(f"{table}:{number}: expected id<TAB>text[<TAB>voice], got {len(fields)} field(s)")
+        clip_id, text = fields[0], fields[1]
+        path = next((p for p in (directory / f"{clip_id}{ext}" for ext in CLIP_EXTENSIONS) if p.is_file()), None)
+        if path is None:
+            raise ValueError(f"{table}:{number}: clip {clip_id!r} is listed but {directory / (clip_id + '.flac')} "
+                             "does not exist")
+        clips.append(Clip(clip_id, path, text, _voice(fields[2] if len(fields) == 3 else "")))
     return clips[:limit] if limit is not None else clips

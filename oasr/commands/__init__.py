@@ -10,22 +10,49 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
+
+_MARKUP = re.compile(r"``(.*?)``")
+
+
+def invoked_as() -> str:
+    """How the command line was started: ``oasr`` (the installed script) or ``python -m oasr``."""
+    return "oasr" if os.path.basename(sys.argv[0]) in ("oasr", "oasr.exe") else "python -m oasr"
+
+
+def plain(text: str) -> str:
+    """``text`` without reStructuredText's double backquotes (docstrings reused as help)."""
+    return _MARKUP.sub(r"\1", text)
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: ...)`` to every option's help, unless the help already states its default."""
+    """Appends ``(default: ...)`` to an option's help, unless the help states its default, the option is
+    required or its default is None (then the help must say in words what happens without it)."""
 
     def _get_help_string(self, action):
-        if "(default" in (action.help or ""):
-            return action.help
+        text = plain(action.help or "")
+        if "(default" in text or action.required or action.default is None:
+            return text
+        action.help = text
         return super()._get_help_string(action)
+
+    def _format_text(self, text):
+        return super()._format_text(plain(text))
 
 
 class CommandParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` that shows every default in ``--help`` and reports a usage error in one line."""
+    """``argparse.ArgumentParser`` that shows every default in ``--help`` and reports a usage error in one line.
+
+    A ``prog`` starting ``python -m oasr`` names the command as it was invoked (``oasr X`` from the
+    installed script).
+    """
 
     def __init__(self, **kwargs):
         kwargs.setdefault("formatter_class", DefaultsFormatter)
+        prog = kwargs.get("prog")
+        if prog and prog.startswith("python -m oasr"):
+            kwargs["prog"] = invoked_as() + prog[len("python -m oasr"):]
         super().__init__(**kwargs)
 
     def error(self, message: str):

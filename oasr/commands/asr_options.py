@@ -24,7 +24,7 @@ def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16
     """Add the options every speech command shares (model, twin, device, streaming geometry, decoding, threads)."""
     parser.add_argument("--model", default=None,
                         help="a model checkpoint (.safetensors), or a Nemotron streaming checkpoint directory "
-                             "(Hugging Face layout, read locally); default: the model shipped with the package")
+                             "(Hugging Face layout, read locally) (default: the model shipped with the package)")
     parser.add_argument("--lookahead", type=int, default=None,
                         help="with a Nemotron checkpoint directory: the trained lookahead, in encoder frames, that "
                              "sets the chunk (and latency) = (lookahead + 1) x 80 ms; the published checkpoint "
@@ -32,7 +32,7 @@ def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16
     parser.add_argument("--twin", choices=("fast", "reference"), default="fast", help="engine twin")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--kv-cache-dtype", choices=("model", "auto", *FORMAT_NAMES[1:]), default=None,
-                        help="the K/V page format (python -m oasr formats; default: the model dtype)")
+                        help="the K/V page format (see the formats command) (default: the model dtype)")
     chunk, left = _shipped_chunking()
     parser.add_argument("--chunk-size", type=int, default=None,
                         help=f"encoder frames per chunk, 40 ms each (default: the model's; shipped: {chunk})")

@@ -33,6 +33,15 @@ SECTIONS = {
 }
 
 
+# Measured (2026-12-04, every section's quick grid timed alone, on a 2-core CPU shared with other jobs: 4 min
+# wall, 35 s of this process's CPU): speech 50 s (it plays its clips in real time), attention 16 s, serve 12 s,
+# accuracy 11 s, ctc 5 s, the rest a few seconds each; kv_formats compiles its emulated kernels on first use
+# (140 s wall, then cached in ~/.cache/oasr/kernels/emu). Unloaded, about two minutes.
+QUICK_HELP = ("a reduced grid; all sections take about 2 minutes on a 2-core CPU (4 on a loaded one), most of it "
+              "the speech section, whose clips play in real time (~50 s), and on first use the kv_formats kernel "
+              "compile (~2 min, cached after); --sections bookkeeping,ctc,fp8 takes about 20 s")
+
+
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """Every option, before any work (one line on stderr, exit status 2); returns the sections to run."""
     check_at_least(parser, args, {"threads": 1})
@@ -50,10 +59,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m oasr bench`` with ``argv`` (the process's arguments by default); returns the exit status."""
-    parser = CommandParser(prog="python -m oasr bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a reduced grid that finishes in seconds")
+    parser = CommandParser(prog="python -m oasr bench", description=__doc__.split(": ", 1)[1])
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help="comma-separated sections, run in this order (reverse it to check order independence)")
+                        help="comma-separated sections, run in this order (reverse it to check order independence) "
+                             f"(default: all, in this order: {', '.join(SECTIONS)})")
     parser.add_argument("--device", default="cpu", help="device for the sections that take one: cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: small ops on a shared 2-core machine are noisy with more)")

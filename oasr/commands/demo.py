@@ -1,4 +1,4 @@
-"""``python -m oasr demo``: dozens of synthetic streams through the engine, checked and measured.
+"""``python -m oasr engine-demo``: dozens of synthetic streams through the engine, checked and measured.
 
 Streams of varied lengths (1 to 12 s of 10 ms feature frames) start at
 different ticks and push their features in uneven pieces, as a client would.
@@ -274,7 +274,7 @@ def summary(engine, workload, wall: float, args) -> list[str]:
     util = memory_utilisation(engine)
     chunk_s = mcfg.chunk_input_frames * FRAME_SECONDS
     lines = [
-        f"oasr demo: {len(workload)} streams through StreamingEngine (twin={engine.twin}, device={cfg.device}, "
+        f"oasr engine-demo: {len(workload)} streams through StreamingEngine (twin={engine.twin}, device={cfg.device}, "
         f"{mcfg.num_layers} layers, hidden {mcfg.hidden_dim}, {mcfg.n_head} query / {mcfg.n_kv_head} KV heads)",
         f"  cache       chunk {cfg.chunk_size} frames ({chunk_s:.2f} s), {window}, block {cfg.block_size_frames} "
         f"frames, pool {cfg.max_num_blocks} blocks, max_batch_size {cfg.max_batch_size}, "
@@ -391,8 +391,8 @@ def rescoring_lines(engine, workload, sample: int = 4, limit: int = 12) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``python -m oasr demo`` with ``argv`` (the process's arguments by default); returns the exit status."""
-    parser = CommandParser(prog="python -m oasr engine-demo", description=__doc__.split("\n\n")[0])
+    """Run ``python -m oasr engine-demo`` with ``argv`` (default: the process's arguments); returns the exit status."""
+    parser = CommandParser(prog="python -m oasr engine-demo", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     parser.add_argument("--streams", type=int, default=48, help="number of synthetic streams")
     parser.add_argument("--layers", type=int, default=2, help="Conformer blocks")
     parser.add_argument("--twin", choices=("fast", "reference"), default="fast", help="engine twin")

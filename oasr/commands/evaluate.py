@@ -21,9 +21,10 @@ def build_parser() -> CommandParser:
     parser = CommandParser(prog="python -m oasr eval",
                            description="WER and CER of a configuration on the held-out test set (sentences and "
                                        "voices never trained on).")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the result as JSON (default: not written)")
     parser.add_argument("--testset", default=None, help="a test set directory (default: the shipped one)")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N clips")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N clips (default: all)")
     parser.add_argument("--show", type=int, default=0, help="print the first N errors with their references")
     add_model_options(parser)
     return parser

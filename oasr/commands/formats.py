@@ -20,7 +20,7 @@ _DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _parser() -> CommandParser:
-    p = CommandParser(prog="python -m oasr formats", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="python -m oasr formats", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="float16", choices=_DTYPES, help="the model dtype")
     p.add_argument("--head-dims", default="64,80,128", help="comma-separated head dims for the tables")
@@ -29,7 +29,7 @@ def _parser() -> CommandParser:
     p.add_argument("--block-size", type=int, default=16, help="--check: block_size_frames")
     p.add_argument("--backend", default=None, choices=("torch", "emulated", "cuda"),
                    help="--check: the fast twin's backend (default: what a call would use)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the tables as JSON")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the tables as JSON (default: not written)")
     return p
 
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             check_format_supported(config.kv_cache_dtype, config.head_dim, config.device, dtype=dtype,
                                    backend=args.backend)
         except (ValueError, KeyError) as exc:
-            print(f"python -m oasr formats: error: {' '.join(str(exc).split())}", file=sys.stderr)
+            print(f"{parser.prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
             return 2
         print(f"{args.check}: served (head_dim={args.head_dim}, block_size={args.block_size}, {args.dtype}, "
               f"{args.device}, backend {args.backend or 'default'}) -> kv_cache_dtype={config.kv_cache_dtype!r}")

@@ -13,6 +13,10 @@ main loop and instruction mix from the pip nvdisasm, CTAs per SM, and a MODEL
 and v2 side by side when both are registered; with ``--json`` it goes under
 the "sass" key. Exits 1 if an attention kernel's K/V loop is not found.
 
+Output: a few summary lines (counts, the largest kernel, whether every attention
+main loop was found); ``--verbose`` prints every kernel's row and the SASS tables
+(some 700 lines for two archs).
+
 ``--warm`` compiles every instantiation on its own for each arch, in ``--jobs`` processes: the cache
 entries a launch reads (one instantiation each), so a cold machine pays the compiles once, in parallel.
 
@@ -52,8 +56,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         parser.error(f"--arch: no arch in {args.arch!r}; give e.g. sm_80,sm_90")
     try:
         supported = supported_archs()
-    except ImportError as exc:
-        parser.exit(1, f"{parser.prog}: error: NVRTC is not installed ({exc}); pip install -e '.[cuda]'\n")
+    except ImportError as exc:  # the `cuda` extra is missing: a usage error like any other (exit 2, one line)
+        parser.error(f"NVRTC is not installed ({exc}); install the `cuda` extra: pip install -e '.[cuda]' "
+                     "(or, from PyPI, pip install 'oasr[cuda]')")
     names = ", ".join(f"sm_{n}" for n in supported)
     for arch in archs:
         match = _ARCH.match(arch)
@@ -75,13 +80,15 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m oasr kernels`` with ``argv`` (the process's arguments by default); returns the exit status."""
-    parser = CommandParser(prog="python -m oasr kernels", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m oasr kernels", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     parser.add_argument("--arch", default="sm_80,sm_90", help="comma-separated archs")
     parser.add_argument("--no-cache", action="store_true", help="recompile instead of using the kernel cache")
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH (default: not written)")
     parser.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
     parser.add_argument("--sass", action="store_true", help="main-loop instruction mix and the attention speed model")
     parser.add_argument("--gaps", action="store_true", help="print the declared kernel gaps and exit (no compile)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every kernel's resources and, with --sass, the SASS tables (else a summary)")
     parser.add_argument("--warm", action="store_true",
                         help="compile every instantiation on its own (what a launch reads from the cache), "
                              "in --jobs processes, then exit")
@@ -113,26 +120,39 @@ def main(argv: list[str] | None = None) -> int:
             for expr, res in compiled.resources.items():
                 rows.append({"kernel": expr, "arch": arch, **asdict(res)})
 
-    header = f"{'kernel':70s} {'arch':6s} {'regs':>5s} {'smem B':>7s} {'stack B':>7s} {'spill st/ld B':>14s}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        spill = f"{r['spill_stores']}/{r['spill_loads']}"
-        print(
-            f"{r['kernel']:70s} {r['arch']:6s} {r['registers']:5d} {r['shared_bytes']:7d} "
-            f"{r['stack_bytes']:7d} {spill:>14s}"
-        )
+    if args.verbose:
+        header = f"{'kernel':70s} {'arch':6s} {'regs':>5s} {'smem B':>7s} {'stack B':>7s} {'spill st/ld B':>14s}"
+        print(header)
+        print("-" * len(header))
+        for r in rows:
+            spill = f"{r['spill_stores']}/{r['spill_loads']}"
+            print(
+                f"{r['kernel']:70s} {r['arch']:6s} {r['registers']:5d} {r['shared_bytes']:7d} "
+                f"{r['stack_bytes']:7d} {spill:>14s}"
+            )
+        print()
     spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
-    print(f"\n{len(rows)} kernels, {len(failed)} compile errors, {len(spilling)} spilling")
+    print(f"{len(rows)} kernels for {', '.join(archs)}, {len(failed)} compile errors, {len(spilling)} spilling")
+    if rows and not args.verbose:
+        most = max(rows, key=lambda r: r["registers"])
+        print(f"most registers: {most['registers']} ({most['kernel']}, {most['arch']}); "
+              f"most static shared memory: {max(r['shared_bytes'] for r in rows)} B; "
+              f"largest stack frame: {max(r['stack_bytes'] for r in rows)} B (--verbose: every kernel)")
     result = {"kernels": rows, "errors": failed}
     sass_ok = True
     if args.sass and not failed:
         from oasr.fast.kernels import sass
 
         result["sass"] = report = sass.report(archs, use_cache=not args.no_cache)
-        print("\n== SASS report ==\n" + sass.format_report(report))
         attention = [r for r in report["kernels"] if r["version"]]
         lost = [f"{r['kernel']} {r['arch']}" for r in attention if r["loop"] != "load-math-loop"]
+        if args.verbose:
+            print("\n== SASS report ==\n" + sass.format_report(report))
+        else:
+            print(f"SASS: {len(report['kernels'])} kernels' main loops read; the K/V main loop found in "
+                  f"{len(attention) - len(lost)} of {len(attention)} attention kernels; "
+                  f"{len(report['attention_model'])} rows of the attention speed MODEL (not measured) "
+                  "(--verbose: the tables)")
         for name in lost:
             print(f"error: no K/V main loop found in {name}", file=sys.stderr)
         sass_ok = not lost

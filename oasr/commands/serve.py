@@ -55,7 +55,7 @@ def check_args(parser: CommandParser, args) -> None:
         parser.error(f"--model {args.model}: a Nemotron checkpoint directory is served by transcribe, eval and demo; "
                      f"the server does not take one yet")
     if args.full_context:
-        parser.error("the server streams; --full-context is for python -m oasr eval")
+        parser.error("the server streams; --full-context is for the eval command")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if not args.admit_timeout >= 0:

@@ -37,7 +37,11 @@ def build_parser() -> CommandParser:
     parser.add_argument("--realtime", action=argparse.BooleanOptionalAction, default=True,
                         help="send audio at real time (latency is meaningful only then)")
     parser.add_argument("--show", type=int, default=6, help="transcripts to print beside their references")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the numbers as JSON")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the numbers as JSON (default: not written)")
+    parser.add_argument("--plot", default="oasr_demo_streams.png", metavar="PATH",
+                        help="plot of the run over time: live streams, pool blocks in use, chunk latency "
+                             "(.png, .pdf or .svg; '' for none)")
     add_model_options(parser, streams_default=32)
     return parser
 
@@ -59,6 +63,32 @@ def memory_lines(rec) -> list[str]:
         f"({format_bytes(int(peak.used_blocks * bytes_per_kv_block(cfg)))}) with {peak.active} streams active",
         fp.format(),
     ]
+
+
+def plot_run(run: dict, pool_blocks: int, path: str, title: str) -> None:
+    """Three panels over the run's clock: streams held, pool blocks in use (of ``pool_blocks``), chunk latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t, streams, blocks = zip(*run["timeline"], strict=True) if run["timeline"] else ((), (), ())
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    top.step(t, streams, where="post")
+    top.set_ylabel("live streams")
+    middle.step(t, [100 * b / pool_blocks for b in blocks], where="post", color="tab:orange")
+    middle.set_ylabel(f"pool blocks in use\n(% of {pool_blocks})")
+    if run["latencies"]:
+        lt, lat = zip(*run["latencies"], strict=True)
+        bottom.scatter(lt, [1000 * x for x in lat], s=4, alpha=0.4, color="tab:green")
+    bottom.set_ylabel("chunk latency (ms)")
+    bottom.set_xlabel("seconds since the first stream started")
+    for ax in (top, middle, bottom):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def transducer_demo(args, parser, clips, audio) -> int:
@@ -96,9 +126,14 @@ def main(argv=None) -> int:
     if args.clips is not None and args.clips < 1:
         parser.error(f"--clips must be >= 1, got {args.clips}")
     if args.full_context:
-        parser.error("the demo streams; --full-context is for python -m oasr eval")
+        parser.error("the demo streams; --full-context is for the eval command")
     if args.json:
         check_output_path(parser, args.json, "--json")
+    if args.plot:
+        check_output_path(parser, args.plot, "--plot")
+        if not args.plot.lower().endswith((".png", ".pdf", ".svg")):
+            parser.error(f"--plot {args.plot}: the plot is written as .png, .pdf or .svg, by the path's suffix; "
+                         "give a path ending in one of them ('' for no plot)")
     from oasr.asr.audio import load_audio
     from oasr.asr.metrics import error_rates
     from oasr.asr.testset import load_testset
@@ -142,6 +177,11 @@ def main(argv=None) -> int:
               f"p95 {p95:.1f} ms, p99 {p99:.1f} ms" + ("" if args.realtime else " (not real time: queueing only)"))
     for line in memory_lines(rec):
         print(line)
+    if args.plot:
+        plot_run(run, rec.cache_config.max_num_blocks, args.plot,
+                 f"oasr demo: {len(clips)} clips, ~{args.concurrency} live at once"
+                 + ("" if args.realtime else " (not real time)"))
+        print(f"plot: {args.plot}")
     if args.json:
         import json
 
@@ -149,5 +189,6 @@ def main(argv=None) -> int:
             json.dump({**{k: v for k, v in rates.items()}, "rtf": rec.busy_seconds / audio_s,
                        "latency_ms": dict(zip(("p50", "p95", "p99"), map(float, np.percentile(latencies, [50, 95, 99])),
                                               strict=True)) if len(latencies) else None,
-                       **run, "configuration": configuration(args, rec)}, f, indent=1)
+                       **{k: v for k, v in run.items() if k not in ("timeline", "latencies")},
+                       "configuration": configuration(args, rec)}, f, indent=1)
     return 0

@@ -1,8 +1,12 @@
-"""``python -m oasr transcribe FILE...``: stream each audio file through the engine and print its text."""
+"""``python -m oasr transcribe FILE_OR_DIR...``: stream each audio file through the engine and print its text.
+
+A directory stands for the audio files directly inside it (by extension, in name order).
+"""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from oasr.commands import CommandParser
 from oasr.commands.asr_options import (
@@ -17,9 +21,14 @@ from oasr.commands.asr_options import (
 def build_parser() -> CommandParser:
     """The parser of ``python -m oasr transcribe``, every option with its default."""
     parser = CommandParser(prog="python -m oasr transcribe",
-                           description="Transcribe audio files (WAV, FLAC, OGG; resampled to 16 kHz) by streaming "
-                                       "them through the engine, one line of text per file.")
-    parser.add_argument("files", nargs="+", metavar="FILE", help="audio files")
+                           description="Transcribe audio files (WAV, FLAC, OGG, MP3 and whatever else libsndfile "
+                                       "reads; resampled to 16 kHz; several channels mixed down to one) by "
+                                       "streaming them through the engine, one line of text per file.")
+    parser.add_argument("files", nargs="+", metavar="FILE",
+                        help="audio files, or directories: the audio files directly inside them")
+    parser.add_argument("--channel", type=int, default=None, metavar="N",
+                        help="of a file with several channels, transcribe channel N only (0 is the first, the "
+                             "left of a stereo file) (default: the mix of all channels)")
     parser.add_argument("--partials", action="store_true",
                         help="also print each partial result as it changes, with the audio time it was reached")
     add_model_options(parser)
@@ -33,10 +42,12 @@ def main(argv=None) -> int:
     check_model_options(parser, args)
     from oasr.asr.audio import AudioError, load_audio
 
-    audio = []
-    for path in args.files:  # every file is read and checked before any is transcribed
+    if args.channel is not None and args.channel < 0:
+        parser.error(f"--channel must be >= 0, got {args.channel}")
+    files, audio = expand(parser, args.files), []
+    for path in files:  # every file is read and checked before any is transcribed
         try:
-            audio.append(load_audio(path))
+            audio.append(load_audio(path, args.channel))
         except AudioError as exc:
             parser.error(str(exc))
     if is_transducer(args):
@@ -44,10 +55,33 @@ def main(argv=None) -> int:
     else:
         rec = recognizer(args, max_seconds=max(60.0, max(len(a) for a in audio) / 16000 + 1))
         transcripts = rec.transcribe(audio)
-    for path, transcript in zip(args.files, transcripts, strict=True):
+    for path, transcript in zip(files, transcripts, strict=True):
         if args.partials:
             for seconds, text in transcript.partials:
                 print(f"{path} [{seconds:6.2f} s] {text}")
-        print(f"{path}: {transcript.text}" if len(args.files) > 1 or args.partials else transcript.text)
+        print(f"{path}: {transcript.text}" if len(files) > 1 or args.partials else transcript.text)
     sys.stdout.flush()
     return 0
+
+
+def audio_extensions() -> set:
+    """File name endings taken as audio inside a directory: libsndfile's formats (and a few aliases)."""
+    import soundfile as sf
+
+    return {"." + name.lower() for name in sf.available_formats()} | {".aif", ".aifc", ".oga", ".opus", ".snd"}
+
+
+def expand(parser, paths) -> list:
+    """``paths`` with every directory replaced by the audio files directly inside it, in name order."""
+    out = []
+    for path in paths:
+        folder = Path(path)
+        if not folder.is_dir():
+            out.append(path)
+            continue
+        endings = audio_extensions()
+        found = sorted(str(p) for p in folder.iterdir() if p.is_file() and p.suffix.lower() in endings)
+        if not found:
+            parser.error(f"{path}: a directory with no audio files in it (looked for {', '.join(sorted(endings))})")
+        out += found
+    return out

@@ -54,18 +54,22 @@ change again: they are moved out of the beam into the row's *committed* part
 keeps at least one token (its last token drives the search), so a row commits
 ``m`` shared (token, frame) pairs, or ``m - 1`` when a prefix is exactly those
 ``m``. This is exact: scores, n-best and frames are what an unbounded search
-gives. Both twins apply the one rule, :func:`settle_snapshot`, at the same moments:
+gives (unless prefixes are dropped, below). Both twins apply the one rule, :func:`settle_rows`, at the same moments,
+through the one driver, :func:`decode_bounded`:
 
-* after a call (and after each piece of a split call), in every row whose longest
-  prefix is longer than ``commit_at`` (``max(1, max_prefix_len // 2)``);
-* a call whose chunk would outgrow ``max_prefix_len`` is decoded in pieces that
-  fit (:func:`decode_bounded`), settling between them. Its input values are
-  checked before the first piece, so the call stays all-or-nothing for bad input;
-* only when a row that still has frames to decode has no room at all (its live
-  prefixes disagree on more than ``max_prefix_len`` tokens, which a trained model
-  does not produce) is the search forced: the prefixes that part from the best
-  one earliest are dropped until the rest share all but ``commit_at`` tokens.
-  This is the one place the bounded search may differ from an unbounded one.
+* a call whose chunks fit (every state's longest prefix plus its frames at most
+  ``max_prefix_len``) runs as one piece and settles nothing: the usual case, no
+  host work beyond the twin's own;
+* otherwise its input values are checked first (so the call stays all-or-nothing
+  for bad input) and it runs in pieces that fit; before a piece, a state that
+  would not fit settles each row whose longest prefix is longer than
+  ``commit_at`` (``max(1, max_prefix_len // 2)``): the shared prefix is committed,
+  and if the row's prefixes still differ on more than ``commit_at`` tokens, those
+  that part from the best one earliest are dropped until the rest fit. Dropping is
+  the one place the bounded search may differ from an unbounded one; it keeps the
+  best prefix, and touches only alternatives that diverged ``commit_at`` tokens
+  ago (256 characters, some 20 s of speech, at the default ``max_prefix_len``).
+  A row settles at most once per ``max_prefix_len - commit_at`` frames.
 
 With ``max_prefix_len = 1`` no room can ever be made once a token is kept; a
 chunk that would need it raises ``RuntimeError`` as before.
@@ -338,72 +342,75 @@ def _agreement(e, best) -> int:
     return k
 
 
-def settle_snapshot(config: CtcDecoderConfig, snapshot: BeamSnapshot, force: bool = False) -> BeamSnapshot | None:
-    """Apply the commit rule to every row of ``snapshot``; None when nothing changes.
+def settle_rows(config: CtcDecoderConfig, rows) -> tuple[tuple, list] | None:
+    """The commit rule on a state's beam rows (``BeamSnapshot.rows``): ``(new rows, additions)``, or None.
 
-    Rows whose longest prefix is longer than ``config.commit_at`` move their shared prefix to
-    ``committed``. ``force`` makes room in every row that has none (its longest prefix is still
-    ``max_prefix_len`` long after committing): the prefixes that part from the best one
-    earliest are dropped until the rest share all but ``commit_at`` tokens.
+    Each row whose longest prefix is longer than ``config.commit_at`` moves its shared prefix out
+    (``additions[b]``: the ``(tokens, frames)`` row ``b`` appends to its committed part); if its
+    prefixes still differ on more than ``commit_at`` tokens, those that part from the best one
+    earliest are dropped until the rest fit in ``commit_at``. Costs what the beams hold, never the
+    committed part.
     """
-    limit, keep = config.max_prefix_len, config.commit_at
-    rows, committed, changed = [], [], False
-    for row, (ctoks, cframes) in zip(snapshot.rows, committed_rows(snapshot), strict=True):
+    keep = config.commit_at
+    out, additions, changed = [], [], False
+    for row in rows:
         longest = max((len(e.tokens) for e in row), default=0)
-        if longest > keep or (force and longest >= limit):
+        added = ((), ())
+        if longest > keep:
             kept = list(row)
-            if force and longest - _shared(kept) >= limit:
-                while len(kept) > 1 and max(len(e.tokens) for e in kept) - _shared(kept) > keep:
-                    agree = [_agreement(e, kept[0]) for e in kept[1:]]
-                    low = min(agree)
-                    kept = kept[:1] + [e for e, a in zip(kept[1:], agree, strict=True) if a > low]
+            while len(kept) > 1 and max(len(e.tokens) for e in kept) - _shared(kept) > keep:
+                agree = [_agreement(e, kept[0]) for e in kept[1:]]
+                low = min(agree)
+                kept = kept[:1] + [e for e, a in zip(kept[1:], agree, strict=True) if a > low]
             c = _shared(kept)
             if c or len(kept) != len(row):
                 changed = True
-                ctoks, cframes = ctoks + kept[0].tokens[:c], cframes + kept[0].frames[:c]
+                added = kept[0].tokens[:c], kept[0].frames[:c]
                 row = tuple(BeamEntry(e.tokens[c:], e.frames[c:], e.log_pb, e.log_pnb) for e in kept)
-        rows.append(tuple(row))
-        committed.append((ctoks, cframes))
-    if not changed:
+        out.append(tuple(row))
+        additions.append(added)
+    return (tuple(out), additions) if changed else None
+
+
+def settle_snapshot(config: CtcDecoderConfig, snapshot: BeamSnapshot) -> BeamSnapshot | None:
+    """:func:`settle_rows` on a whole snapshot (its committed part extended); None when nothing changes."""
+    settled = settle_rows(config, snapshot.rows)
+    if settled is None:
         return None
-    return BeamSnapshot(snapshot.batch, snapshot.vocab_size, snapshot.frames_decoded, tuple(rows),
-                        pack_committed(committed))
+    rows, additions = settled
+    committed = [(t + at, f + af) for (t, f), (at, af) in zip(committed_rows(snapshot), additions, strict=True)]
+    return snapshot._replace(rows=rows, committed=pack_committed(committed))
 
 
 def decode_bounded(config: CtcDecoderConfig, states: list, log_probs_list: list, longest, settle, run,
                    check_values) -> None:
     """Decode one chunk per state within ``max_prefix_len``: the twins' shared driver (already validated).
 
-    ``longest(state)``: the longest prefix the state holds (host-known); ``settle(state, force)``:
-    apply :func:`settle_snapshot` to the state;
-    ``run(states, chunks)``: the twin's own all-or-nothing decode of chunks that fit;
-    ``check_values(chunks)``: raise for NaN / ``+inf`` (called before a split call changes anything).
+    ``longest(state)``: the longest prefix the state holds (host-known); ``settle(state)``: apply
+    :func:`settle_rows` to the state; ``run(states, chunks)``: the twin's own all-or-nothing decode
+    of chunks that fit; ``check_values(chunks)``: raise for NaN / ``+inf`` (called before a call that
+    settles or splits changes anything).
     """
     limit, keep = config.max_prefix_len, config.commit_at
     lengths = [x.shape[1] for x in log_probs_list]
     total = max(lengths, default=0)
-    if total and all(longest(s) + n <= limit for s, n in zip(states, lengths, strict=True)):
-        run(states, log_probs_list)  # the usual case: one piece
-    elif total:
-        if limit == 1:  # no room can be made once a token is kept (module docstring)
-            raise _overflow(limit)
-        check_values(log_probs_list)
-        done = 0
-        while done < total:
-            live = [s for s, n in zip(states, lengths, strict=True) if n > done]
-            for s in live:
-                if longest(s) >= limit:
-                    settle(s, True)
-            step = min(min(limit - longest(s) for s in live), total - done)  # >= 1 once settled
-            run(states, [x[:, done : done + step] for x in log_probs_list])
-            done += step
-            for s in states:
-                if longest(s) > keep:
-                    settle(s, False)
+    if not total:
         return
-    for s in states:
-        if longest(s) > keep:
-            settle(s, False)
+    if all(longest(s) + n <= limit for s, n in zip(states, lengths, strict=True)):
+        run(states, log_probs_list)  # the usual case: it fits, one piece, nothing settled
+        return
+    if limit == 1:  # no room can be made once a token is kept (module docstring)
+        raise _overflow(limit)
+    check_values(log_probs_list)
+    done = 0
+    while done < total:
+        live = [(s, n - done) for s, n in zip(states, lengths, strict=True) if n > done]
+        for s, left in live:
+            if longest(s) + left > limit and longest(s) > keep:
+                settle(s)  # its longest prefix is at most commit_at now
+        step = min(total - done, min(limit - longest(s) for s, _ in live))  # >= limit - commit_at >= 1
+        run(states, [x[:, done : done + step] for x in log_probs_list])
+        done += step
 
 
 def _overflow(limit: int) -> RuntimeError:

@@ -1,9 +1,11 @@
-"""Greedy CTC collapse, per stream, across chunk boundaries.
+"""Greedy CTC collapse, per stream, across chunk boundaries, and the whole-utterance decode oracle.
 
-A stand-in for the CTC beam search being written elsewhere: the engine only
-needs an object per stream with ``decode_chunk(log_probs) -> new tokens`` and
-``finalize() -> all tokens``, made by a ``decoder_factory(vocab_size)``. Swap
-the factory and nothing else in the engine changes.
+The engine decodes with the CTC prefix beam search (``oasr.ctc``; its states pooled by
+``CtcStateCacheManager``) by default. ``StreamingEngine(decoder="greedy")`` keeps this
+per-stream greedy collapse instead, as a baseline: a ``GreedyCtcDecoder`` per stream, whose
+``decode_chunk(log_probs)`` returns the tokens a chunk completed. ``decode_utterance`` decodes a
+whole utterance in one call with either decoder: the oracle the engine's streamed, batched
+decoding must equal.
 
 Greedy collapse: take the argmax of every frame, merge runs of the same label,
 drop blanks. The previous frame's label is carried over a chunk boundary, so a

@@ -18,11 +18,11 @@ State layout (``CtcBeamState``; ``R`` rows, ``W = beam_size``, ``L = max_prefix_
     log_pb       (R, W)    float64  blank-ending log score
     log_pnb      (R, W)    float64  non-blank-ending log score
 
-Committed prefix: the tokens every prefix of a row shares move out of these buffers into
-``CtcBeamState.committed`` (host tuples) once the row's longest prefix passes ``commit_at``,
-and a chunk that would outgrow ``L`` runs in pieces; the rule and the driver are the
-reference's (``oasr.ctc_config.settle_snapshot`` / ``decode_bounded``), applied through
-``snapshot_state`` / ``restore_state`` (a host round trip about once per ``L / 2`` tokens).
+Committed prefix: when a call would outgrow ``L``, the tokens every prefix of a row shares move
+out of these buffers into ``CtcBeamState.committed`` (host lists) and the call runs in pieces
+that fit; the rule and the driver are the reference's (``oasr.ctc.config.settle_rows`` /
+``decode_bounded``), applied through ``_beam_rows`` / ``_restore_rows``: a host round trip at
+most once per ``L - commit_at`` frames of a stream, none in a call that fits.
 
 Slot ``w`` of a row holds the rank-``w`` prefix; a slot is *live* when
 ``logaddexp(log_pb, log_pnb) > -inf``, and live slots come first. Between
@@ -106,7 +106,7 @@ from oasr.ctc.config import (
     committed_rows,
     decode_bounded,
     pack_committed,
-    settle_snapshot,
+    settle_rows,
     values_error,
 )
 
@@ -145,8 +145,8 @@ class CtcBeamState:
     a larger batch reallocates them. ``frames_decoded`` is the absolute index
     of the stream's next frame. ``longest`` is the longest prefix any row
     holds, a host copy kept by the decoder (so the token window needs no read).
-    ``committed[b]``: row ``b``'s committed ``(tokens, frames)`` tuples, on the host
-    (``oasr.ctc_config``, "Committed prefix").
+    ``committed[b]``: row ``b``'s committed ``(tokens, frames)`` lists, on the host
+    (``oasr.ctc.config``, "Committed prefix").
     """
 
     config: CtcDecoderConfig
@@ -502,7 +502,7 @@ class StreamingCtcDecoder:
         check_state_shape("create_state", self.config, batch, vocab_size)
         buffers = _allocate(batch, self.config, self.device)
         _fill_initial(buffers)
-        return CtcBeamState(self.config, batch, vocab_size, 0, buffers, 0, [((), ())] * batch)
+        return CtcBeamState(self.config, batch, vocab_size, 0, buffers, 0, [([], []) for _ in range(batch)])
 
     def reset_state(self, state: CtcBeamState, batch: int, vocab_size: int) -> None:
         """Overwrite ``state`` in place so it decodes exactly as ``create_state(batch, vocab_size)``.
@@ -515,17 +515,24 @@ class StreamingCtcDecoder:
         if batch > state.capacity:
             state.buffers = _allocate(batch, self.config, state.device)
         state.batch, state.vocab_size, state.frames_decoded, state.longest = batch, vocab_size, 0, 0
-        state.committed = [((), ())] * batch
+        state.committed = [([], []) for _ in range(batch)]
         _fill_initial(state.rows())
 
     def snapshot_state(self, state: CtcBeamState) -> BeamSnapshot:
         """The state as a twin-neutral ``BeamSnapshot``: each row's live slots, in slot (rank) order."""
         self._check_state(state, "snapshot_state")
-        r = state.rows()
+        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, self._beam_rows(state),
+                            pack_committed(state.committed))
+
+    @staticmethod
+    def _beam_rows(state: CtcBeamState) -> tuple:
+        """Each row's live slots as ``BeamEntry`` records (one read of the first ``longest`` positions)."""
+        r, Lw = state.rows(), state.longest
         score = torch.logaddexp(r.log_pb, r.log_pnb).cpu().tolist()
         pb, pnb = r.log_pb.cpu().tolist(), r.log_pnb.cpu().tolist()
-        lengths, tokens, frames = r.lengths.cpu().tolist(), r.tokens.cpu().tolist(), r.frames.cpu().tolist()
-        rows = tuple(
+        lengths = r.lengths.cpu().tolist()
+        tokens, frames = r.tokens[:, :, :Lw].cpu().tolist(), r.frames[:, :, :Lw].cpu().tolist()
+        return tuple(
             tuple(
                 BeamEntry(tuple(tokens[b][w][:n]), tuple(frames[b][w][:n]), pb[b][w], pnb[b][w])
                 for w, n in enumerate(lengths[b])
@@ -533,7 +540,6 @@ class StreamingCtcDecoder:
             )
             for b in range(state.batch)
         )
-        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, rows, pack_committed(state.committed))
 
     def restore_state(self, state: CtcBeamState, snapshot: BeamSnapshot) -> None:
         """Overwrite ``state`` in place so it decodes exactly as the state ``snapshot`` was taken from.
@@ -545,11 +551,19 @@ class StreamingCtcDecoder:
         """
         self._check_state(state, "restore_state")
         check_snapshot("restore_state", self.config, snapshot)
-        R = snapshot.batch
-        host = _allocate(R, self.config, "cpu")
+        if snapshot.batch > state.capacity:
+            state.buffers = _allocate(snapshot.batch, self.config, state.device)
+        state.batch, state.vocab_size = snapshot.batch, snapshot.vocab_size
+        state.frames_decoded = snapshot.frames_decoded
+        state.committed = [([int(x) for x in t], [int(x) for x in f]) for t, f in committed_rows(snapshot)]
+        self._restore_rows(state, snapshot.rows)
+
+    def _restore_rows(self, state: CtcBeamState, rows) -> None:
+        """Write ``rows`` (``BeamSnapshot.rows``, ``state.batch`` of them) into the state's buffers."""
+        host = _allocate(len(rows), self.config, "cpu")
         _fill_initial(host)
         host.log_pb[:, 0] = NEG_INF
-        for b, row in enumerate(snapshot.rows):
+        for b, row in enumerate(rows):
             for w, e in enumerate(row):
                 n = len(e.tokens)
                 host.tokens[b, w, :n] = torch.tensor(e.tokens, dtype=torch.int32)
@@ -559,11 +573,7 @@ class StreamingCtcDecoder:
                 host.parent_keys[b, w] = _key_of(e.tokens[:-1]) if n else -1
                 host.last[b, w] = e.tokens[-1] if n else -1
                 host.log_pb[b, w], host.log_pnb[b, w] = float(e.log_pb), float(e.log_pnb)
-        if R > state.capacity:
-            state.buffers = _allocate(R, self.config, state.device)
-        state.batch, state.vocab_size, state.frames_decoded = R, snapshot.vocab_size, snapshot.frames_decoded
-        state.longest = max((len(e.tokens) for row in snapshot.rows for e in row), default=0)
-        state.committed = [(tuple(map(int, t)), tuple(map(int, f))) for t, f in committed_rows(snapshot)]
+        state.longest = max((len(e.tokens) for row in rows for e in row), default=0)
         for buf, new in zip(state.rows(), host, strict=True):
             buf.copy_(new)
 
@@ -595,16 +605,20 @@ class StreamingCtcDecoder:
 
     def _decode(self, states: list[CtcBeamState], log_probs_list: list[torch.Tensor], where: str) -> None:
         self._check_cohort(states, log_probs_list)
-        # long chunks in pieces, shared prefixes committed: the reference's driver (oasr.ctc_config)
+        # long chunks in pieces, shared prefixes committed: the reference's driver (oasr.ctc.config)
         decode_bounded(self.config, states, log_probs_list, lambda s: s.longest, self._settle,
                        lambda ss, chunks: self._decode_fitting(ss, chunks, where),
                        lambda chunks: self._check_values(chunks, where))
 
-    def _settle(self, state: CtcBeamState, force: bool) -> None:
-        """The commit rule through the host (rare: once a row's prefixes pass ``commit_at``)."""
-        settled = settle_snapshot(self.config, self.snapshot_state(state), force)
+    def _settle(self, state: CtcBeamState) -> None:
+        """The commit rule through the host (rare: only when a call would outgrow ``max_prefix_len``)."""
+        settled = settle_rows(self.config, self._beam_rows(state))
         if settled is not None:
-            self.restore_state(state, settled)
+            rows, additions = settled
+            self._restore_rows(state, rows)
+            for (tokens, frames), (t, f) in zip(state.committed, additions, strict=True):
+                tokens.extend(t)
+                frames.extend(f)
 
     @staticmethod
     def _check_values(chunks: list[torch.Tensor], where: str) -> None:
@@ -759,8 +773,8 @@ class StreamingCtcDecoder:
         for b in range(B):
             live = [w for w in range(n) if score[b][w] > NEG_INF]
             ct, cf = state.committed[b]
-            out.append([CtcHypothesis(list(ct) + tokens[b][w][: lengths[b][w]], score[b][w],
-                                      list(cf) + frames[b][w][: lengths[b][w]]) for w in live])
+            out.append([CtcHypothesis(ct + tokens[b][w][: lengths[b][w]], score[b][w],
+                                      cf + frames[b][w][: lengths[b][w]]) for w in live])
         return out
 
     # ---- validation -----------------------------------------------------------------

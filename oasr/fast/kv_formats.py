@@ -192,7 +192,7 @@ def check_format_supported(
                          f"serve {list(KERNEL_FORMATS)} (or use the torch backend)")
     if int(head_dim) not in KERNEL_HEAD_DIMS:
         raise ValueError(f"K/V format {f.name!r}: the {name!r} kernels tile head_dim in {KERNEL_HEAD_DIMS}, got "
-                         f"head_dim={head_dim}; 'model' pages or the torch backend serve it")
+                         f"head_dim={head_dim}; the torch backend (backend='torch') serves it")
 
 
 def supported_matrix(head_dims=(64, 80, 128), device: torch.device | str = "cpu", dtype=torch.float16):

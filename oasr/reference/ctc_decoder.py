@@ -20,7 +20,7 @@ once, in ``oasr.ctc.config``; this file is a literal transcription of them::
         beam = stable_sort(entries, by score, descending)[:beam_size]
 
 Each row also holds a committed part: the prefix all its beam entries share, moved out of
-the beam so a stream of any length fits ``max_prefix_len`` (``oasr.ctc_config``,
+the beam so a stream of any length fits ``max_prefix_len`` (``oasr.ctc.config``,
 "Committed prefix"); hypotheses are the committed part plus the entry.
 
 API (mirrored by the fast twin): ``create_state(batch, vocab_size)``,
@@ -50,7 +50,7 @@ from oasr.ctc.config import (
     committed_rows,
     decode_bounded,
     pack_committed,
-    settle_snapshot,
+    settle_rows,
 )
 
 NEG_INF = -math.inf
@@ -94,7 +94,7 @@ class CtcBeamState:
     than ``config.beam_size``, holding only prefixes with a finite score.
     ``frames_decoded`` counts frames consumed since the last reset; it is the
     absolute frame index of the next frame. ``committed[b]`` is row ``b``'s committed
-    ``(tokens, frames)``: what precedes every prefix of the row (``oasr.ctc_config``).
+    ``(tokens, frames)``: what precedes every prefix of the row (``oasr.ctc.config``).
     """
 
     config: CtcDecoderConfig
@@ -184,7 +184,7 @@ class StreamingCtcDecoder:
         """A fresh state of ``batch`` rows, each holding only the empty prefix."""
         check_state_shape("create_state", self.config, batch, vocab_size)
         return CtcBeamState(self.config, batch, vocab_size, 0, [empty_beam() for _ in range(batch)],
-                            [((), ())] * batch)
+                            [([], []) for _ in range(batch)])
 
     def reset_state(self, state: CtcBeamState, batch: int, vocab_size: int) -> None:
         """Make ``state`` decode exactly as ``create_state(batch, vocab_size)`` would.
@@ -196,14 +196,26 @@ class StreamingCtcDecoder:
         check_state_shape("reset_state", self.config, batch, vocab_size)
         state.beams.clear()
         state.beams.extend(empty_beam() for _ in range(batch))
-        state.committed[:] = [((), ())] * batch
+        state.committed[:] = [([], []) for _ in range(batch)]
         state.batch, state.vocab_size, state.frames_decoded = batch, vocab_size, 0
 
     def snapshot_state(self, state: CtcBeamState) -> BeamSnapshot:
         """The state as a twin-neutral ``BeamSnapshot`` (reads it, changes nothing)."""
         self._check_state(state, "snapshot_state")
-        rows = tuple(tuple(BeamEntry(p.tokens, p.frames, p.pb, p.pnb) for p in beam) for beam in state.beams)
-        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, rows, pack_committed(state.committed))
+        return BeamSnapshot(state.batch, state.vocab_size, state.frames_decoded, self._beam_rows(state),
+                            pack_committed(state.committed))
+
+    @staticmethod
+    def _beam_rows(state: CtcBeamState) -> tuple:
+        return tuple(tuple(BeamEntry(p.tokens, p.frames, p.pb, p.pnb) for p in beam) for beam in state.beams)
+
+    @staticmethod
+    def _restore_rows(state: CtcBeamState, rows) -> None:
+        state.beams[:] = [
+            [Prefix(tuple(int(t) for t in e.tokens), tuple(int(f) for f in e.frames), float(e.log_pb),
+                    float(e.log_pnb)) for e in row]
+            for row in rows
+        ]
 
     def restore_state(self, state: CtcBeamState, snapshot: BeamSnapshot) -> None:
         """Overwrite ``state`` so it decodes exactly as the state ``snapshot`` was taken from.
@@ -213,13 +225,8 @@ class StreamingCtcDecoder:
         """
         self._check_state(state, "restore_state")
         check_snapshot("restore_state", self.config, snapshot)
-        beams = [
-            [Prefix(tuple(int(t) for t in e.tokens), tuple(int(f) for f in e.frames), float(e.log_pb),
-                    float(e.log_pnb)) for e in row]
-            for row in snapshot.rows
-        ]
-        state.beams[:] = beams
-        state.committed[:] = [(tuple(map(int, t)), tuple(map(int, f))) for t, f in committed_rows(snapshot)]
+        self._restore_rows(state, snapshot.rows)
+        state.committed[:] = [([int(x) for x in t], [int(x) for x in f]) for t, f in committed_rows(snapshot)]
         state.batch, state.vocab_size = snapshot.batch, snapshot.vocab_size
         state.frames_decoded = snapshot.frames_decoded
 
@@ -234,16 +241,20 @@ class StreamingCtcDecoder:
         Mirrors the fast twin's batched entry point. Here it is a loop: every
         state and chunk is validated, every new beam computed, and only then
         are the states committed. Long chunks run in pieces and rows commit their
-        shared prefix (``oasr.ctc_config.decode_bounded``), exactly as in the fast twin.
+        shared prefix (``oasr.ctc.config.decode_bounded``), exactly as in the fast twin.
         """
         self._check_cohort(states, log_probs_list)
         decode_bounded(self.config, states, log_probs_list, lambda s: s.longest, self._settle, self._decode_fitting,
                        lambda chunks: None)  # the values were checked with the shapes
 
-    def _settle(self, state: CtcBeamState, force: bool) -> None:
-        settled = settle_snapshot(self.config, self.snapshot_state(state), force)
+    def _settle(self, state: CtcBeamState) -> None:
+        settled = settle_rows(self.config, self._beam_rows(state))
         if settled is not None:
-            self.restore_state(state, settled)
+            rows, additions = settled
+            self._restore_rows(state, rows)
+            for (tokens, frames), (t, f) in zip(state.committed, additions, strict=True):
+                tokens.extend(t)
+                frames.extend(f)
 
     def _decode_fitting(self, states: list[CtcBeamState], log_probs_list: list[torch.Tensor]) -> None:
         updates = []
@@ -311,4 +322,4 @@ class StreamingCtcDecoder:
 
 def _hypothesis(prefix: Prefix, committed: tuple) -> CtcHypothesis:
     tokens, frames = committed
-    return CtcHypothesis(list(tokens + prefix.tokens), prefix.score, list(frames + prefix.frames))
+    return CtcHypothesis(tokens + list(prefix.tokens), prefix.score, frames + list(prefix.frames))

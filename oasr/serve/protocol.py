@@ -36,13 +36,12 @@ Server -> client (JSON text frames):
 from __future__ import annotations
 
 import base64
-import io
 import json
 import re
 
 import numpy as np
 
-from oasr.asr.audio import AudioError, check_pcm
+from oasr.asr.audio import AudioError, read_bytes
 from oasr.asr.features import SAMPLE_RATE
 
 TRANSCRIPTION_PATH = "/v1/audio/transcriptions"
@@ -69,28 +68,17 @@ class RequestError(ValueError):
 
 
 def decode_upload(data: bytes, name: str = "upload", max_seconds: float | None = None) -> np.ndarray:
-    """Mono float32 PCM at 16 kHz from the bytes of an uploaded audio file (WAV, FLAC, OGG).
+    """Mono float32 PCM at 16 kHz from the bytes of an uploaded audio file (any format libsndfile reads).
 
-    The same checks as ``oasr.asr.audio.load_audio`` (resampling included), as ``RequestError``:
-    400 for an empty file, one soundfile cannot read, several channels or a rate out of range;
-    413 for audio longer than ``max_seconds``.
+    ``oasr.asr.audio.load_audio``'s reading and checks (downmix and resampling included), as
+    ``RequestError``: 400 for an empty file, one soundfile cannot read, a truncated one or a rate out
+    of range; 413 for audio longer than ``max_seconds``.
     """
-    import soundfile as sf
-
     if not data:
         raise RequestError(400, "empty_file", f"{name}: the file is empty (0 bytes); expected an audio file",
                            "file")
     try:
-        pcm, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as exc:  # soundfile raises LibsndfileError / RuntimeError / TypeError by format
-        why = str(exc).strip().rsplit(">: ", 1)[-1] or type(exc).__name__  # drop soundfile's "<BytesIO at 0x..>"
-        raise RequestError(400, "invalid_audio", f"{name}: not a readable audio file (WAV, FLAC or OGG expected; "
-                           f"{why})", "file") from None
-    if pcm.shape[1] != 1:
-        raise RequestError(400, "invalid_audio", f"{name}: expected mono audio, got {pcm.shape[1]} channels",
-                           "file")
-    try:
-        pcm = check_pcm(pcm[:, 0], rate, name)
+        pcm = read_bytes(data, name)  # several channels are mixed down, as for a file
     except AudioError as exc:
         raise RequestError(400, "invalid_audio", str(exc), "file") from None
     check_duration(len(pcm), max_seconds, name)
