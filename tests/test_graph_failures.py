@@ -1,4 +1,4 @@
-"""What the first H200 run found in capture (issue 36, defects 2-4), on the CPU with the stand-in capture
+"""What the first H200 run found in capture, on the CPU with the stand-in capture
 of tests/test_graph_runner.py and on a GPU.
 
 * A step that reaches a declared kernel gap is decided before capture (the preflight): that width, or
