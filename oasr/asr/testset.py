@@ -4,7 +4,9 @@
 sentences (``oasr.asr.text.is_held_out``: never in the training stream) with the held-out voice variants
 (``oasr.asr.synth.TEST_VARIANTS``: never heard in training), perturbed like the training data, and writes
 ``NNNN.flac`` (16 kHz, 16-bit, mono) and ``transcripts.tsv`` (``id<TAB>text<TAB>voice``).
-``load_testset()`` reads it back: the shipped copy under ``oasr/assets/testset`` by default.
+``load_testset()`` reads it back: the shipped copy under ``oasr/assets/testset`` by default. It reads the
+second held-out set (``oasr.asr.testset2``, shipped under ``oasr/assets/testset2``) the same way: its
+description column also names each clip's ``condition`` (``16k`` when absent, as in the first set).
 """
 
 from __future__ import annotations
@@ -24,11 +26,19 @@ class Clip:
     path: Path
     text: str
     voice: str
+    condition: str = "16k"
+
+    @property
+    def variant(self) -> str:
+        """The espeak-ng voice variant (``en-us+m5`` -> ``m5``; ``none`` for clips without speech)."""
+        return self.voice.split("+")[-1]
 
 
-def shipped_testset_dir() -> Path:
-    """The held-out test set shipped inside the package."""
-    return Path(str(resources.files("oasr") / "assets" / "testset"))
+def shipped_testset_dir(name: str = "testset") -> Path:
+    """A held-out test set shipped inside the package: ``testset`` (the first) or ``testset2``."""
+    if name not in ("testset", "testset2"):
+        raise ValueError(f"shipped_testset_dir: 'testset' or 'testset2', got {name!r}")
+    return Path(str(resources.files("oasr") / "assets" / name))
 
 
 def make_testset(directory, count: int = 120, seed: int = 20261201) -> Path:
@@ -63,7 +73,12 @@ def load_testset(directory=None, limit: int | None = None) -> list[Clip]:
     if not table.exists():
         raise ValueError(f"no test set at {directory} (transcripts.tsv missing)")
     clips = []
-    for line in table.read_text().splitlines():
-        clip_id, text, voice = line.split("\t")
-        clips.append(Clip(clip_id, directory / f"{clip_id}.flac", text, json.loads(voice)["voice"]))
+    for n, line in enumerate(table.read_text().splitlines(), 1):
+        fields = line.split("\t")
+        if len(fields) != 3:
+            raise ValueError(f"{table}:{n}: expected id<TAB>text<TAB>description, got {len(fields)} fields")
+        clip_id, text, desc = fields
+        desc = json.loads(desc)
+        clips.append(Clip(clip_id, directory / f"{clip_id}.flac", text, desc.get("voice", "none"),
+                          desc.get("condition", "16k")))
     return clips[:limit] if limit is not None else clips
