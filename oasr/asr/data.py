@@ -34,8 +34,13 @@ def make_shard(directory, index: int, count: int, seed: int, held_out: bool = Fa
     ``open_share`` open sentences and each utterance goes through ``draw_conditioned_utterance`` (silences,
     pauses, noise, telephone band, empty utterances); without it (the shipped model's recipe) the templates
     and ``draw_utterance``, byte for byte as before."""
-    from oasr.asr.synth import (MORE_TRAIN_VARIANTS, TEST_VARIANTS, TRAIN_VARIANTS, draw_conditioned_utterance,
-                                draw_utterance)
+    from oasr.asr.synth import (
+        MORE_TRAIN_VARIANTS,
+        TEST_VARIANTS,
+        TRAIN_VARIANTS,
+        draw_conditioned_utterance,
+        draw_utterance,
+    )
 
     if held_out and more_voices:
         raise ValueError("make_shard: a held-out shard is spoken by the test voices only (more_voices=False)")

@@ -22,6 +22,7 @@ tokenizer's alphabet, unchanged.
 from __future__ import annotations
 
 import random
+from functools import lru_cache
 
 from oasr.asr.text import MONTHS, ONES, ORDINALS, SentenceGenerator, _date, _time, is_held_out, number_words
 from oasr.asr.vocab import load_names, load_words
@@ -46,8 +47,8 @@ COMMON = ("water food house home room door window table chair bed car road stree
           "keep leave meet help show try ask tell think know want need like love hate buy sell pay cook clean wash "
           "build break fix drive ride fly swim sing dance play write draw paint learn teach remember forget begin "
           "finish happy sad angry tired hungry busy quiet loud bright dark warm cold hot cool fresh clean dirty "
-          "heavy light empty full broken early late fast slow easy hard simple strange sudden gentle careful wrong right "
-          "green blue red yellow white black brown purple golden silver wooden narrow wide deep shallow").split()
+          "heavy light empty full broken early late fast slow easy hard simple strange sudden gentle careful wrong "
+          "right green blue red yellow white black brown purple golden silver wooden narrow wide deep shallow").split()
 
 IRREGULAR_PAST = dict(pair.split(":") for pair in (
     "run:ran bring:brought take:took give:gave send:sent read:read speak:spoke hear:heard find:found keep:kept "
@@ -225,10 +226,16 @@ class MixedSentenceGenerator:
                 return text
 
 
-def training_vocabulary() -> set[str]:
-    """Every word a training sentence can contain: the open vocabulary, names, the lists here, the templates'."""
+@lru_cache(maxsize=1)
+def template_vocabulary() -> frozenset[str]:
+    """``oasr.asr.text.vocabulary()``, computed once."""
     from oasr.asr.text import vocabulary
 
-    words = set(load_words()) | set(load_names()) | set(FUNCTION) | set(COMMON_FORMS) | vocabulary()
-    words.update(("oh zero point million thousand hundred percent on before after until".split()))
+    return frozenset(vocabulary())
+
+
+def training_vocabulary() -> set[str]:
+    """Every word a training sentence can contain: the open vocabulary, names, the lists here, the templates'."""
+    words = set(load_words()) | set(load_names()) | set(FUNCTION) | set(COMMON_FORMS) | template_vocabulary()
+    words.update("oh zero point million thousand hundred percent on before after until".split())
     return words

@@ -13,7 +13,8 @@ learned the forms scores well on it and badly on anything else. This set is buil
 * **conditions** (the ``condition`` field of each clip): ``16k`` (the base clips, a quarter with mild noise),
   ``8k`` (copies of base clips resampled to 8 kHz and stored at 8 kHz: the loader brings them back up),
   ``lead_silence`` (copies after 1-3 s of digital silence), ``noise`` (copies at 5-12 dB SNR),
-  ``long`` (about a minute: a dozen sentences by one voice with 1-2.5 s pauses), ``silence`` and
+  ``long`` (about a minute: a dozen sentences by one voice with 1-2.5 s pauses; ``sentences`` lists them),
+  ``silence`` and
   ``noise_only`` (no speech: the reference is the empty text).
 
 The copies keep the base clip's sentence and voice (``source`` names it), so a condition's WER can be
@@ -74,7 +75,7 @@ def _forms():
     ]
 
 
-class Testset2Sentences:
+class SecondSetSentences:
     """An endless seeded stream of distinct sentences of this set's forms, all held out of training."""
 
     def __init__(self, seed: int):
@@ -93,7 +94,7 @@ class Testset2Sentences:
             if is_held_out(text) and text not in self.seen:
                 self.seen.add(text)
                 return text
-        raise RuntimeError("Testset2Sentences: no new held-out sentence in 100,000 draws")
+        raise RuntimeError("SecondSetSentences: no new held-out sentence in 100,000 draws")
 
 
 def _write(directory: Path, rows: list, clip_id: str, pcm: np.ndarray, rate: int, text: str, desc: dict):
@@ -117,7 +118,7 @@ def make_testset2(directory, seed: int = 20261204, base: int = 30, narrow: int =
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    sentences = Testset2Sentences(seed)
+    sentences = SecondSetSentences(seed)
     rows: list[str] = []
 
     def voice():
@@ -163,10 +164,12 @@ def make_testset2(directory, seed: int = 20261204, base: int = 30, narrow: int =
     texts = [next(sentences) for _ in range(long_sentences)]
     pauses = [rng.uniform(1.0, 2.5) for _ in range(long_sentences - 1)]
     pcm = pad(join_phrases([speak(t, desc["voice"], desc["rate"], desc["pitch"]) for t in texts], pauses), 2.0, 1.0)
-    _write(directory, rows, f"{k:04d}", level(pcm, -9.0), SAMPLE_RATE, " ".join(texts), {**desc, "condition": "long"})
+    _write(directory, rows, f"{k:04d}", level(pcm, -9.0), SAMPLE_RATE, " ".join(texts),
+           {**desc, "condition": "long", "sentences": texts})
     k += 1
     for seconds in (2.0, 3.0):
-        _write(directory, rows, f"{k:04d}", silence(seconds), SAMPLE_RATE, "", {"voice": "none", "condition": "silence"})
+        _write(directory, rows, f"{k:04d}", silence(seconds), SAMPLE_RATE, "",
+               {"voice": "none", "condition": "silence"})
         k += 1
     for kind, dbfs in (("white", -50.0), ("brown", -40.0)):
         pcm = noise(rng, 2 * SAMPLE_RATE, kind) * np.float32(10 ** (dbfs / 20))
