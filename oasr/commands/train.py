@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         parser.error(f"--device {args.device}: torch sees no CUDA device here")
     work = Path(args.work)
     (work / "train").mkdir(parents=True, exist_ok=True)
-    options = data_options(args)
+    options = json.loads(json.dumps(data_options(args)))  # as data.json holds it (tuples become lists)
     recorded = work / "data.json"
     if recorded.exists() and json.loads(recorded.read_text()) != options:
         parser.error(f"{work} holds shards made with other data options ({recorded}); use a new --work or the "
