@@ -71,4 +71,7 @@ def test_eval_reports_per_condition_and_per_voice(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert set(r["per_condition"]) == {"16k", "8k", "silence"} and r["per_condition"]["silence"]["wer"] is None
     assert r["per_condition"]["16k"]["utterances"] == 1 and "none" in r["per_voice"]
-    assert "per condition: 16k" in capsys.readouterr().out
+    assert set(r["paired"]) == {"8k"} and r["paired"]["8k"]["utterances"] == 1
+    assert r["paired"]["8k"]["source_wer"] == r["per_condition"]["16k"]["wer"]
+    printed = capsys.readouterr().out
+    assert "per condition: 16k" in printed and "for the same 1 clips at 16 kHz" in printed

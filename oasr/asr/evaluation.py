@@ -25,6 +25,25 @@ def breakdown(clips, hyps, key) -> dict:
     return out
 
 
+def paired(clips, hyps) -> dict:
+    """Per condition of copies (clips with a ``source``): the copies' WER and their source clips' WER, when
+    every source is in the run, so a condition's cost is read on the same sentences and voices."""
+    by_id = {c.id: (c, h) for c, h in zip(clips, hyps, strict=True)}
+    groups: dict = {}
+    for c, h in zip(clips, hyps, strict=True):
+        if c.source:
+            groups.setdefault(c.condition, []).append((c, h))
+    out = {}
+    for name, pairs in sorted(groups.items()):
+        if not all(c.source in by_id for c, _ in pairs):
+            continue
+        src = [by_id[c.source] for c, _ in pairs]
+        out[name] = {"wer": error_rates([c.text for c, _ in pairs], [h for _, h in pairs])["wer"],
+                     "source_wer": error_rates([c.text for c, _ in src], [h for _, h in src])["wer"],
+                     "utterances": len(pairs)}
+    return out
+
+
 def evaluate(rec, clips) -> dict:
     """Transcribe ``clips`` with ``rec``; WER/CER of the final and (if rescoring) first-pass texts, timing, and
     the rates per condition and per voice variant (``breakdown``)."""
@@ -39,5 +58,6 @@ def evaluate(rec, clips) -> dict:
             "wall_seconds": wall, "rtf": wall / audio,
             "per_condition": breakdown(clips, [t.text for t in transcripts], lambda c: c.condition),
             "per_voice": breakdown(clips, [t.text for t in transcripts], lambda c: c.variant),
+            "paired": paired(clips, [t.text for t in transcripts]),
             "hypotheses": [{"id": c.id, "ref": c.text, "hyp": t.text, "voice": c.voice,
                             "condition": c.condition} for c, t in zip(clips, transcripts, strict=True)]}

@@ -27,6 +27,7 @@ class Clip:
     text: str
     voice: str
     condition: str = "16k"
+    source: str = ""  # a copy's base clip (same sentence and voice at 16 kHz), "" for a base clip
 
     @property
     def variant(self) -> str:
@@ -80,5 +81,5 @@ def load_testset(directory=None, limit: int | None = None) -> list[Clip]:
         clip_id, text, desc = fields
         desc = json.loads(desc)
         clips.append(Clip(clip_id, directory / f"{clip_id}.flac", text, desc.get("voice", "none"),
-                          desc.get("condition", "16k")))
+                          desc.get("condition", "16k"), desc.get("source", "")))
     return clips[:limit] if limit is not None else clips

@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     for title, key in (("condition", "per_condition"), ("voice", "per_voice")):
         if len(result[key]) > 1:
             print(f"per {title}: " + "; ".join(_rate(name, r) for name, r in result[key].items()))
+    for name, r in result["paired"].items():
+        print(f"{name}: {100 * r['wer']:.1f}% against {100 * r['source_wer']:.1f}% for the same {r['utterances']} "
+              "clips at 16 kHz")
     shown = 0
     for h in result["hypotheses"]:
         if shown < args.show and h["ref"] != h["hyp"]:
