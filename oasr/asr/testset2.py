@@ -8,7 +8,7 @@ learned the forms scores well on it and badly on anything else. This set is buil
   slot sequences) has as a form; every sentence is also held out by the training split's hash
   (``oasr.asr.text.is_held_out``), so the recipe can never generate one of them for training. The words
   are everyday ones the training text draws often (the templates', ``opentext.FUNCTION`` and
-  ``opentext.COMMON_FORMS``): the set measures new *forms*, as the issue's check did, not rare words;
+  ``opentext.COMMON_FORMS``): the set measures new *forms*, not rare words;
 * **voices**: ``TEST2_VARIANTS`` with ``TEST2_ACCENTS`` (``en-us-nyc`` is in no other list), never trained on;
 * **conditions** (the ``condition`` field of each clip): ``16k`` (the base clips, a quarter with mild noise),
   ``8k`` (copies of base clips resampled to 8 kHz and stored at 8 kHz: the loader brings them back up),

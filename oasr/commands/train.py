@@ -1,24 +1,27 @@
-"""``python -m oasr train``: the recipe of the shipped model, end to end and resumable.
+"""``python -m oasr train``: the training recipe (synthesize, train, export), end to end and resumable.
 
 Steps, each skipped when its output exists (so a rerun resumes): synthesize ``--shards`` training
 shards with espeak-ng (in ``--workers`` processes), train for ``--steps`` (``WORK/state.pt`` is
 saved every 200 steps), export ``WORK/model.safetensors`` (the EMA weights, CMVN, tokenizer and
 geometry) and print its held-out WER. Needs ``espeak-ng`` (Debian package) for the synthesis.
 
-The data (issue 37's open recipe, the default): ``--open-share`` of the sentences from the open generator
+The data (the open recipe, the default): ``--open-share`` of the sentences from the open generator
 (``oasr.asr.opentext``: word sequences and free slot sequences over 52,000 words, numbers, dates, names),
 the rest from the templates; every utterance through the recording conditions of
 ``oasr.asr.conditions`` (0-3 s silences, pauses between phrases, noise at 0-35 dB SNR, 8 kHz copies,
 silence- and noise-only utterances with empty text). ``--legacy-data`` makes the template-only shards
-the model shipped before issue 37 was trained on. ``WORK/data.json`` records the data options and a
+the shipped model was trained on: ``--legacy-data --shards 12 --extra-voice-shards 6 --shard-size 2000
+--steps 24000`` is that model's recipe. ``WORK/data.json`` records the data options and a
 rerun with different ones is refused (its shards would mix two recipes).
 
-What the next training run is (about 2 hours on two idle CPU cores; measured estimate in MODEL_CARD.md):
+The next model's training run (estimated at about 95 minutes on two idle CPU cores: synthesis about 11,
+training about 83, from side-by-side measurements against the shipped recipe; see MODEL_CARD.md):
 
     python -m oasr train --work /tmp/oasr-train      # seeded; rerun the same line to resume
 
-then ``python -m oasr eval --model /tmp/oasr-train/model.safetensors`` and ``... --testset testset2``.
-With a GPU: ``--device cuda --size medium`` (a wider, deeper model: CPU time would be about 3x).
+then ``python -m oasr eval --model /tmp/oasr-train/model.safetensors`` (the first held-out set) and the same
+with ``--testset testset2`` (new sentence forms, voices and conditions). With a GPU:
+``--device cuda --size medium`` (8.9 M parameters instead of 2.9 M; too slow for the CPU budget).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def build_parser() -> CommandParser:
                         help="share of open sentences (word sequences, free forms, numbers, dates, names); the "
                              "rest from the templates")
     parser.add_argument("--legacy-data", action="store_true",
-                        help="the template-only, condition-free shards of the model shipped before issue 37")
+                        help="the template-only, condition-free shards of the shipped model (its recipe: with --shards 12 "
+                             "--extra-voice-shards 6 --shard-size 2000 --steps 24000)")
     parser.add_argument("--size", choices=sorted(SIZES), default="small",
                         help="model geometry: small (2.9 M parameters, the CPU recipe) or medium (about 3x the "
                              "compute per step: for --device cuda)")
