@@ -48,8 +48,8 @@ def build_parser() -> CommandParser:
                         help="share of open sentences (word sequences, free forms, numbers, dates, names); the "
                              "rest from the templates")
     parser.add_argument("--legacy-data", action="store_true",
-                        help="the template-only, condition-free shards of the shipped model (its recipe: with --shards 12 "
-                             "--extra-voice-shards 6 --shard-size 2000 --steps 24000)")
+                        help="the template-only, condition-free shards of the shipped model (its recipe: with "
+                             "--shards 12 --extra-voice-shards 6 --shard-size 2000 --steps 24000)")
     parser.add_argument("--size", choices=sorted(SIZES), default="small",
                         help="model geometry: small (2.9 M parameters, the CPU recipe) or medium (about 3x the "
                              "compute per step: for --device cuda)")
