@@ -247,8 +247,8 @@ class TransducerRecognizer:
 
     def suspend(self, stream_id) -> bytes:
         """Take the stream out: the encoder's suspended stream, the predictor's slot state, the front end's state
-        and the tokens so far, as safetensors bytes (nothing pickled); its slot is freed. The stream must have been
-        admitted by the encoder (a first chunk arrived)."""
+        and the tokens so far, as safetensors bytes (nothing pickled); its slot is freed. A stream the encoder has not
+        admitted yet travels with its buffered features; a finished one is refused (``ValueError``, nothing changes)."""
         from safetensors.torch import save
 
         s = self._stream(stream_id)
@@ -292,10 +292,29 @@ class TransducerRecognizer:
                                            json.loads(meta["chunks"]))
 
     def free_stream(self, stream_id) -> None:
-        """Forget the stream and give its slot back (its results go with it)."""
+        """Forget the stream and give its slot back, in the encoder too (its results go with it)."""
         self._stream(stream_id)
         self.states.free_stream(stream_id)
         del self._streams[stream_id]
+        cancel = getattr(self.encoder, "cancel", None)
+        if cancel is not None:
+            cancel(stream_id)
+
+    def ended(self, stream_id) -> bool:
+        """Whether the stream's audio has ended (``end_stream``)."""
+        return self._stream(stream_id).ended
+
+    def finished(self, stream_id) -> bool:
+        """Whether the stream ended and every chunk of it was encoded and decoded (its text is final)."""
+        return self._stream(stream_id).ended and self.encoder.finished(stream_id)
+
+    def frames_encoded(self, stream_id) -> int:
+        """Log-mel frames the chunks decoded so far cover (the zero padding of the last one excluded)."""
+        s = self._stream(stream_id)
+        if not s.chunks:
+            return 0
+        first, rest = self.lookaheads.chunk_frames(self.lookahead)
+        return min(first + (len(s.chunks) - 1) * rest, s.frames_pushed)
 
 
 def oasr_encoder_streams(directory, lookahead: int, twin: str = "fast", max_batch_size: int = 8,

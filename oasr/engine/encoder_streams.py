@@ -195,6 +195,23 @@ class EncoderStreamingEngine:
                 return
             self.step()
 
+    def cancel(self, stream_id) -> None:
+        """Drop the stream now, in any state: its slot and blocks (if admitted) go back, nothing of it is kept.
+        ``KeyError`` for an unknown id."""
+        s = self._stream(stream_id)
+        if s.state == "active":
+            self._free(s)
+        del self._streams[stream_id]
+
+    def status(self, stream_id) -> str:
+        """``waiting`` (not admitted yet, or resumed and not restored yet), ``active`` or ``finished``."""
+        return self._stream(stream_id).state
+
+    @property
+    def stream_ids(self) -> list:
+        """Every stream the engine holds (finished ones until ``cancel``)."""
+        return list(self._streams)
+
     def _free(self, s: _Stream) -> None:
         self.att.free_stream(s.stream_id)
         self.cnn.free_stream(s.stream_id)
@@ -204,18 +221,27 @@ class EncoderStreamingEngine:
     # ---- suspend / resume ----------------------------------------------------------------------------------
     def suspend(self, stream_id) -> bytes:
         """Take the stream out of this engine: its caches (a session), position, unconsumed input and ended
-        flag as bytes; the stream's slot and blocks are freed. Outputs already returned are not included."""
+        flag as bytes; the stream's slot and blocks are freed. Outputs already returned are not included.
+
+        A stream still waiting for its first admission travels as its buffered input alone (no caches); one
+        resumed here and not yet restored travels with the session it came with. ``ValueError`` for a finished
+        stream (nothing changes)."""
         from safetensors.torch import save
 
         s = self._stream(stream_id)
-        if s.state != "active":
-            raise ValueError(f"EncoderStreamingEngine: stream {stream_id!r} is not admitted; nothing to suspend")
-        caches = save_stream(stream_id, self.att, [self.cnn, self.states])
+        if s.state == "finished":
+            raise ValueError(f"EncoderStreamingEngine: stream {stream_id!r} has finished; nothing to suspend")
+        if s.state == "active":
+            caches = save_stream(stream_id, self.att, [self.cnn, self.states])
+        else:
+            caches = s.session if s.session is not None else b""
         pending = torch.cat(s.pending) if s.pending else torch.zeros(0, self.input_dim, dtype=self.config.dtype)
-        data = save({"caches": torch.frombuffer(bytearray(caches), dtype=torch.uint8), "pending": pending.cpu()},
+        blob = torch.frombuffer(bytearray(caches), dtype=torch.uint8) if caches else torch.zeros(0, dtype=torch.uint8)
+        data = save({"caches": blob, "pending": pending.cpu()},
                     metadata={"format": SUSPEND_FORMAT, "offset": str(s.offset), "ended": str(int(s.ended)),
                               "model": self._digest.hex()})
-        self._free(s)
+        if s.state == "active":
+            self._free(s)
         del self._streams[stream_id]
         return data
 
@@ -242,7 +268,7 @@ class EncoderStreamingEngine:
         if meta.get("model") != self._digest.hex():
             raise ValueError("EncoderStreamingEngine.resume: the stream ran on other weights")
         s = _Stream(stream_id, offset=int(meta["offset"]), ended=bool(int(meta["ended"])))
-        s.session = tensors["caches"].numpy().tobytes()
+        s.session = tensors["caches"].numpy().tobytes() or None  # empty: suspended before its first admission
         pending = tensors["pending"].to(self.config.device)
         if pending.shape[0]:
             s.pending, s.num_pending = [pending], pending.shape[0]
