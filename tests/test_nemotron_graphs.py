@@ -137,3 +137,79 @@ def test_cuda_gap_runs_eager_without_raising():
     engine = EncoderStreamingEngine(enc, enc.cache_config(max_batch_size=2, device=dev), twin="fast")
     assert engine.execution == "eager" and "paged-attention-head-dim" in engine.execution_note
     assert all(v.shape[0] > 0 for v in drive(engine).values())
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_recognizer_graphs_the_encoder_and_the_rnnt_step_and_prints_transformers_text(tmp_path):
+    """The engine path on a GPU: ``TransducerRecognizer(device=cuda)`` (fast twin) replays the encoder's graphs
+    (head_dim 64) and the RNN-T decode loop's graphs, and its text equals transformers' streaming generation (on
+    the CPU) for clips batched together."""
+    import sys
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "NemotronAsrStreamingForRNNT"):
+        pytest.skip(f"transformers {transformers.__version__} has no NemotronAsrStreamingForRNNT")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import nemotron_rnnt_oracle as oracle
+
+    from oasr.asr.transducer import TransducerRecognizer
+    from oasr.features import NemoMel
+
+    ckpt = tmp_path / "ckpt"
+    model, processor = oracle.make_checkpoint(ckpt, "a", seed=11, overrides=dict(hidden_size=128,
+                                                                                 num_attention_heads=2))
+    clips = [oracle.clip(0, 1.3), oracle.clip(4, 0.9), oracle.clip(2, 0.5)]
+    lookahead = processor.default_num_lookahead_tokens
+    want = []
+    for pcm in clips:
+        feats = torch.from_numpy(NemoMel.from_checkpoint(ckpt).extract(pcm))
+        *_, sequence = oracle.oracle_stream(model, feats, lookahead)
+        want.append(processor.decode(sequence, skip_special_tokens=True))
+    assert all(want)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rec = TransducerRecognizer(ckpt, max_batch_size=4, device=dev)
+    assert rec.encoder.execution == "graphed", rec.encoder.execution_note
+    assert [t.text for t in rec.transcribe(clips)] == want
+    assert rec.rnnt_graphs._graphs  # the decode loop was captured and replayed
+
+
+def test_recognizer_over_a_graphed_encoder_prints_transformers_text(tmp_path):
+    """On the CPU: the recognizer over an encoder whose chunk step replays stand-in graphs (head_dim 64) prints
+    exactly transformers' streaming text, clips batched together (the graphed step's host readback feeds the
+    decode as the eager step's device output does)."""
+    import sys
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "NemotronAsrStreamingForRNNT"):
+        pytest.skip(f"transformers {transformers.__version__} has no NemotronAsrStreamingForRNNT")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import nemotron_rnnt_oracle as oracle
+
+    from oasr.asr.transducer import TransducerRecognizer
+    from oasr.checkpoints import from_pretrained
+    from oasr.features import NemoMel
+
+    ckpt = tmp_path / "ckpt"
+    model, processor = oracle.make_checkpoint(ckpt, "a", seed=11, overrides=dict(hidden_size=128,
+                                                                                 num_attention_heads=2))
+    clips = [oracle.clip(0, 1.0), oracle.clip(4, 0.7)]
+    lookahead = processor.default_num_lookahead_tokens
+    want = []
+    for pcm in clips:
+        feats = torch.from_numpy(NemoMel.from_checkpoint(ckpt).extract(pcm))
+        *_, sequence = oracle.oracle_stream(model, feats, lookahead)
+        want.append(processor.decode(sequence, skip_special_tokens=True))
+    capture = StandInCapture()
+
+    def graphed(directory, la):
+        enc = from_pretrained(directory, lookahead=la).model
+        return EncoderStreamingEngine(enc, enc.cache_config(max_batch_size=2), twin="fast", cuda_graphs=True,
+                                      graph_capture=capture)
+
+    rec = TransducerRecognizer(ckpt, graphed, max_batch_size=2)
+    assert rec.encoder.execution == "graphed"
+    assert [t.text for t in rec.transcribe(clips)] == want and all(want)
+    assert capture.replays > 0
