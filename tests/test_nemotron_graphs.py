@@ -1,4 +1,4 @@
-"""CUDA-graph capture of the Nemotron encoder's chunk step in ``EncoderStreamingEngine`` (issue 33).
+"""CUDA-graph capture of the Nemotron encoder's chunk step in ``EncoderStreamingEngine``.
 
 On the CPU the capture is tests/test_graph_runner.py's stand-in (it reruns the step and fails a replay that reads
 a storage the capture never saw), so the engine's choice (graphed or eager, and why), the per-width capture and

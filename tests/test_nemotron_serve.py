@@ -106,6 +106,12 @@ def test_websocket_returns_transformers_text(server, made):
     assert [r.transcript for r in results] == want
     for r in results:
         assert r.close_code == protocol.CLOSE_NORMAL and not r.errors and r.deltas
+    import httpx
+
+    health = httpx.get(server.url + "/health", timeout=10).json()  # the worker's stats from the served transducer
+    assert health["chunk_latency_ms"]["chunks"] > 0 and health["pool"]["slots_total"] == 4
+    assert health["pool"]["blocks_total"] > 0
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
 
 
 def _feed(served, sid, pcm, start, stop, piece=1600):
