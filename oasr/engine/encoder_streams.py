@@ -24,12 +24,13 @@ One tick::
 
 **CUDA graphs.** On a CUDA device the fast twin's chunk step (3) is captured once per cohort width
 (``oasr.engine.tick.FastModelTick`` over ``oasr.fast.graph_runner.GraphRunner``: static per-width inputs, the
-model's ``paged_chunk_core``, its opaque ``(w, C, hidden)`` output read back) and replayed. Before capture,
-``oasr.engine.graph_preflight`` asks whether every layer is kernel-served: a declared kernel gap (e.g. a
-head_dim the attention kernels do not tile) keeps the step eager, with the reason logged once and kept in
-``execution_note``; nothing raises inside a capture. ``cuda_graphs``: None (graphs where possible), True (graphs,
-or eager with the preflight's reason), False (eager); ``graph_capture`` replaces the CUDA capture with a
-stand-in (tests on the CPU). ``execution`` is ``"graphed"`` or ``"eager"``.
+model's ``paged_chunk_core``, its opaque ``(w, C, hidden)`` output read back) and replayed. Before capture the
+runner's preflight runs each width's step once eagerly: a width that reaches a declared kernel gap (e.g. a
+head_dim the attention kernels do not tile) is left eager, and when every width is, the engine runs its eager
+step, with the reason logged once and kept in ``execution_note``; nothing raises inside a capture.
+``cuda_graphs``: None (graphs where possible), True (graphs, or eager with the preflight's reason), False
+(eager); ``graph_capture`` replaces the CUDA capture with a stand-in (tests on the CPU). ``execution`` is
+``"graphed"`` or ``"eager"``.
 
 ``suspend(sid)`` takes a stream out (its caches as a session, ``oasr.session``, plus its position
 and unconsumed input) as bytes, safetensors-framed, nothing pickled; ``resume(data)`` puts it back,
@@ -88,8 +89,6 @@ class EncoderStreamingEngine:
 
     def _setup_graphs(self, twin, cuda_graphs, capture) -> None:
         """Pick the eager or graphed chunk step (module docstring) and say why once."""
-        from oasr.engine.graph_preflight import graph_preflight
-
         if cuda_graphs not in (None, True, False):
             raise ValueError(f"EncoderStreamingEngine: cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         fast = self.ops.__name__ == "oasr.fast"
@@ -102,23 +101,29 @@ class EncoderStreamingEngine:
                              f"{self.config.device}; on the CPU the engine runs eager")
         want = bool(cuda_graphs) if cuda_graphs is not None else (on_cuda and fast)
         self.model_tick, self.execution = None, "eager"
-        reason = graph_preflight(self.config) if want else None
-        if want and reason is None:
+        refusal = None
+        if want:
             from oasr.engine.tick import FastModelTick
 
-            self.model_tick = FastModelTick(self.model, self.att, self.cnn, self.states, self.ops, self.config,
-                                            graphs=True, capture=capture)
-            self.execution = "graphed"
-            self.execution_note = f"graphed: {self.model_tick.graph_stats.format()}"
-        elif reason is not None:
-            self.execution_note = f"eager: {reason}"
-            logger.warning("EncoderStreamingEngine: no CUDA graphs: %s", reason)
-        elif not fast:
-            self.execution_note = "eager: the reference twin runs op by op (it is the oracle)"
-        elif not on_cuda:
-            self.execution_note = f"eager: CUDA graphs need a CUDA device, this engine runs on {self.config.device}"
-        else:
-            self.execution_note = "eager: cuda_graphs=False"
+            # GraphRunner's preflight runs each width's step once eagerly first: a width that reaches a declared
+            # kernel gap is left eager (never captured); when every width is, the tick has no runner
+            tick = FastModelTick(self.model, self.att, self.cnn, self.states, self.ops, self.config, graphs=True,
+                                 capture=capture)
+            refusal = tick.graph_refusal
+            if refusal is None:
+                self.model_tick, self.execution = tick, "graphed"
+                self.execution_note = f"graphed: {tick.graph_stats.format()}"
+        if refusal is not None:
+            self.execution_note = f"eager: not captured: {refusal}"
+            logger.warning("EncoderStreamingEngine chunk step: %s", self.execution_note)
+            return
+        if self.model_tick is None:
+            if not fast:
+                self.execution_note = "eager: the reference twin runs op by op (it is the oracle)"
+            elif not on_cuda:
+                self.execution_note = f"eager: CUDA graphs need a CUDA device, this engine runs on {self.config.device}"
+            else:
+                self.execution_note = "eager: cuda_graphs=False"
         logger.info("EncoderStreamingEngine chunk step: %s", self.execution_note)
 
     # ---- input -----------------------------------------------------------------------------------------
