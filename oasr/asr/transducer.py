@@ -314,6 +314,11 @@ class TransducerRecognizer:
         if cancel is not None:
             cancel(stream_id)
 
+    @property
+    def stream_ids(self) -> list:
+        """Every stream registered here (finished ones until ``free_stream``)."""
+        return list(self._streams)
+
     def ended(self, stream_id) -> bool:
         """Whether the stream's audio has ended (``end_stream``)."""
         return self._stream(stream_id).ended

@@ -92,12 +92,12 @@ class _EngineFacts:
     @property
     def stream_ids(self) -> list:
         """Every stream the transducer holds (finished ones until ``cancel``)."""
-        return list(self._rec._streams)
+        return self._rec.stream_ids
 
     def cancel(self, stream_id) -> None:
         """Forget a stream (finished or not); an id already gone is ignored (the server cancels every finished
         stream after taking its transcript)."""
-        if stream_id in self._rec._streams:
+        if stream_id in self._rec.stream_ids:
             self._rec.free_stream(stream_id)
         self._served.streams.pop(stream_id, None)
 
@@ -118,10 +118,11 @@ class _EngineFacts:
     def num_waiting(self) -> int:
         """Streams open but not yet admitted by the encoder."""
         enc = self._rec.encoder
-        return sum(enc.status(sid) == "waiting" for sid in self._rec._streams)
+        return sum(enc.status(sid) == "waiting" for sid in self._rec.stream_ids)
 
     @property
     def execution_note(self) -> str:
+        """One line the server prints at start: the model, its lookahead and chunk, and the encoder's path."""
         rec = self._rec
         note = getattr(rec.encoder, "execution_note", "eager")
         return (f"Nemotron RNN-T, lookahead {rec.lookahead} ({rec.lookaheads.latency_seconds(rec.lookahead) * 1e3:.0f}"
@@ -146,7 +147,7 @@ class ServedTransducer:
         """Start a stream (``stream_id`` or a fresh one); ``ValueError`` for an id in use, the slot pool's error
         when every slot is taken (nothing registered then)."""
         if stream_id is None:
-            while f"s{self._ids}" in self.rec._streams:
+            while f"s{self._ids}" in self.rec.stream_ids:
                 self._ids += 1
             stream_id = f"s{self._ids}"
         self.rec.add_stream(stream_id)
