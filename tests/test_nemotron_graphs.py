@@ -148,7 +148,7 @@ def test_cuda_gap_runs_eager_without_raising():
 
 @pytest.mark.cuda
 @cuda
-def test_cuda_recognizer_graphs_the_encoder_and_the_rnnt_step_and_prints_transformers_text(tmp_path):
+def test_cuda_recognizer_graphs_the_encoder_and_the_rnnt_step_and_prints_transformers_text(tmp_path, monkeypatch):
     """The engine path on a GPU: ``TransducerRecognizer(device=cuda)`` (fast twin) replays the encoder's graphs
     (head_dim 64) and the RNN-T decode loop's graphs, and its text equals transformers' streaming generation (on
     the CPU) for clips batched together."""
@@ -175,6 +175,8 @@ def test_cuda_recognizer_graphs_the_encoder_and_the_rnnt_step_and_prints_transfo
         *_, sequence = oracle.oracle_stream(model, feats, lookahead)
         want.append(processor.decode(sequence, skip_special_tokens=True))
     assert all(want)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 convolutions, as on the CPU oracle
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     dev = torch.device("cuda", torch.cuda.current_device())
     rec = TransducerRecognizer(ckpt, max_batch_size=4, device=dev)
     assert rec.encoder.execution == "graphed", rec.encoder.execution_note

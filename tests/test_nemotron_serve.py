@@ -180,3 +180,44 @@ def test_serve_command_takes_a_checkpoint_directory(made, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert ran["run"] and "3 stream slots" in out and "lookahead 1 (160 ms chunks)" in out
     np.testing.assert_equal(len(out.splitlines()), 1)
+
+
+def test_shutdown_suspends_a_live_stream_and_a_new_server_resumes_it(made, tmp_path):
+    """The server's shutdown path with a transducer: a live stream is suspended into the state directory, a new
+    server on the directory resumes it when the client reconnects with its id, and the text is transformers'."""
+    import time
+
+    from oasr.serve.client import LiveResult
+
+    ckpt, audio, _, want = made
+    pcm = audio[0]
+
+    def start():
+        rec = ServedTransducer(TransducerRecognizer(ckpt, max_batch_size=2))
+        worker = EngineWorker(rec, admit_timeout=30.0, state_dir=tmp_path)
+        return ServerThread(create_app(worker, ServeOptions(max_audio_seconds=30.0)))
+
+    srv = start()
+
+    async def first_half():
+        result = LiveResult()
+        task = asyncio.ensure_future(stream_audio(srv.url, pcm, stop_at=len(pcm) // 2, result=result, piece_ms=100,
+                                                  timeout=TIMEOUT))
+        deadline = time.monotonic() + TIMEOUT
+        while not result.deltas and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # a chunk has been encoded and decoded
+        await asyncio.to_thread(srv.stop)  # as on SIGTERM: live streams are suspended
+        await task
+        return result
+
+    half = asyncio.run(first_half())
+    assert half.close_code == protocol.CLOSE_SERVICE_RESTART and half.transcript is None
+    assert 0 < half.suspended <= len(pcm) // 2
+    assert [p.stem for p in tmp_path.glob("*.session")] == [half.stream_id]
+    srv = start()
+    try:
+        rest = asyncio.run(stream_audio(srv.url, pcm, stream_id=half.stream_id, piece_ms=100, timeout=TIMEOUT))
+    finally:
+        srv.stop()
+    assert rest.resumed and rest.samples_received == half.suspended
+    assert rest.transcript == want[0]
