@@ -53,8 +53,10 @@ def train_tokenizer(vocab_size: int = 40):
     return tok
 
 
-def make_checkpoint(path, name: str = "a", seed: int = 0, blank_shift: float = 3.0, num_mel_bins: int = 16):
-    """Save a tiny random ``NemotronAsrStreamingForRNNT`` + processor under ``path``; returns (model, processor)."""
+def make_checkpoint(path, name: str = "a", seed: int = 0, blank_shift: float = 3.0, num_mel_bins: int = 16,
+                    overrides: dict | None = None):
+    """Save a tiny random ``NemotronAsrStreamingForRNNT`` + processor under ``path``; returns (model, processor).
+    ``overrides``: fields of ``CONFIGS[name]`` replaced (e.g. a head_dim the kernels tile)."""
     from transformers import (
         NemotronAsrStreamingConfig,
         NemotronAsrStreamingEncoderConfig,
@@ -64,7 +66,7 @@ def make_checkpoint(path, name: str = "a", seed: int = 0, blank_shift: float = 3
     )
     from transformers.models.parakeet.tokenization_parakeet import ParakeetTokenizer
 
-    spec = dict(CONFIGS[name])
+    spec = {**CONFIGS[name], **(overrides or {})}
     lookaheads = spec.pop("lookaheads")
     dec = {k: spec.pop(k) for k in ("decoder_hidden_size", "num_decoder_layers", "max_symbols_per_step")}
     tok = train_tokenizer()

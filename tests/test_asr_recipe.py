@@ -1,5 +1,7 @@
 """A smoke run of the training recipe: a few steps on real fbank features lower the joint loss."""
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -98,3 +100,45 @@ def test_joint_loss_is_finite_for_every_chunking():
     for chunk, left in [(1, 1), (3, -1), (100000, -1), (4, 2)]:
         loss, ctc, att = joint_loss(enc, dec, tok, x, lens, targets, chunk, left)
         assert torch.isfinite(loss) and ctc > 0 and att > 0
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="the recipe synthesizes with espeak-ng")
+def test_open_recipe_smoke(tmp_path, capsys):
+    """The open recipe end to end on a toy budget: seeded shards (same bytes twice), two steps, export, resume,
+    and a rerun with other data options refused."""
+    from oasr.asr.conditions import ConditionConfig
+    from oasr.asr.data import make_shard
+    from oasr.commands.train import main as train_main
+
+    cfg = ConditionConfig(long_share=0.5, empty_share=0.3)
+    a = make_shard(tmp_path / "a", 0, 4, 7, open_share=0.6, conditions=cfg)
+    b = make_shard(tmp_path / "b", 0, 4, 7, open_share=0.6, conditions=cfg)
+    with np.load(a) as za, np.load(b) as zb:
+        assert all(np.array_equal(za[k], zb[k]) for k in za.files)
+    argv = ["--work", str(tmp_path / "w"), "--shards", "1", "--extra-voice-shards", "1", "--shard-size", "3",
+            "--steps", "2", "--dev-size", "2", "--workers", "1", "--threads", "1", "--max-frames", "1000"]
+    assert train_main(argv) == 0
+    assert (tmp_path / "w" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "w" / "data.json").read_text())["open_share"] == 0.6
+    assert train_main(argv) == 0 and "resumed at step 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train_main([*argv, "--open-share", "0.3"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_on_cuda_follows_the_cpu_run(tmp_path):
+    """``device="cuda"``: the same batches, chunkings and masks as on the CPU (they are drawn there), so the
+    losses track the CPU run's within float rounding, the state resumes, and the networks come back on the CPU."""
+    torch.set_num_threads(1)
+    _tiny_shards(tmp_path / "c" / "train")
+    _tiny_shards(tmp_path / "g" / "train")
+    kw = dict(steps=4, seed=2, max_frames=4000, lr=3e-3, warmup=2, save_every=2, log_every=1, spec=TINY)
+    cpu, gpu = [], []
+    train(tmp_path / "c", log=cpu.append, **kw)
+    out = train(tmp_path / "g", device="cuda", log=gpu.append, stop_at=3, **kw)
+    out = train(tmp_path / "g", device="cuda", log=gpu.append, **kw)
+    assert next(out["encoder"].parameters()).device.type == "cpu" and out["step"] == 4
+    lc = [float(line.split(" ctc ")[1].split()[0]) for line in cpu if line.startswith("step ")]
+    lg = [float(line.split(" ctc ")[1].split()[0]) for line in gpu if line.startswith("step ")]
+    assert len(lc) == len(lg) == 4 and np.allclose(lc, lg, rtol=2e-2), (lc, lg)

@@ -1,4 +1,4 @@
-"""The launcher bench section (issue 36): the attention launcher driving a no-op launch path on the CPU."""
+"""The launcher bench section: the attention launcher driving a no-op launch path on the CPU."""
 
 from __future__ import annotations
 

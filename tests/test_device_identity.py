@@ -1,4 +1,4 @@
-"""Device identity: ``cuda`` and ``cuda:0`` are one device when device 0 is current (issue 36, defect 1).
+"""Device identity: ``cuda`` and ``cuda:0`` are one device when device 0 is current.
 
 A config may name its device without an index (``torch.device("cuda")``) while every tensor reports
 one (``cuda:0``); the first H200 run failed ``fill_cross: k is on cuda:0, the pool on cuda``. Every

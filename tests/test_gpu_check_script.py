@@ -1,4 +1,4 @@
-"""tools/gpu_check.sh's logic without a GPU (issue 36): it parses, and with a Python that sees no CUDA device it
+"""tools/gpu_check.sh's logic without a GPU: it parses, and with a Python that sees no CUDA device it
 exits 2 and still leaves its one archive (what a lent machine returns), the summary beside it."""
 
 from __future__ import annotations

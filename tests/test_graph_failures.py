@@ -1,4 +1,4 @@
-"""What the first H200 run found in capture (issue 36, defects 2-4), on the CPU with the stand-in capture
+"""What the first H200 run found in capture, on the CPU with the stand-in capture
 of tests/test_graph_runner.py and on a GPU.
 
 * A step that reaches a declared kernel gap is decided before capture (the preflight): that width, or
@@ -189,7 +189,6 @@ def test_cuda_graph_memory_is_the_pool_and_never_negative():
     def step(width):
         if not torch.cuda.is_current_stream_capturing() and held:  # the preflight, after begin(): a free
             held.clear()
-            torch.cuda.empty_cache()
         return x * width + 1  # a fresh 4 MiB output in the graph pool
 
     capture = CudaGraphCapture("cuda")

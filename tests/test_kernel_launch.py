@@ -146,7 +146,7 @@ def test_invoke_accepts_the_registrys_kinds(tmp_path):
 
 
 def test_cuda_executor_launch_looks_up_each_instantiation_stream_and_config_once(monkeypatch):
-    """Issue 36 (the launcher's host cost): a launch converts its arguments and launches; the kernel object,
+    """The launcher's host cost: a launch converts its arguments and launches; the kernel object,
     the parameter kinds, the cuda.core Stream of a handle and each LaunchConfig are made once. cuda.core and
     torch.cuda are stand-ins here (no GPU)."""
     made = {"streams": 0, "configs": 0, "loads": 0}

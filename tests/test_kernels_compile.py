@@ -54,7 +54,7 @@ def test_family_compiles_without_spills(kernel_cache, family, arch):
 
 @pytest.mark.parametrize("family", ["paged_chunk_attention_v3", "paged_kv_append"])
 def test_one_instantiation_compiles_alone(kernel_cache, family):
-    """What a launch compiles on a cold cache: its own instantiation, one small program (issue 36: a
+    """What a launch compiles on a cold cache: its own instantiation, one small program (a
     cold test file compiled every family), cached under its own key."""
     kernel = registry.kernels_of(family)[0]
     expr = kernel.name_expression(kernel.instances[0])

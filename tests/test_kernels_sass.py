@@ -261,7 +261,7 @@ def test_model_prices_v3_against_v2(attention_report):
 @needs_toolchain
 @pytest.mark.skipif(not V3, reason="no v3 attention kernel registered")
 def test_model_recalibrated_on_the_measured_v3_points(attention_report):
-    """Issue 36: the first H200 run measured v3 kernel-only (graph replay); the model, recalibrated on those
+    """The first H200 run measured v3 kernel-only (graph replay); the model, recalibrated on those
     six points, predicts each within 10% and the fp8 / bf16 speed-up within 10%, and says what bounds
     the fp8 loop (the per-warp dependent chain: latency, not bytes, not conversions)."""
     check = sass.calibration_check_v3(attention_report)

@@ -1,4 +1,4 @@
-"""Attention launch plans (issue 36, item 6): checked and packed once per view key, reused while the key holds.
+"""Attention launch plans: checked and packed once per view key, reused while the key holds.
 
 A plan is a function of addresses, shapes, dtypes, strides and the view's host fields only, so a call that
 reuses one must give exactly what a freshly planned call gives, whatever the values in those tensors; a view

@@ -95,9 +95,9 @@ def test_refusals_are_one_line(made, tmp_path, capsys):
     refused(["--lookahead", "1"], "--lookahead applies to a Nemotron checkpoint directory")
     from oasr.commands import serve
 
-    with pytest.raises(SystemExit) as exc:
-        serve.main(["--model", str(ckpt)])
-    assert exc.value.code == 2 and "the server does not take one yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # the server takes a checkpoint directory, with the same refusals
+        serve.main(["--model", str(ckpt), "--lookahead", "5"])
+    assert exc.value.code == 2 and "lookahead 5 was not trained" in capsys.readouterr().err
     refused(["--model", str(ckpt), "--kv-cache-dtype", "q8_0"], "head_dim=16 is not a multiple of 32")
     broken = tmp_path / "broken"
     shutil.copytree(ckpt, broken)

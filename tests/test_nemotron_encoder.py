@@ -270,14 +270,16 @@ def test_emulated_kernels_serve_the_relative_term(checkpoints, monkeypatch, kv):
 def test_cuda_kernels_serve_nemotron(checkpoints, dtype, kv):
     """The fast twin on a GPU (NVRTC kernels: append, attention with the relative term; head_dim 64) against
     the reference twin on the same device and pages: within the dtype's rounding (bf16: twice the reference's
-    own bf16 error against fp32 transformers, plus a floor); fp32 model pages also against transformers."""
-    path, oracle = checkpoints["h128-hd64"]
+    own bf16 error against fp32, plus a floor); fp32 model pages also against the fp32 reference on the CPU."""
+    path, _ = checkpoints["h128-hd64"]
     dev = torch.device("cuda", torch.cuda.current_device())
     encoder = load(path).to(dev, dtype)
     chunks = [c.to(dev, dtype) for c in chunks_of(encoder, 6, seed=8)]
     fast = stream_alone(encoder, "fast", chunks, device=dev, kv_cache_dtype=kv)
     ref = stream_alone(encoder, "reference", chunks, device=dev, kv_cache_dtype=kv)
-    exact = oracle_stream(oracle, [c.float().cpu() for c in chunks], encoder.lookahead)
+    # the oracle here is the reference twin in fp32 on the CPU, which the CPU tests hold equal to transformers'
+    # streaming encoder (the GPU machine's transformers may predate the streaming API those tests use)
+    exact = stream_alone(load(path), "reference", [c.float().cpu() for c in chunks])
     if dtype == torch.float32:
         assert max_diff(fast, ref) <= 1e-4
         if kv is None:

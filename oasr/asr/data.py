@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from oasr.asr.features import fbank
+from oasr.asr.opentext import MixedSentenceGenerator
 from oasr.asr.text import SentenceGenerator
 
 
@@ -24,12 +25,22 @@ def shard_path(directory, index: int) -> Path:
 
 
 def make_shard(directory, index: int, count: int, seed: int, held_out: bool = False,
-               more_voices: bool = False) -> Path:
+               more_voices: bool = False, open_share: float = 0.0, conditions=None) -> Path:
     """Synthesize shard ``index`` (``count`` utterances) into ``directory``; skips an existing one.
 
     Training shards are spoken by ``TRAIN_VARIANTS`` (with ``more_voices``: those and
-    ``MORE_TRAIN_VARIANTS``), held-out ones by ``TEST_VARIANTS``."""
-    from oasr.asr.synth import MORE_TRAIN_VARIANTS, TEST_VARIANTS, TRAIN_VARIANTS, draw_utterance
+    ``MORE_TRAIN_VARIANTS``), held-out ones by ``TEST_VARIANTS``. With ``conditions`` (a
+    ``oasr.asr.conditions.ConditionConfig``) the sentences come from ``MixedSentenceGenerator`` with
+    ``open_share`` open sentences and each utterance goes through ``draw_conditioned_utterance`` (silences,
+    pauses, noise, telephone band, empty utterances); without it (the shipped model's recipe) the templates
+    and ``draw_utterance``, byte for byte as before."""
+    from oasr.asr.synth import (
+        MORE_TRAIN_VARIANTS,
+        TEST_VARIANTS,
+        TRAIN_VARIANTS,
+        draw_conditioned_utterance,
+        draw_utterance,
+    )
 
     if held_out and more_voices:
         raise ValueError("make_shard: a held-out shard is spoken by the test voices only (more_voices=False)")
@@ -38,12 +49,20 @@ def make_shard(directory, index: int, count: int, seed: int, held_out: bool = Fa
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = random.Random(f"{seed}/{index}")
-    sentences = SentenceGenerator(rng.getrandbits(32), held_out=held_out)
     variants = TEST_VARIANTS if held_out else TRAIN_VARIANTS + (MORE_TRAIN_VARIANTS if more_voices else [])
+    if conditions is None:
+        if open_share:
+            raise ValueError("make_shard: open_share needs conditions (the open recipe's data path)")
+        sentences = SentenceGenerator(rng.getrandbits(32), held_out=held_out)
+    else:
+        sentences = MixedSentenceGenerator(rng.getrandbits(32), open_share, held_out=held_out)
     feats, lens, texts, voices = [], [], [], []
     for _ in range(count):
-        text = next(sentences)
-        pcm, desc = draw_utterance(rng, text, variants)
+        if conditions is None:
+            text = next(sentences)
+            pcm, desc = draw_utterance(rng, text, variants)
+        else:
+            pcm, text, desc = draw_conditioned_utterance(rng, sentences, variants, conditions)
         f = fbank(pcm)
         feats.append(f)
         lens.append(len(f))

@@ -31,6 +31,10 @@ TEST_VARIANTS = ["m5", "f3", "klatt2", "paul", "anika"]
 # none of them is a test variant or derived from one (anikaRobot is anika's, so it is left out)
 MORE_TRAIN_VARIANTS = ["belinda", "aunty", "steph", "Alicia", "Andrea", "shelby", "grandma", "m8", "klatt5",
                        "klatt6", "adam", "edward", "iven", "quincy", "zac", "rob", "travis", "benjamin"]
+# the second held-out set (``oasr.asr.testset2``): variants and an accent no recipe path ever speaks with (none
+# derived from a training or first-test variant: edward2, steph2, iven2 and anikaRobot are left out)
+TEST2_VARIANTS = ["david", "robert", "norbert", "victor", "caleb", "Alex", "Mike", "Jacky"]
+TEST2_ACCENTS = ["en-us-nyc", *ACCENTS]
 
 
 def espeak_available() -> bool:
@@ -72,6 +76,33 @@ def perturb(pcm: np.ndarray, rng: random.Random, speed: float, noisy: bool = Tru
         noise *= np.sqrt(speech_power / (10 ** (snr_db / 10)) / (float(np.mean(noise**2)) + 1e-12))
         pcm = pcm + noise
     return np.clip(pcm, -1.0, 1.0).astype(np.float32)
+
+
+def draw_conditioned_utterance(rng: random.Random, sentences, variants: list[str], config):
+    """One utterance for the open recipe: ``(pcm, text, description)``.
+
+    ``config.empty_share`` of them are silence or noise alone (text ``""``); ``config.long_share`` are 2 to
+    ``config.max_phrases`` sentences from ``sentences`` by one voice with pauses between; the rest one sentence.
+    Then speed perturbation and ``oasr.asr.conditions.apply_conditions``."""
+    import soxr
+
+    from oasr.asr.conditions import apply_conditions, empty_utterance, join_phrases
+
+    if rng.random() < config.empty_share:
+        pcm, desc = empty_utterance(rng, config)
+        return pcm, "", desc
+    n = rng.randint(2, config.max_phrases) if rng.random() < config.long_share else 1
+    texts = [next(sentences) for _ in range(n)]
+    voice = f"{rng.choice(ACCENTS)}+{rng.choice(variants)}"
+    rate, pitch = rng.randint(125, 205), rng.randint(25, 75)
+    speed = rng.choice([0.9, 1.0, 1.0, 1.1])
+    pauses = [rng.uniform(*config.pause) for _ in range(n - 1)]
+    pcm = join_phrases([speak(t, voice, rate, pitch) for t in texts], pauses)
+    if speed != 1.0:
+        pcm = soxr.resample(pcm, SAMPLE_RATE, SAMPLE_RATE / speed).astype(np.float32)
+    pcm, desc = apply_conditions(pcm, rng, config)
+    desc.update(voice=voice, rate=rate, pitch=pitch, speed=speed, phrases=n)
+    return pcm, " ".join(texts), desc
 
 
 def draw_utterance(rng: random.Random, text: str, variants: list[str], noisy: bool = True):

@@ -11,6 +11,9 @@ it (or ``<id>.wav`` / ``<id>.ogg`` / ``<id>.mp3``), ``text`` its reference trans
 ``voice`` column either a plain voice name or a JSON object whose ``"voice"`` key names it (what
 ``make_testset`` writes: the object holds the other synthesis settings too). Any other line, or a listed
 clip with no file, is refused with a ``ValueError`` naming the line.
+It reads the second held-out set (``oasr.asr.testset2``, shipped under ``oasr/assets/testset2``) the same
+way: there the JSON column also names each clip's ``condition`` (``16k`` when absent, as in the first set)
+and, for a copy, its ``source`` clip.
 """
 
 from __future__ import annotations
@@ -29,25 +32,36 @@ class Clip:
     path: Path
     text: str
     voice: str
+    condition: str = "16k"
+    source: str = ""  # a copy's base clip (same sentence and voice at 16 kHz), "" for a base clip
+
+    @property
+    def variant(self) -> str:
+        """The espeak-ng voice variant (``en-us+m5`` -> ``m5``; ``none`` for clips without speech)."""
+        return self.voice.split("+")[-1]
 
 
 CLIP_EXTENSIONS = (".flac", ".wav", ".ogg", ".mp3")
 
 
-def _voice(column: str) -> str:
-    """The voice name of a ``voice`` column: a plain name, or the ``"voice"`` of a JSON object."""
+def _description(column: str) -> dict:
+    """A ``voice`` column as a dict: a plain name is ``{"voice": name}``; a JSON object is itself."""
     if column.startswith("{"):
         try:
-            return str(json.loads(column).get("voice", ""))
-        except (json.JSONDecodeError, AttributeError):
+            value = json.loads(column)
+            if isinstance(value, dict):
+                return value
+        except json.JSONDecodeError:
             pass
-    return column
+    return {"voice": column}
 
 
-def shipped_testset_dir() -> Path:
-    """The held-out test set shipped inside the package."""
+def shipped_testset_dir(name: str = "testset") -> Path:
+    """A held-out test set shipped inside the package: ``testset`` (the first) or ``testset2``."""
+    if name not in ("testset", "testset2"):
+        raise ValueError(f"shipped_testset_dir: 'testset' or 'testset2', got {name!r}")
     # from this file, not importlib.resources: right even when a clone named oasr was imported as the package
-    return Path(__file__).resolve().parents[1] / "assets" / "testset"
+    return Path(__file__).resolve().parents[1] / "assets" / name
 
 
 def make_testset(directory, count: int = 120, seed: int = 20261201) -> Path:
@@ -86,12 +100,14 @@ def load_testset(directory=None, limit: int | None = None) -> list[Clip]:
         if not line.strip():
             continue
         fields = line.split("\t")
-        if len(fields) not in (2, 3) or not fields[0] or not fields[1]:
+        if len(fields) not in (2, 3) or not fields[0]:  # an empty text is a clip with no speech
             raise ValueError(f"{table}:{number}: expected id<TAB>text[<TAB>voice], got {len(fields)} field(s)")
         clip_id, text = fields[0], fields[1]
         path = next((p for p in (directory / f"{clip_id}{ext}" for ext in CLIP_EXTENSIONS) if p.is_file()), None)
         if path is None:
             raise ValueError(f"{table}:{number}: clip {clip_id!r} is listed but {directory / (clip_id + '.flac')} "
                              "does not exist")
-        clips.append(Clip(clip_id, path, text, _voice(fields[2] if len(fields) == 3 else "")))
+        desc = _description(fields[2] if len(fields) == 3 else "")
+        clips.append(Clip(clip_id, path, text, str(desc.get("voice", "")), str(desc.get("condition", "16k")),
+                          str(desc.get("source", ""))))
     return clips[:limit] if limit is not None else clips

@@ -94,8 +94,9 @@ def joint_loss(encoder, decoder, tokenizer, x, lens, targets, chunk, left, ctc_w
     """``ctc_weight * CTC + (1 - ctc_weight) * label-smoothed attention CE``, both per utterance."""
     hidden, hlens = encoder.encode(x, lens, chunk_size=chunk, num_left_chunks=left)
     logp = F.log_softmax(encoder.ctc(hidden), dim=-1)
-    flat = torch.tensor([t for ys in targets for t in ys], dtype=torch.long)
-    tlens = torch.tensor([len(ys) for ys in targets], dtype=torch.long)
+    device = hidden.device
+    flat = torch.tensor([t for ys in targets for t in ys], dtype=torch.long, device=device)
+    tlens = torch.tensor([len(ys) for ys in targets], dtype=torch.long, device=device)
     ctc = F.ctc_loss(logp.transpose(0, 1), flat, hlens, tlens, blank=tokenizer.blank_id, reduction="sum",
                      zero_infinity=True) / len(targets)
     eos = tokenizer.sos_eos_id
@@ -103,23 +104,25 @@ def joint_loss(encoder, decoder, tokenizer, x, lens, targets, chunk, left, ctc_w
     ys_in = torch.full((len(targets), U), eos, dtype=torch.long)
     ys_out = torch.full((len(targets), U), -1, dtype=torch.long)
     for b, ys in enumerate(targets):
-        ys_in[b, 1 : len(ys) + 1] = torch.tensor(ys)
-        ys_out[b, : len(ys)] = torch.tensor(ys)
+        ys_in[b, 1 : len(ys) + 1] = torch.tensor(ys, dtype=torch.long)
+        ys_out[b, : len(ys)] = torch.tensor(ys, dtype=torch.long)
         ys_out[b, len(ys)] = eos
+    ys_in, ys_out = ys_in.to(device), ys_out.to(device)
     logits = decoder.forward_full(ys_in, hidden, hlens)
     att = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ys_out.reshape(-1), ignore_index=-1,
                           label_smoothing=smoothing, reduction="sum") / len(targets)
     return ctc_weight * ctc + (1 - ctc_weight) * att, ctc.detach(), att.detach()
 
 
-def greedy_wer(encoder, tokenizer, cmvn, shards: ShardSet, count: int, chunk: int, left: int) -> float:
+def greedy_wer(encoder, tokenizer, cmvn, shards: ShardSet, count: int, chunk: int, left: int,
+               device: str = "cpu") -> float:
     """Greedy CTC WER on the first ``count`` utterances of ``shards`` (a quick check while training)."""
     from oasr.asr.metrics import error_rates
 
     refs, hyps = [], []
     with torch.no_grad():
         for i in range(min(count, len(shards))):
-            x = cmvn.normalize(shards.utterance(i).astype(np.float32))[None]
+            x = torch.as_tensor(cmvn.normalize(shards.utterance(i).astype(np.float32))[None]).to(device)
             hidden, _ = encoder.encode(x, None, chunk_size=chunk, num_left_chunks=left)
             ids = encoder.ctc(hidden)[0].argmax(-1).tolist()
             collapsed = [t for j, t in enumerate(ids) if t != 0 and (j == 0 or ids[j - 1] != t)]
@@ -131,13 +134,15 @@ def greedy_wer(encoder, tokenizer, cmvn, shards: ShardSet, count: int, chunk: in
 def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: float = 2e-3,
           warmup: int = 400, ema_decay: float = 0.999, save_every: int = 200, log_every: int = 25,
           dev_every: int = 1000, dev_dir: Path | None = None, spec: AsrSpec | None = None, serving_share: float = 0.0,
-          stop_at: int | None = None, log=print) -> dict:
+          stop_at: int | None = None, device: str = "cpu", log=print) -> dict:
     """Train for ``steps`` optimizer steps on the shards in ``work/train`` (resuming ``work/state.pt``).
 
     ``serving_share`` (0 <= share < 1) is the share of batches drawn at the serving chunking
     (``draw_chunking``). ``stop_at`` ends this call at that step with the state saved, as an interruption
     would (the learning-rate schedule still runs to ``steps``). Every ``dev_every`` steps (and at the end)
-    the EMA weights' greedy streaming WER on ``dev_dir`` is logged."""
+    the EMA weights' greedy streaming WER on ``dev_dir`` is logged. ``device`` (``"cpu"`` or ``"cuda[:N]"``)
+    runs the model there; batches, SpecAugment and every random draw stay on the CPU, so the data order and
+    masks are those of a CPU run, and the returned networks are back on the CPU."""
     if not 0.0 <= serving_share < 1.0:
         raise ValueError(f"serving_share must be in [0, 1), got {serving_share}")
     work = Path(work)
@@ -145,6 +150,8 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
     tok = spec.tokenizer()
     torch.manual_seed(seed)
     encoder, decoder = build(spec)
+    encoder.to(device)
+    decoder.to(device)
     encoder.train()
     decoder.train()
     params = list(encoder.parameters()) + list(decoder.parameters())
@@ -154,18 +161,18 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
     g = torch.Generator().manual_seed(seed)
     state_path = work / "state.pt"
     if state_path.exists():
-        state = torch.load(state_path, weights_only=True)
+        state = torch.load(state_path, weights_only=True, map_location=device)
         for p, v in zip(params, state["params"], strict=True):
             p.data.copy_(v)
         for e, v in zip(ema, state["ema"], strict=True):
             e.copy_(v)
         opt.load_state_dict(state["opt"])
         step, epoch = int(state["step"]), int(state["epoch"])
-        cmvn = GlobalCmvn(state["cmvn_mean"], state["cmvn_istd"])
+        cmvn = GlobalCmvn(state["cmvn_mean"].cpu(), state["cmvn_istd"].cpu())
         if "epoch_batch" in state:  # exact resumption (older states restart their epoch's batch order)
             skip = int(state["epoch_batch"])
-            torch.set_rng_state(state["torch_rng"])
-            g.set_state(state["augment_rng"])
+            torch.set_rng_state(state["torch_rng"].cpu())
+            g.set_state(state["augment_rng"].cpu())
         log(f"resumed at step {step} (epoch {epoch}, batch {skip})")
     n_params = sum(p.numel() for p in params)
     n_enc = sum(p.numel() for p in encoder.parameters())
@@ -207,7 +214,7 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
             chunk, left = draw_chunking(rng, serving, serving_share)
             for group in opt.param_groups:
                 group["lr"] = learning_rate(step, steps, lr, warmup)
-            loss, ctc, att = joint_loss(encoder, decoder, tok, x, lens, targets, chunk, left)
+            loss, ctc, att = joint_loss(encoder, decoder, tok, x.to(device), lens.to(device), targets, chunk, left)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 5.0)
@@ -236,7 +243,7 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
                         p.copy_(e)
                 encoder.eval()
                 w = greedy_wer(encoder, tok, cmvn, dev, 150, spec.encoder["chunk_size"],
-                               spec.encoder["num_left_chunks"])
+                               spec.encoder["num_left_chunks"], device)
                 encoder.train()
                 with torch.no_grad():
                     for p, v in zip(params, live, strict=True):
@@ -250,7 +257,7 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
     with torch.no_grad():
         for p, e in zip(params, ema, strict=True):
             p.copy_(e)
-    encoder.eval()
-    decoder.eval()
+    encoder.cpu().eval()
+    decoder.cpu().eval()
     return {"encoder": encoder, "decoder": decoder, "cmvn": cmvn, "spec": spec, "step": step,
             "seconds": time.time() - t_start}

@@ -15,6 +15,11 @@ file's ``supported_num_lookahead_tokens``; default its ``default_num_lookahead_t
 exactly 0.0 up to the next chunk boundary, encoded chunk by chunk, and every encoder frame decoded, the
 padded ones too. A clip shorter than the first chunk follows the same rule (one padded first chunk).
 
+**Device.** ``device`` (default the CPU) holds the encoder's pages, the transducer head and the predictor's slots.
+On a CUDA device the fast twin captures CUDA graphs: the encoder's chunk step per cohort width
+(``EncoderStreamingEngine``) and the RNN-T decode loop per (cohort width, chunk frames)
+(``oasr.fast.rnnt_greedy.RnntGreedyGraphs``, eager off the GPU); the reference twin runs op by op.
+
 The encoder is any object with ``add_stream(sid)``, ``push(sid, features (n, bins))``, ``end_stream(sid)``
 and ``step() -> {sid: new encoder frames (n, hidden)}`` (``oasr.engine.encoder_streams.EncoderStreamingEngine``
 for oasr's Nemotron encoder: :func:`oasr_encoder_streams`, the default); ``encoder_factory(directory,
@@ -97,11 +102,12 @@ class TransducerRecognizer:
     """Many streams of one checkpoint (see the module docstring)."""
 
     def __init__(self, directory, encoder_factory=None, lookahead: int | None = None, options=None,
-                 max_batch_size: int = 8, kv_cache_dtype: str | None = None):
+                 max_batch_size: int = 8, kv_cache_dtype: str | None = None, device="cpu"):
         d = Path(directory)
+        self.device = torch.device(device)
         self.lookaheads = Lookaheads.from_checkpoint(d)
         self.lookahead = self.lookaheads.check(self.lookaheads.default if lookahead is None else lookahead)
-        self.head = read_hf_transducer(d)
+        self.head = read_hf_transducer(d).to(self.device)
         self.family, self.options = resolve_decode_family("rnnt_greedy", self, options)
         self.frontend = NemoMel.from_checkpoint(d)
         self.tokenizer = build_tokenizer("hf_json", d)
@@ -110,14 +116,22 @@ class TransducerRecognizer:
                              f"{self.head.spec.blank_id}")
         self.twin = importlib.import_module(f"oasr.{self.options.twin}")
         if encoder_factory is None:
-            self.encoder = oasr_encoder_streams(d, self.lookahead, self.options.twin, max_batch_size, kv_cache_dtype)
+            self.encoder = oasr_encoder_streams(d, self.lookahead, self.options.twin, max_batch_size, kv_cache_dtype,
+                                                self.device)
         elif kv_cache_dtype is not None:
             raise ValueError("TransducerRecognizer: kv_cache_dtype sets oasr's encoder pages; with your own "
                              "encoder_factory, set it there")
         else:
             self.encoder = encoder_factory(d, self.lookahead)
-        self._decode = importlib.import_module(f"oasr.{self.options.twin}.rnnt_greedy").decode_chunk
-        self.states = self.twin.SlotStateCache(self.head.spec.state_specs(), max_batch_size)
+        rnnt = importlib.import_module(f"oasr.{self.options.twin}.rnnt_greedy")
+        if self.options.twin == "fast":  # one CUDA graph per (width, chunk frames) on a GPU, eager elsewhere
+            graphs = rnnt.RnntGreedyGraphs(self.head, self.options.max_symbols_per_step)
+            self._decode = lambda head, enc, state, frames, max_symbols: graphs.run(enc, state, frames)
+            self.rnnt_graphs = graphs
+        else:
+            self._decode = rnnt.decode_chunk
+            self.rnnt_graphs = None
+        self.states = self.twin.SlotStateCache(self.head.spec.state_specs(), max_batch_size, device=self.device)
         self._streams: dict = {}
 
     @property
@@ -176,9 +190,9 @@ class TransducerRecognizer:
         if not cohort:
             return {}
         frames = [hidden[sid].shape[0] for sid in cohort]
-        enc = torch.zeros(len(cohort), max(frames), self.head.spec.encoder_dim)
+        enc = torch.zeros(len(cohort), max(frames), self.head.spec.encoder_dim, device=self.device)
         for row, sid in enumerate(cohort):
-            enc[row, : frames[row]] = hidden[sid].float()
+            enc[row, : frames[row]] = hidden[sid].to(self.device, torch.float32)
         views = self.states.views(cohort)
         tokens, _, new = self._decode(self.head, enc, {k: v.gather() for k, v in views.items()}, frames,
                                       self.options.max_symbols_per_step)
@@ -247,8 +261,8 @@ class TransducerRecognizer:
 
     def suspend(self, stream_id) -> bytes:
         """Take the stream out: the encoder's suspended stream, the predictor's slot state, the front end's state
-        and the tokens so far, as safetensors bytes (nothing pickled); its slot is freed. The stream must have been
-        admitted by the encoder (a first chunk arrived)."""
+        and the tokens so far, as safetensors bytes (nothing pickled); its slot is freed. A stream the encoder has not
+        admitted yet travels with its buffered features; a finished one is refused (``ValueError``, nothing changes)."""
         from safetensors.torch import save
 
         s = self._stream(stream_id)
@@ -285,29 +299,53 @@ class TransducerRecognizer:
                              f"recognizer at {self.lookahead}")
         self.states.allocate_stream(stream_id)
         for name, view in self.states.views([stream_id]).items():
-            view.scatter(tensors[name])
+            view.scatter(tensors[name].to(self.device))
         self.encoder.resume(tensors["encoder"].numpy().tobytes(), stream_id)
         mel = OnlineNemoMel.restore(self.frontend, {k[4:]: v for k, v in tensors.items() if k.startswith("mel_")})
         self._streams[stream_id] = _Stream(mel, int(meta["frames_pushed"]), bool(int(meta["ended"])),
                                            json.loads(meta["chunks"]))
 
     def free_stream(self, stream_id) -> None:
-        """Forget the stream and give its slot back (its results go with it)."""
+        """Forget the stream and give its slot back, in the encoder too (its results go with it)."""
         self._stream(stream_id)
         self.states.free_stream(stream_id)
         del self._streams[stream_id]
+        cancel = getattr(self.encoder, "cancel", None)
+        if cancel is not None:
+            cancel(stream_id)
+
+    @property
+    def stream_ids(self) -> list:
+        """Every stream registered here (finished ones until ``free_stream``)."""
+        return list(self._streams)
+
+    def ended(self, stream_id) -> bool:
+        """Whether the stream's audio has ended (``end_stream``)."""
+        return self._stream(stream_id).ended
+
+    def finished(self, stream_id) -> bool:
+        """Whether the stream ended and every chunk of it was encoded and decoded (its text is final)."""
+        return self._stream(stream_id).ended and self.encoder.finished(stream_id)
+
+    def frames_encoded(self, stream_id) -> int:
+        """Log-mel frames the chunks decoded so far cover (the zero padding of the last one excluded)."""
+        s = self._stream(stream_id)
+        if not s.chunks:
+            return 0
+        first, rest = self.lookaheads.chunk_frames(self.lookahead)
+        return min(first + (len(s.chunks) - 1) * rest, s.frames_pushed)
 
 
 def oasr_encoder_streams(directory, lookahead: int, twin: str = "fast", max_batch_size: int = 8,
-                         kv_cache_dtype: str | None = None):
+                         kv_cache_dtype: str | None = None, device="cpu"):
     """oasr's Nemotron encoder of the checkpoint (``oasr.from_pretrained``) at ``lookahead``, served over paged
-    caches (``kv_cache_dtype``: their page format, default the model dtype) by an ``EncoderStreamingEngine`` of
-    ``max_batch_size`` slots."""
+    caches on ``device`` (``kv_cache_dtype``: their page format, default the model dtype) by an
+    ``EncoderStreamingEngine`` of ``max_batch_size`` slots (CUDA-graphed on a GPU with the fast twin)."""
     from oasr.checkpoints import from_pretrained
     from oasr.engine.encoder_streams import EncoderStreamingEngine
 
-    encoder = from_pretrained(directory, lookahead=lookahead).model
-    config = encoder.cache_config(max_batch_size=max_batch_size, kv_cache_dtype=kv_cache_dtype)
+    encoder = from_pretrained(directory, lookahead=lookahead).model.to(device)
+    config = encoder.cache_config(max_batch_size=max_batch_size, kv_cache_dtype=kv_cache_dtype, device=device)
     return EncoderStreamingEngine(encoder, config, twin=twin)
 
 

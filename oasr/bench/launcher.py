@@ -42,9 +42,11 @@ class NoopExecutor:
         self.launches = 0
 
     def resident_ctas(self, kernel, targs, threads) -> int:
+        """A fixed occupancy: the no-op path has no device to ask."""
         return 2
 
     def launch(self, kernel, targs, grid, block, args) -> None:
+        """Check the grid as a real launch would, count the launch, run nothing."""
         registry.check_grid(kernel, grid)
         self.launches += 1
 

@@ -79,11 +79,10 @@ def check_transducer_options(parser: argparse.ArgumentParser, args: argparse.Nam
                                             ("--chunk-size", args.chunk_size is not None),
                                             ("--num-left-chunks", args.num_left_chunks is not None),
                                             ("--kv-cache-dtype auto", args.kv_cache_dtype == "auto"),
-                                            ("--beam", args.beam != parser.get_default("beam")),
-                                            ("--device", args.device != "cpu")) if given]
+                                            ("--beam", args.beam != parser.get_default("beam"))) if given]
     if unsupported:
         parser.error(f"--model {args.model}: a transducer checkpoint does not take {', '.join(unsupported)} "
-                     f"(its chunk is set by --lookahead; greedy RNN-T decoding on the CPU)")
+                     f"(its chunk is set by --lookahead; greedy RNN-T decoding)")
     from oasr.asr.transducer import Lookaheads
     from oasr.checkpoints import detect_format
     from oasr.models.transducer import read_hf_transducer
@@ -137,7 +136,7 @@ def transducer_recognizer(args: argparse.Namespace, parser: argparse.ArgumentPar
     kv = None if args.kv_cache_dtype in (None, "model") else args.kv_cache_dtype
     try:
         return TransducerRecognizer(args.model, None, args.lookahead, {"twin": args.twin},
-                                    max_batch_size=args.max_streams, kv_cache_dtype=kv)
+                                    max_batch_size=args.max_streams, kv_cache_dtype=kv, device=args.device)
     except ValueError as exc:
         parser.error(f"--model {args.model}: {str(exc).splitlines()[0]}")
 

@@ -16,7 +16,13 @@ import os
 import tempfile
 
 from oasr.commands import CommandParser
-from oasr.commands.asr_options import add_model_options, check_model_options, is_transducer, recognizer
+from oasr.commands.asr_options import (
+    add_model_options,
+    check_model_options,
+    is_transducer,
+    recognizer,
+    transducer_recognizer,
+)
 
 DEFAULT_CHECKPOINT_EVERY = 5.0  # seconds, with --state-dir
 
@@ -51,9 +57,6 @@ def build_parser() -> CommandParser:
 def check_args(parser: CommandParser, args) -> None:
     """Every option, before any work (one line on stderr, exit status 2 for a bad one)."""
     check_model_options(parser, args)
-    if is_transducer(args):  # the server drives Recognizer's stream API; TransducerRecognizer does not offer it yet
-        parser.error(f"--model {args.model}: a Nemotron checkpoint directory is served by transcribe, eval and demo; "
-                     f"the server does not take one yet")
     if args.full_context:
         parser.error("the server streams; --full-context is for the eval command")
     if not 0 <= args.port <= 65535:
@@ -98,7 +101,12 @@ def main(argv=None) -> int:
         from oasr.serve.worker import EngineWorker
     except ImportError as exc:
         parser.error(f"the server needs the serve extra (pip install 'oasr[serve]'): {exc}")
-    rec = recognizer(args, max_seconds=args.max_audio_seconds)
+    if is_transducer(args):  # a Nemotron checkpoint directory: its recognizer behind the same stream API
+        from oasr.asr.transducer_serving import ServedTransducer
+
+        rec = ServedTransducer(transducer_recognizer(args, parser))
+    else:
+        rec = recognizer(args, max_seconds=args.max_audio_seconds)
     every = args.checkpoint_every
     if every is None:
         every = DEFAULT_CHECKPOINT_EVERY if args.state_dir is not None else 0.0

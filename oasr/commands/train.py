@@ -1,13 +1,32 @@
-"""``python -m oasr train``: the recipe that made the shipped model, end to end and resumable.
+"""``python -m oasr train``: the training recipe (synthesize, train, export), end to end and resumable.
 
 Steps, each skipped when its output exists (so a rerun resumes): synthesize ``--shards`` training
 shards with espeak-ng (in ``--workers`` processes), train for ``--steps`` (``WORK/state.pt`` is
 saved every 200 steps), export ``WORK/model.safetensors`` (the EMA weights, CMVN, tokenizer and
 geometry) and print its held-out WER. Needs ``espeak-ng`` (Debian package) for the synthesis.
+
+The data (the open recipe, the default): ``--open-share`` of the sentences from the open generator
+(``oasr.asr.opentext``: word sequences and free slot sequences over 52,000 words, numbers, dates, names),
+the rest from the templates; every utterance through the recording conditions of
+``oasr.asr.conditions`` (0-3 s silences, pauses between phrases, noise at 0-35 dB SNR, 8 kHz copies,
+silence- and noise-only utterances with empty text). ``--legacy-data`` makes the template-only shards
+the shipped model was trained on: ``--legacy-data --shards 12 --extra-voice-shards 6 --shard-size 2000
+--steps 24000`` is that model's recipe. ``WORK/data.json`` records the data options and a
+rerun with different ones is refused (its shards would mix two recipes).
+
+The next model's training run (estimated at about 95 minutes on two idle CPU cores: synthesis about 11,
+training about 83, from side-by-side measurements against the shipped recipe; see MODEL_CARD.md):
+
+    python -m oasr train --work /tmp/oasr-train      # seeded; rerun the same line to resume
+
+then ``python -m oasr eval --model /tmp/oasr-train/model.safetensors`` (the first held-out set) and the same
+with ``--testset testset2`` (new sentence forms, voices and conditions). With a GPU:
+``--device cuda --size medium`` (8.9 M parameters instead of 2.9 M; too slow for the CPU budget).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from multiprocessing import Pool
@@ -20,11 +39,22 @@ def build_parser() -> CommandParser:
     """The parser of ``python -m oasr train``, every option with its default."""
     parser = CommandParser(prog="python -m oasr train", description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("--work", required=True, help="working directory (shards, state, exported model)")
-    parser.add_argument("--shards", type=int, default=12, help="training shards to synthesize")
-    parser.add_argument("--extra-voice-shards", type=int, default=6,
+    parser.add_argument("--shards", type=int, default=16, help="training shards to synthesize")
+    parser.add_argument("--extra-voice-shards", type=int, default=8,
                         help="more training shards after those, spoken by the base and a wider second voice set")
-    parser.add_argument("--shard-size", type=int, default=2000, help="utterances per shard")
-    parser.add_argument("--steps", type=int, default=24000, help="optimizer steps")
+    parser.add_argument("--shard-size", type=int, default=1500, help="utterances per shard")
+    parser.add_argument("--steps", type=int, default=20000, help="optimizer steps")
+    parser.add_argument("--open-share", type=float, default=0.6,
+                        help="share of open sentences (word sequences, free forms, numbers, dates, names); the "
+                             "rest from the templates")
+    parser.add_argument("--legacy-data", action="store_true",
+                        help="the template-only, condition-free shards of the shipped model (its recipe: with "
+                             "--shards 12 --extra-voice-shards 6 --shard-size 2000 --steps 24000)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small",
+                        help="model geometry: small (2.9 M parameters, the CPU recipe) or medium (about 3x the "
+                             "compute per step: for --device cuda)")
+    parser.add_argument("--dev-size", type=int, default=150, help="held-out dev utterances (greedy WER while training)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] for training (synthesis is on the CPU)")
     parser.add_argument("--lr", type=float, default=1.2e-3, help="peak learning rate (warmup 400 steps, then cosine)")
     parser.add_argument("--seed", type=int, default=2026, help="seed of the data and the model")
     parser.add_argument("--workers", type=int, default=2, help="synthesis processes")
@@ -38,12 +68,48 @@ def build_parser() -> CommandParser:
     return parser
 
 
+# model geometries (``AsrSpec`` field overrides): small is the shipped model's
+SIZES = {
+    "small": {},
+    "medium": {"encoder": {"hidden_dim": 192, "num_layers": 8, "n_head": 4, "n_kv_head": 2, "head_dim": 64,
+                           "ffn_dim": 768, "subsample_channels": 192},
+               "decoder": {"hidden_dim": 192, "num_layers": 3, "n_head": 4, "n_kv_head": 2, "head_dim": 64,
+                           "ffn_dim": 768}},
+}
+
+
+def model_spec(size: str):
+    """The ``AsrSpec`` of a ``--size``."""
+    from oasr.asr.model import AsrSpec
+
+    base = AsrSpec()
+    over = SIZES[size]
+    return AsrSpec(encoder={**base.encoder, **over.get("encoder", {})},
+                   decoder={**base.decoder, **over.get("decoder", {})})
+
+
+def data_options(args) -> dict:
+    """What the shards are made from (``WORK/data.json``): a rerun must make the same shards."""
+    from oasr.asr.conditions import ConditionConfig
+
+    if args.legacy_data:
+        return {"seed": args.seed, "shard_size": args.shard_size, "legacy": True}
+    return {"seed": args.seed, "shard_size": args.shard_size, "legacy": False, "open_share": args.open_share,
+            "conditions": ConditionConfig().to_dict()}
+
+
 def _shard(job):
+    from oasr.asr.conditions import ConditionConfig
     from oasr.asr.data import make_shard
 
-    directory, index, size, seed, more_voices = job
+    directory, index, size, seed, more_voices, options = job
     t0 = time.time()
-    make_shard(directory, index, size, seed, more_voices=more_voices)
+    if options["legacy"]:
+        make_shard(directory, index, size, seed, more_voices=more_voices)
+    else:
+        make_shard(directory, index, size, seed, more_voices=more_voices, open_share=options["open_share"],
+                   conditions=ConditionConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                                 for k, v in options["conditions"].items()}))
     return index, time.time() - t0
 
 
@@ -52,11 +118,15 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_at_least(parser, args, {"shards": 1, "extra_voice_shards": 0, "shard_size": 1, "steps": 1, "workers": 1,
-                                  "threads": 1, "max_frames": 1000})
+                                  "threads": 1, "max_frames": 1000, "dev_size": 1})
     if not 0.0 <= args.serving_share < 1.0:
         parser.error(f"--serving-share must be in [0, 1), got {args.serving_share}")
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
+    if not 0.0 <= args.open_share <= 1.0:
+        parser.error(f"--open-share must be in [0, 1], got {args.open_share}")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if shutil.which("espeak-ng") is None:
         parser.error("the recipe synthesizes speech with espeak-ng, which is not installed "
                      "(Debian: apt-get install espeak-ng)")
@@ -66,23 +136,39 @@ def main(argv=None) -> int:
     from oasr.asr.data import make_shard
     from oasr.asr.train import train
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here")
     work = Path(args.work)
     (work / "train").mkdir(parents=True, exist_ok=True)
+    options = json.loads(json.dumps(data_options(args)))  # as data.json holds it (tuples become lists)
+    recorded = work / "data.json"
+    if recorded.exists() and json.loads(recorded.read_text()) != options:
+        parser.error(f"{work} holds shards made with other data options ({recorded}); use a new --work or the "
+                     "same options")
+    recorded.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n")
     t0 = time.time()
-    jobs = [(work / "train", i, args.shard_size, args.seed, i >= args.shards)
+    jobs = [(work / "train", i, args.shard_size, args.seed, i >= args.shards, options)
             for i in range(args.shards + args.extra_voice_shards)]
     with Pool(args.workers) as pool:
         for index, seconds in pool.imap_unordered(_shard, jobs):
             print(f"shard {index}: {args.shard_size} utterances in {seconds:.0f} s", flush=True)
-    make_shard(work / "dev", 0, 150, args.seed + 1, held_out=True)
+    if options["legacy"]:
+        make_shard(work / "dev", 0, args.dev_size, args.seed + 1, held_out=True)
+    else:  # held-out sentences and voices, in the same conditions as the training data
+        from oasr.asr.conditions import ConditionConfig
+
+        make_shard(work / "dev", 0, args.dev_size, args.seed + 1, held_out=True, open_share=args.open_share,
+                   conditions=ConditionConfig())
     synth_seconds = time.time() - t0
     torch.set_num_threads(args.threads)
     out = train(work, args.steps, seed=args.seed, max_frames=args.max_frames, lr=args.lr, dev_dir=work / "dev",
-                serving_share=args.serving_share, log=lambda s: print(s, flush=True))
+                spec=model_spec(args.size), serving_share=args.serving_share, device=args.device,
+                log=lambda s: print(s, flush=True))
     params = sum(p.numel() for m in (out["encoder"], out["decoder"]) for p in m.parameters())
     info = {"steps": out["step"], "train_seconds": round(out["seconds"]), "synth_seconds": round(synth_seconds),
             "utterances": (args.shards + args.extra_voice_shards) * args.shard_size, "seed": args.seed,
             "threads": args.threads, "parameters": params, "serving_share": args.serving_share,
+            "device": args.device, "size": args.size, "data": options,
             "schedule": f"warmup 400 steps, then a cosine from lr {args.lr:g} to 5% of it at step {args.steps}; "
                         f"batches of at most {args.max_frames} padded frames"}
     save_checkpoint(work / "model.safetensors", out["encoder"], out["decoder"], out["spec"], out["cmvn"], info,

@@ -22,6 +22,16 @@ One tick::
     4. commit   att.commit_chunks_batched, cnn.update
     5. finish   an ended stream with nothing left to encode is freed
 
+**CUDA graphs.** On a CUDA device the fast twin's chunk step (3) is captured once per cohort width
+(``oasr.engine.tick.FastModelTick`` over ``oasr.fast.graph_runner.GraphRunner``: static per-width inputs, the
+model's ``paged_chunk_core``, its opaque ``(w, C, hidden)`` output read back) and replayed. Before capture the
+runner's preflight runs each width's step once eagerly: a width that reaches a declared kernel gap (e.g. a
+head_dim the attention kernels do not tile) is left eager, and when every width is, the engine runs its eager
+step, with the reason logged once and kept in ``execution_note``; nothing raises inside a capture.
+``cuda_graphs``: None (graphs where possible), True (graphs, or eager with the preflight's reason), False
+(eager); ``graph_capture`` replaces the CUDA capture with a stand-in (tests on the CPU). ``execution`` is
+``"graphed"`` or ``"eager"``.
+
 ``suspend(sid)`` takes a stream out (its caches as a session, ``oasr.session``, plus its position
 and unconsumed input) as bytes, safetensors-framed, nothing pickled; ``resume(data)`` puts it back,
 in this engine or another of the same geometry, and the stream goes on bit-identically.
@@ -30,6 +40,7 @@ in this engine or another of the same geometry, and the stream goes on bit-ident
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +50,7 @@ from oasr.models.twins import twin_module
 from oasr.sessions.format import load_stream, model_digest, save_stream
 
 SUSPEND_FORMAT = "oasr-encoder-stream-1"
+logger = logging.getLogger("oasr.engine")
 
 
 @dataclass
@@ -56,7 +68,7 @@ class _Stream:
 class EncoderStreamingEngine:
     """Serve many streams of an encoder-only paged model on one pool (see the module docstring)."""
 
-    def __init__(self, model, config: CacheConfig, twin="fast"):
+    def __init__(self, model, config: CacheConfig, twin="fast", cuda_graphs: bool | None = None, graph_capture=None):
         if getattr(model, "streaming_kind", None) != "paged":
             raise ValueError(f"EncoderStreamingEngine: {type(model).__name__} does not declare streaming_kind "
                              f"'paged'")
@@ -73,6 +85,46 @@ class EncoderStreamingEngine:
         self._ids = itertools.count()
         self.tick = 0
         self._digest = model_digest(model)
+        self._setup_graphs(twin, cuda_graphs, graph_capture)
+
+    def _setup_graphs(self, twin, cuda_graphs, capture) -> None:
+        """Pick the eager or graphed chunk step (module docstring) and say why once."""
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"EncoderStreamingEngine: cuda_graphs must be None, True or False, got {cuda_graphs!r}")
+        fast = self.ops.__name__ == "oasr.fast"
+        on_cuda = self.config.device.type == "cuda"
+        if cuda_graphs and not fast:
+            raise ValueError("EncoderStreamingEngine: cuda_graphs=True needs twin='fast' (the reference twin reads "
+                             "lengths on the host, which no graph can replay)")
+        if cuda_graphs and not on_cuda and capture is None:
+            raise ValueError(f"EncoderStreamingEngine: cuda_graphs=True needs a CUDA device, the caches are on "
+                             f"{self.config.device}; on the CPU the engine runs eager")
+        want = bool(cuda_graphs) if cuda_graphs is not None else (on_cuda and fast)
+        self.model_tick, self.execution = None, "eager"
+        refusal = None
+        if want:
+            from oasr.engine.tick import FastModelTick
+
+            # GraphRunner's preflight runs each width's step once eagerly first: a width that reaches a declared
+            # kernel gap is left eager (never captured); when every width is, the tick has no runner
+            tick = FastModelTick(self.model, self.att, self.cnn, self.states, self.ops, self.config, graphs=True,
+                                 capture=capture)
+            refusal = tick.graph_refusal
+            if refusal is None:
+                self.model_tick, self.execution = tick, "graphed"
+                self.execution_note = f"graphed: {tick.graph_stats.format()}"
+        if refusal is not None:
+            self.execution_note = f"eager: not captured: {refusal}"
+            logger.warning("EncoderStreamingEngine chunk step: %s", self.execution_note)
+            return
+        if self.model_tick is None:
+            if not fast:
+                self.execution_note = "eager: the reference twin runs op by op (it is the oracle)"
+            elif not on_cuda:
+                self.execution_note = f"eager: CUDA graphs need a CUDA device, this engine runs on {self.config.device}"
+            else:
+                self.execution_note = "eager: cuda_graphs=False"
+        logger.info("EncoderStreamingEngine chunk step: %s", self.execution_note)
 
     # ---- input -----------------------------------------------------------------------------------------
     def add_stream(self, stream_id=None):
@@ -164,18 +216,10 @@ class EncoderStreamingEngine:
             ids = [s.stream_id for s in cohort]
             sizes = [self._chunk_size(s) for s in cohort]
             enc = [self.model.output_frames(n, first=s.offset == 0) for s, n in zip(cohort, sizes, strict=True)]
-            xs = torch.zeros(width, self.model.chunk_input_frames, self.input_dim, dtype=self.config.dtype,
-                             device=self.config.device)
-            for row, (s, n) in enumerate(zip(cohort, sizes, strict=True)):
-                xs[row, :n] = self._take(s, n)
-            pad = width - len(cohort)
-            self.att.prepare_chunks_batched(ids, enc)
-            caches = self.att.get_paged_caches(ids, pad_to=width)
-            hidden, _, new_conv = self.model.forward_chunk_paged(
-                xs, [s.offset for s in cohort] + [0] * pad, caches, self.cnn.get_cache(ids, pad_to=width),
-                self.states.views(ids, pad_to=width), sizes + [0] * pad, twin=self.ops)
-            self.att.commit_chunks_batched(ids, enc)
-            self.cnn.update(ids, new_conv, pad_to=width)
+            if self.model_tick is not None:
+                hidden = self._graphed_step(cohort, ids, sizes, enc, width)
+            else:
+                hidden = self._eager_step(cohort, ids, sizes, enc, width)
             for row, (s, n) in enumerate(zip(cohort, enc, strict=True)):
                 frames = hidden[row, :n].clone()
                 s.outputs.append(frames)
@@ -187,6 +231,36 @@ class EncoderStreamingEngine:
         self.tick += 1
         return out
 
+    def _eager_step(self, cohort, ids, sizes, enc, width) -> torch.Tensor:
+        xs = torch.zeros(width, self.model.chunk_input_frames, self.input_dim, dtype=self.config.dtype,
+                         device=self.config.device)
+        for row, (s, n) in enumerate(zip(cohort, sizes, strict=True)):
+            xs[row, :n] = self._take(s, n)
+        pad = width - len(cohort)
+        self.att.prepare_chunks_batched(ids, enc)
+        caches = self.att.get_paged_caches(ids, pad_to=width)
+        hidden, _, new_conv = self.model.forward_chunk_paged(
+            xs, [s.offset for s in cohort] + [0] * pad, caches, self.cnn.get_cache(ids, pad_to=width),
+            self.states.views(ids, pad_to=width), sizes + [0] * pad, twin=self.ops)
+        self.att.commit_chunks_batched(ids, enc)
+        self.cnn.update(ids, new_conv, pad_to=width)
+        return hidden
+
+    def _graphed_step(self, cohort, ids, sizes, enc, width) -> torch.Tensor:
+        """The same step on the width's static buffers (pinned host rows in, one replay, one readback); the
+        padding rows carry length 0 and offset 0. Returns the hidden frames as float32 on the host."""
+        tick = self.model_tick
+        xs, meta = tick.host_inputs(width)
+        xs.zero_()
+        meta.zero_()
+        for row, (s, n) in enumerate(zip(cohort, sizes, strict=True)):
+            xs[row, :n] = self._take(s, n).to("cpu")
+            meta[row, 0], meta[row, 1] = s.offset, n
+        self.att.prepare_chunks_batched(ids, enc)
+        tick.run(ids, width)  # scatters the tails and the conv cache back itself
+        self.att.commit_chunks_batched(ids, enc)
+        return tick.log_probs(width)
+
     def run(self, max_ticks: int = 10_000) -> None:
         """Tick until no stream can make progress (every ended stream finished)."""
         for _ in range(max_ticks):
@@ -194,6 +268,23 @@ class EncoderStreamingEngine:
                        for s in self._streams.values() if s.state != "finished"):
                 return
             self.step()
+
+    def cancel(self, stream_id) -> None:
+        """Drop the stream now, in any state: its slot and blocks (if admitted) go back, nothing of it is kept.
+        ``KeyError`` for an unknown id."""
+        s = self._stream(stream_id)
+        if s.state == "active":
+            self._free(s)
+        del self._streams[stream_id]
+
+    def status(self, stream_id) -> str:
+        """``waiting`` (not admitted yet, or resumed and not restored yet), ``active`` or ``finished``."""
+        return self._stream(stream_id).state
+
+    @property
+    def stream_ids(self) -> list:
+        """Every stream the engine holds (finished ones until ``cancel``)."""
+        return list(self._streams)
 
     def _free(self, s: _Stream) -> None:
         self.att.free_stream(s.stream_id)
@@ -204,18 +295,27 @@ class EncoderStreamingEngine:
     # ---- suspend / resume ----------------------------------------------------------------------------------
     def suspend(self, stream_id) -> bytes:
         """Take the stream out of this engine: its caches (a session), position, unconsumed input and ended
-        flag as bytes; the stream's slot and blocks are freed. Outputs already returned are not included."""
+        flag as bytes; the stream's slot and blocks are freed. Outputs already returned are not included.
+
+        A stream still waiting for its first admission travels as its buffered input alone (no caches); one
+        resumed here and not yet restored travels with the session it came with. ``ValueError`` for a finished
+        stream (nothing changes)."""
         from safetensors.torch import save
 
         s = self._stream(stream_id)
-        if s.state != "active":
-            raise ValueError(f"EncoderStreamingEngine: stream {stream_id!r} is not admitted; nothing to suspend")
-        caches = save_stream(stream_id, self.att, [self.cnn, self.states])
+        if s.state == "finished":
+            raise ValueError(f"EncoderStreamingEngine: stream {stream_id!r} has finished; nothing to suspend")
+        if s.state == "active":
+            caches = save_stream(stream_id, self.att, [self.cnn, self.states])
+        else:
+            caches = s.session if s.session is not None else b""
         pending = torch.cat(s.pending) if s.pending else torch.zeros(0, self.input_dim, dtype=self.config.dtype)
-        data = save({"caches": torch.frombuffer(bytearray(caches), dtype=torch.uint8), "pending": pending.cpu()},
+        blob = torch.frombuffer(bytearray(caches), dtype=torch.uint8) if caches else torch.zeros(0, dtype=torch.uint8)
+        data = save({"caches": blob, "pending": pending.cpu()},
                     metadata={"format": SUSPEND_FORMAT, "offset": str(s.offset), "ended": str(int(s.ended)),
                               "model": self._digest.hex()})
-        self._free(s)
+        if s.state == "active":
+            self._free(s)
         del self._streams[stream_id]
         return data
 
@@ -242,7 +342,7 @@ class EncoderStreamingEngine:
         if meta.get("model") != self._digest.hex():
             raise ValueError("EncoderStreamingEngine.resume: the stream ran on other weights")
         s = _Stream(stream_id, offset=int(meta["offset"]), ended=bool(int(meta["ended"])))
-        s.session = tensors["caches"].numpy().tobytes()
+        s.session = tensors["caches"].numpy().tobytes() or None  # empty: suspended before its first admission
         pending = tensors["pending"].to(self.config.device)
         if pending.shape[0]:
             s.pending, s.num_pending = [pending], pending.shape[0]

@@ -26,9 +26,10 @@ pageable memory (``oasr.fast.capture_check`` checks it on the CPU)::
   grid are a function of the width alone, the same eager and graphed (which is
   what makes the two bit-identical). The grid then covers the worst case; splits
   past a row's keys exit at once.
-* **Outputs.** The step returns what the decode strategy consumes: the CTC
-  log-probs always, and with ``hidden=True`` the encoder's hidden states (the CTC
-  head's input), which attention rescoring keeps for its second pass. Graphed,
+* **Outputs.** The step returns what the decode strategy consumes: one opaque
+  ``(w, chunk, C)`` tensor (``tick_io``: the shipped Conformer's CTC log-probs, an
+  encoder-only model's hidden frames), and with ``hidden=True`` the shipped model's
+  encoder hidden states (the CTC head's input), which attention rescoring keeps. Graphed,
   they land in the width's captured outputs (static per width); eager, in fresh
   tensors. Either way nothing hooks into the model: a graph replay runs no Python.
 * **Readback.** The outputs come back through one ``non_blocking`` copy each into
@@ -60,6 +61,26 @@ class _StaticBatch:
     cnn: torch.Tensor  # (num_layers, w, kernel_size - 1, hidden_dim)
 
 
+def tick_io(model) -> tuple[int, int, int, int]:
+    """``(input frames, input dim, output frames, output dim)`` of the model's chunk step: the static buffers'
+    shapes. A model declares ``tick_io`` (e.g. ``oasr.models.nemotron.NemotronEncoder``: feature frames in,
+    hidden frames out); the shipped Conformer's come from its config (features in, CTC log-probs out)."""
+    declared = getattr(model, "tick_io", None)
+    if declared is not None:
+        return tuple(int(x) for x in declared)
+    mc = model.config
+    return mc.chunk_input_frames, mc.input_dim, mc.chunk_input_frames // mc.subsampling_rate, mc.vocab_size
+
+
+def pinned_span(config) -> int:
+    """The ``max_span`` / ``max_seqlen`` a step's views carry (launch parameters fixed per width): with the window
+    prefilled every row's span is the window itself (and the relative-position table is sized for it), otherwise
+    the worst case the config allows."""
+    if config.prefill_kv_window or config.history_frames == 0:  # every row's span is the window (0: none)
+        return config.history_frames
+    return config.blocks_per_stream * config.block_size_frames
+
+
 def engine_widths(max_batch_size: int) -> list[int]:
     """The cohort widths an engine can run: powers of two below ``max_batch_size``, and ``max_batch_size``."""
     widths, w = [], 1
@@ -86,14 +107,13 @@ class FastModelTick:
         device = torch.device(config.device)
         on_cuda = device.type == "cuda"
         rows = max(self.widths)
-        self.input_frames = mc.chunk_input_frames
-        self.output_frames = mc.chunk_input_frames // mc.subsampling_rate
+        self.input_frames, input_dim, self.output_frames, output_dim = tick_io(model)
         self.specs = tuple(model.streaming_state_specs)
-        self.worst_span = config.blocks_per_stream * config.block_size_frames
+        self.worst_span = pinned_span(config)
         dtype = config.dtype
-        self._host_xs = torch.zeros((rows, self.input_frames, mc.input_dim), dtype=dtype, pin_memory=on_cuda)
+        self._host_xs = torch.zeros((rows, self.input_frames, input_dim), dtype=dtype, pin_memory=on_cuda)
         self._host_meta = torch.zeros((rows, 2), dtype=torch.int64, pin_memory=on_cuda)
-        self._host_log_probs = torch.zeros((rows, self.output_frames, mc.vocab_size), dtype=dtype,
+        self._host_log_probs = torch.zeros((rows, self.output_frames, output_dim), dtype=dtype,
                                            pin_memory=on_cuda)
         self._host_hidden = None
         if self.with_hidden:
@@ -104,7 +124,7 @@ class FastModelTick:
         self._batches = {}
         for w in self.widths:
             self._batches[w] = _StaticBatch(
-                xs=torch.zeros((w, self.input_frames, mc.input_dim), dtype=dtype, device=device),
+                xs=torch.zeros((w, self.input_frames, input_dim), dtype=dtype, device=device),
                 meta=torch.zeros((w, 2), dtype=torch.int64, device=device),
                 tails=[torch.zeros(s.batch_shape(w), dtype=s.dtype or dtype, device=device) for s in self.specs],
                 cnn=torch.zeros((config.num_layers, w, config.cnn_cache_frames, config.hidden_dim), dtype=dtype,
@@ -153,7 +173,8 @@ class FastModelTick:
         return self._host_xs[:width], self._host_meta[:width]
 
     def log_probs(self, width: int) -> torch.Tensor:
-        """The last tick's ``(w, T, vocab)`` log-probs as a fresh float32 CPU tensor (waits for the copy)."""
+        """The last tick's ``(w, T, C)`` output (the shipped model's log-probs; ``tick_io``) as a fresh float32
+        CPU tensor (waits for the copy)."""
         if self._read_back is not None:
             self._read_back.synchronize()
         return self._host_log_probs[:width].to(torch.float32, copy=True)
@@ -182,7 +203,7 @@ class FastModelTick:
         return plan
 
     def _step(self, width: int):
-        """The capture-safe step at ``width``: static batch in, ``(log_probs, chunk_lens, new_cnn, new_tails)``
+        """The capture-safe step at ``width``: static batch in, ``(output, chunk_lens, new_cnn, new_tails)``
         and with ``hidden`` the encoder output as a fifth item."""
         b = self._batches[width]
         return self.model.paged_chunk_core(b.xs, b.meta[:, 0], b.meta[:, 1], self._plans[width], b.cnn, b.tails,

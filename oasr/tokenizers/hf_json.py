@@ -77,6 +77,10 @@ class HfJsonTokenizer:
         """The id of ``token`` (``None`` when it is not in the vocabulary)."""
         return self._tok.token_to_id(token)
 
+    def encode(self, text: str) -> list[int]:
+        """Text to token ids (no special tokens added): what a server reports as a transcript's tokens."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Token ids to text, as the checkpoint's processor decodes them (``ValueError`` for an id out of range)."""
         ids = [int(i) for i in ids]

@@ -78,6 +78,12 @@ class NemotronEncoder(nn.Module):
         return -(-input_frames // f) if first else input_frames // f
 
     @property
+    def tick_io(self) -> tuple:
+        """``(input frames, mel bins, output frames, hidden size)`` of one chunk step: the static buffers a graphed
+        step (``oasr.engine.tick.FastModelTick``) reads and writes."""
+        return self.chunk_input_frames, self.config.num_mel_bins, self.chunk_size, self.config.hidden_size
+
+    @property
     def streaming_state_specs(self) -> tuple:
         """The declared fixed-extent states: the subsampling tails."""
         return self.subsampling.state_specs
