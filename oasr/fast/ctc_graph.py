@@ -62,6 +62,11 @@ class _ChunkGraph:
         self.runner.capture_all()
 
 
+def _rows_of(state):
+    """The state's rows in use: its buffers themselves when it uses them all (no views to make)."""
+    return state.buffers if state.batch == state.capacity else state.rows()
+
+
 class ChunkSearchGraphs:
     """Graph-replayed chunk search for one ``StreamingCtcDecoder`` (module docstring).
 
@@ -115,8 +120,9 @@ class ChunkSearchGraphs:
             g.lp[:R, :T].copy_(lp)
         if R < g.width:
             g.lp[R:].zero_()
-        for buf, name in zip(g.beams, g.beams._fields, strict=True):
-            parts = [getattr(s.buffers, name)[: s.batch] for s in states]
+        rows = [_rows_of(s) for s in states]
+        for i, buf in enumerate(g.beams):
+            parts = [r[i] for r in rows]
             if len(parts) == 1:
                 buf[:R].copy_(parts[0])
             else:
@@ -133,9 +139,8 @@ class ChunkSearchGraphs:
         if header[1]:
             raise self.decoder._prefix_len_error()
         sizes = [s.batch for s in states]
-        for i, name in enumerate(g.beams._fields):
-            new = outputs[i][:R].split(sizes)
-            torch._foreach_copy_([getattr(s.buffers, name)[: s.batch] for s in states], list(new))
+        for i in range(len(g.beams)):
+            torch._foreach_copy_([r[i] for r in rows], list(outputs[i][:R].split(sizes)))
         start = 0
         for state in states:
             state.longest = max(header[2 + start : 2 + start + state.batch])
