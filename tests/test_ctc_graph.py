@@ -132,6 +132,44 @@ def test_failed_calls_change_nothing():
                       eager.finalize_stream(g2) + eager.finalize_stream(o2), 0.0)
 
 
+def test_host_work_per_call_does_not_grow_with_the_frames():
+    """Outside the replay, a call runs the same torch ops for 2 frames as for 24 (the copies in and out,
+    the read): the frames loop is all inside the graph."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.paused = 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not self.paused
+            return func(*args, **(kwargs or {}))
+
+    counter = Count()
+
+    class Paused(StandInCapture):
+        def replay(self, handle):
+            counter.paused = True
+            try:
+                super().replay(handle)
+            finally:
+                counter.paused = False
+
+    config = CtcDecoderConfig(beam_size=4, token_topk=3)
+    ops = {}
+    for T in (2, 24):
+        dec = fast_mod.StreamingCtcDecoder(config, cuda_graphs=True, graph_capture=Paused)
+        states = [dec.create_state(1, 9) for _ in range(5)]
+        chunks = [random_log_probs(1, T, 9, i) for i in range(5)]
+        dec.decode_chunks(states, chunks)  # captures
+        counter.ops = 0
+        with counter:
+            dec.decode_chunks(states, chunks)
+        ops[T] = counter.ops
+    assert ops[2] == ops[24] < 100, ops  # the eager search runs ~80 ops per frame
+
+
 def test_cuda_graphs_need_a_cuda_device():
     with pytest.raises(ValueError, match="CUDA device"):
         fast_mod.StreamingCtcDecoder(CtcDecoderConfig(), cuda_graphs=True)

@@ -369,9 +369,12 @@ class StreamingEngine:
                                                    graph_capture=factory)
             self.ctc = self.ops.CtcStateCacheManager(decoder)
             # every cohort width's graph for a full chunk, now: no capture lands in a served tick
+            # (a chunk of another length, or an unknown vocabulary, captures its graphs at first use)
             decoder.graphs.max_width = self.config.max_batch_size
-            decoder.graphs.prepare(engine_widths(self.config.max_batch_size), self.chunk_input_frames // self.rate,
-                                   self.model.config.vocab_size)
+            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+            if isinstance(vocab, int):
+                decoder.graphs.prepare(engine_widths(self.config.max_batch_size),
+                                       self.chunk_input_frames // self.rate, vocab)
             self.ctc_execution = f"graphed on {self.config.device} (one graph per cohort width bucket and chunk)"
         else:
             self.ctc_execution = f"{self.twin} twin on the host ({self.ctc.decoder.__module__})"
