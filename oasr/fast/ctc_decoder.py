@@ -78,6 +78,10 @@ Two paths, chosen by size (``StreamingCtcDecoder(host_loop_max_work=...)``)::
                token tuple. On a CPU it beats ~80 torch ops per frame for tiny cohorts (1 stream
                at beam 4: several times faster), and loses to them for large ones.
 
+A third, ``cuda_graphs=True`` (CUDA states; what an engine with graphs on uses): the batched
+search of a whole chunk (``search_chunk``) replayed as one CUDA graph per (width bucket, frames),
+no per-frame host work (``oasr.fast.ctc_graph``).
+
 Both paths keep the same state layout (the host loop stores the same keys,
 padding and dead-slot records) and agree with the reference (the tests run
 every case on both); the host loop reads the CPU state directly, which is
