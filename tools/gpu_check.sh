@@ -126,7 +126,7 @@ print("torch cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
 PYEOF
-    git log -1 --format='commit %H %s' 2>/dev/null || true
+    if [ -n "${GPU_CHECK_COMMIT:-}" ]; then echo "commit $GPU_CHECK_COMMIT (as the caller named it)"; else git log -1 --format='commit %H %s' 2>/dev/null || true; fi
 } >"$DIR/env.txt" 2>&1
 cat "$DIR/env.txt"
 note "setup: $(elapsed) s"
