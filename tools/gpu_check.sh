@@ -18,7 +18,7 @@
 #      per call with the launcher, host time)                    -> bench.json, bench.log, kernels-md-append.md
 #   3. all `cuda` tests in ONE process (the acceptance needs both)  -> pytest-cuda-all.log, junit-cuda-all.xml
 #   4. the real model on the GPU: `python -m oasr eval --device cuda` (timeout 60 s)   -> eval.json, eval.log
-#   5. the capacity row, when `python -m oasr bench` has a `capacity` section (timeout 90 s, --quick)
+#   5. the capacity row, when `python -m oasr bench` has a `capacity` section (timeout 150 s, --quick)
 #                                                                  -> capacity.json, capacity.log
 #   summary.txt: one line per step (exit code, seconds), the per-file table, the verdict.
 # Steps 4 and 5 need soundfile, kaldi-native-fbank and soxr, which the GPU machine lacks: carry them as wheels
@@ -126,7 +126,7 @@ print("torch cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
 PYEOF
-    git log -1 --format='commit %H %s' 2>/dev/null || true
+    if [ -n "${GPU_CHECK_COMMIT:-}" ]; then echo "commit $GPU_CHECK_COMMIT (as the caller named it)"; else git log -1 --format='commit %H %s' 2>/dev/null || true; fi
 } >"$DIR/env.txt" 2>&1
 cat "$DIR/env.txt"
 note "setup: $(elapsed) s"
@@ -215,7 +215,7 @@ if $PY -c "import soundfile, kaldi_native_fbank, soxr" >/dev/null 2>&1; then
     tail -2 "$DIR/eval.log" | tee -a "$SUMMARY"
     if $PY -c "import sys; from oasr.commands.bench import SECTIONS; sys.exit(0 if 'capacity' in SECTIONS else 1)" \
             >/dev/null 2>&1; then
-        step "capacity" 90 0 "$DIR/capacity.log" \
+        step "capacity" 150 0 "$DIR/capacity.log" \
             $PY -m oasr bench --quick --device cuda --sections capacity --json "$DIR/capacity.json"
         tail -5 "$DIR/capacity.log" | tee -a "$SUMMARY"
     else

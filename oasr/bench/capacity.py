@@ -142,10 +142,10 @@ def capacity(device: str = "cpu", latency_budget_ms: float = 250.0, start: int =
 
 
 def section(quick: bool, device: str = "cpu", latency_budget_ms: float = 250.0) -> list[dict]:
-    """The bench section: quick (CI) doubles from 16 (CPU) / 256 (CUDA) over 2 s lanes, else from 16 / 64 over 8 s."""
+    """The bench section: quick (CI) doubles from 16 (CPU) / 64 (CUDA) over 2 s lanes, else from 16 / 64 over 8 s."""
     cuda = torch.device(device).type == "cuda"
     if quick:
-        start, top, seconds = (256, 4096, 2.0) if cuda else (16, 64, 2.0)
+        start, top, seconds = (64, 4096, 2.0) if cuda else (16, 64, 2.0)
     else:
         start, top, seconds = (64, 8192, 8.0) if cuda else (16, 1024, 8.0)
     return capacity(device, latency_budget_ms, start, top, seconds, progress=None)
