@@ -63,6 +63,7 @@ class Transcript:
     audio_seconds: float
     partials: list = field(default_factory=list)  # (audio seconds consumed, text) each time the text changed
     latencies: list = field(default_factory=list)  # seconds, one per chunk
+    segments: list = field(default_factory=list)  # with endpointing: the turns (oasr.asr.segments.Segment)
 
 
 class AudioStream:
@@ -136,7 +137,7 @@ class Recognizer:
     def __init__(self, model_path=None, *, twin: str = "fast", device: str = "cpu", kv_cache_dtype=None,
                  chunk_size: int | None = None, num_left_chunks: int | None = None, rescore: bool = False,
                  full_context: bool = False, beam_size: int = 8, max_streams: int = 16, cuda_graphs=None,
-                 max_seconds: float = 60.0, matmul_dtype: str | None = None):
+                 max_seconds: float = 60.0, matmul_dtype: str | None = None, endpointing=None):
         if matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"Recognizer: matmul_dtype must be one of {sorted(MATMUL_DTYPES, key=str)}, "
                              f"got {matmul_dtype!r}")
@@ -166,6 +167,15 @@ class Recognizer:
                                       ctc_config=self.ctc_config, rescore=self.rescore and not self.full_context,
                                       rescorer=self.decoder if self.rescore else None,
                                       ctc_weight=self.spec.ctc_weight, cuda_graphs=cuda_graphs)
+        self.turns = None  # with endpointing: oasr.asr.turns.TurnTracker
+        if endpointing is not None:
+            if self.rescore or self.full_context:
+                raise ValueError("Recognizer: endpointing works on the streaming first pass; it does not go with "
+                                 "rescore=True or full_context=True")
+            from oasr.asr.turns import TurnTracker
+
+            self.turns = TurnTracker(endpointing, cfg.subsampling_rate, max_streams)
+            self.engine.emit_speech_probs = True
         self.streams: dict = {}
         self._buffered: set = set()  # ids of streams holding audio the front end has not turned into frames
         self.stage_clock = self.engine.stage_clock  # the engine's stages, and ingest, front end, delivery here
@@ -176,6 +186,8 @@ class Recognizer:
         """Start a stream on the engine (``stream_id`` or a fresh one) and return its ``AudioStream``."""
         sid = self.engine.add_stream(stream_id)
         stream = self.streams[sid] = AudioStream(self, sid)
+        if self.turns is not None:
+            self.turns.open(stream)
         return stream
 
     def cancel(self, stream_id) -> None:
@@ -186,6 +198,8 @@ class Recognizer:
         self.engine.cancel(stream_id)
         del self.streams[stream_id]
         self._buffered.discard(stream_id)
+        if self.turns is not None:
+            self.turns.drop(stream_id)
 
     def suspend(self, stream_id) -> bytes:
         """Take a live stream out of the recognizer as self-contained bytes (see ``resume``).
@@ -199,6 +213,9 @@ class Recognizer:
         stream; arrival times do not travel (they are this process's clock)."""
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
+        if self.turns is not None:
+            raise ValueError("Recognizer.suspend: a stream with endpointing (turns) cannot be saved (its turn "
+                             "state is not serialized)")
         stream = self.streams[stream_id]
         if self.engine.status(stream_id) == "waiting" and not self.engine.admitted(stream_id):
             feats = self.engine.buffered_input(stream_id).float().contiguous()
@@ -220,6 +237,9 @@ class Recognizer:
         """
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
+        if self.turns is not None:
+            raise ValueError("Recognizer.checkpoint: a stream with endpointing (turns) cannot be saved (its turn "
+                             "state is not serialized)")
         stream = self.streams[stream_id]
         if self.engine.status(stream_id) == "waiting" and not self.engine.admitted(stream_id):
             feats = self.engine.buffered_input(stream_id).float().contiguous()
@@ -338,7 +358,15 @@ class Recognizer:
                     if text != stream.text:
                         stream.text = text
                         stream.partials.append((stream.frames_done * FRAME_SHIFT / SAMPLE_RATE, text))
-                if out.finished:
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(sid, exc)
+        if self.turns is not None:  # endpoints end turns (new engine streams) before finished streams are read
+            self.turns.advance(self, outputs)
+        for sid, out in outputs.items():
+            try:
+                if out.finished and sid in self.streams:  # (not one on_error dropped above)
                     done.append(self._finish(sid))
             except Exception as exc:
                 if on_error is None:
@@ -382,7 +410,11 @@ class Recognizer:
         for stream, n in zip(streams, counts, strict=True):
             if n:
                 try:
-                    self.engine.push(stream.id, feats[start : start + n])
+                    mine = feats[start : start + n]
+                    if self.turns is not None:  # a new turn's leading silence never reaches the model
+                        mine = self.turns.gate(stream, mine, windows[start : start + n])
+                    if len(mine):
+                        self.engine.push(stream.id, mine)
                     stream.frames_pushed += n
                 except Exception as exc:
                     if on_error is None:
@@ -396,9 +428,15 @@ class Recognizer:
         result = self.engine.result(sid)
         text = self.tokenizer.decode(result.tokens)
         first = self.tokenizer.decode(result.first_pass) if result.first_pass is not None else text
+        segments = []
+        if self.turns is not None:  # the last turn becomes the last segment; the text is every turn's
+            self.turns.close(stream, text)
+            segments = stream.segments
+            text = first = self.turns.joined(stream)
         if stream.partials and stream.partials[-1][1] != text:
             stream.partials.append((stream.samples / SAMPLE_RATE, text))
-        return Transcript(sid, text, first, stream.samples / SAMPLE_RATE, stream.partials, stream.latencies)
+        return Transcript(sid, text, first, stream.samples / SAMPLE_RATE, stream.partials, stream.latencies,
+                          segments)
 
     # ---- whole clips ------------------------------------------------------------------------
     def transcribe(self, clips, piece_seconds: float = 0.32) -> list[Transcript]:
