@@ -83,6 +83,7 @@ class AudioStream:
         self.frames_pushed = 0
         self.frames_done = 0  # feature frames turned into encoder output so far
         self.text = ""
+        self.segments: list | None = None  # with turns (oasr.asr.turns): the finished turns; None without
         self.partials: list = []
         self.latencies: list = []
         self._arrivals: list = []  # (samples accepted so far, time they were sent)
@@ -168,25 +169,44 @@ class Recognizer:
                                       rescorer=self.decoder if self.rescore else None,
                                       ctc_weight=self.spec.ctc_weight, cuda_graphs=cuda_graphs)
         self.turns = None  # with endpointing: oasr.asr.turns.TurnTracker
+        self.turns_by_default = endpointing is not None  # open_stream(turns=None) follows this
         if endpointing is not None:
-            if self.rescore or self.full_context:
-                raise ValueError("Recognizer: endpointing works on the streaming first pass; it does not go with "
-                                 "rescore=True or full_context=True")
-            from oasr.asr.turns import TurnTracker
-
-            self.turns = TurnTracker(endpointing, cfg.subsampling_rate, max_streams)
-            self.engine.emit_speech_probs = True
+            self.enable_endpointing(endpointing)
         self.streams: dict = {}
         self._buffered: set = set()  # ids of streams holding audio the front end has not turned into frames
         self.stage_clock = self.engine.stage_clock  # the engine's stages, and ingest, front end, delivery here
         self.busy_seconds = 0.0  # time spent in feature extraction and engine ticks
 
+    def enable_endpointing(self, config=None) -> None:
+        """Make live turns available (``config``: an ``oasr.vad.EndpointConfig``, default its defaults) to
+        streams opened with ``open_stream(turns=True)``; a no-op once enabled. ``ValueError`` with
+        ``rescore`` or ``full_context`` (turns cut the streaming first pass) or a config of another type."""
+        if self.turns is not None:
+            return
+        if self.rescore or self.full_context:
+            raise ValueError("Recognizer: endpointing works on the streaming first pass; it does not go with "
+                             "rescore=True or full_context=True")
+        from oasr.asr.turns import TurnTracker
+        from oasr.vad import EndpointConfig
+
+        self.turns = TurnTracker(config or EndpointConfig(), self.encoder.config.subsampling_rate,
+                                 self.cache_config.max_batch_size)
+        self.engine.emit_speech_probs = True
+
     # ---- streaming -------------------------------------------------------------------------
-    def open_stream(self, stream_id=None) -> AudioStream:
-        """Start a stream on the engine (``stream_id`` or a fresh one) and return its ``AudioStream``."""
+    def open_stream(self, stream_id=None, turns: bool | None = None) -> AudioStream:
+        """Start a stream on the engine (``stream_id`` or a fresh one) and return its ``AudioStream``.
+
+        ``turns``: whether the endpointer cuts the stream into turns (``oasr.asr.turns``); None: as the
+        recognizer was built (``endpointing=``). True on a recognizer built without it enables the default
+        ``EndpointConfig`` (``enable_endpointing``; ``ValueError`` where it cannot, nothing opened)."""
+        if turns is None:
+            turns = self.turns_by_default
+        if turns:
+            self.enable_endpointing()
         sid = self.engine.add_stream(stream_id)
         stream = self.streams[sid] = AudioStream(self, sid)
-        if self.turns is not None:
+        if turns:
             self.turns.open(stream)
         return stream
 
@@ -213,7 +233,7 @@ class Recognizer:
         stream; arrival times do not travel (they are this process's clock)."""
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
-        if self.turns is not None:
+        if self.streams[stream_id].segments is not None:
             raise ValueError("Recognizer.suspend: a stream with endpointing (turns) cannot be saved (its turn "
                              "state is not serialized)")
         stream = self.streams[stream_id]
@@ -237,7 +257,7 @@ class Recognizer:
         """
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
-        if self.turns is not None:
+        if self.streams[stream_id].segments is not None:
             raise ValueError("Recognizer.checkpoint: a stream with endpointing (turns) cannot be saved (its turn "
                              "state is not serialized)")
         stream = self.streams[stream_id]
@@ -411,7 +431,7 @@ class Recognizer:
             if n:
                 try:
                     mine = feats[start : start + n]
-                    if self.turns is not None:  # a new turn's leading silence never reaches the model
+                    if stream.segments is not None:  # a new turn's leading silence never reaches the model
                         mine = self.turns.gate(stream, mine, windows[start : start + n])
                     if len(mine):
                         self.engine.push(stream.id, mine)
@@ -429,7 +449,7 @@ class Recognizer:
         text = self.tokenizer.decode(result.tokens)
         first = self.tokenizer.decode(result.first_pass) if result.first_pass is not None else text
         segments = []
-        if self.turns is not None:  # the last turn becomes the last segment; the text is every turn's
+        if stream.segments is not None:  # the last turn becomes the last segment; the text is every turn's
             self.turns.close(stream, text)
             segments = stream.segments
             text = first = self.turns.joined(stream)
