@@ -112,3 +112,24 @@ def test_websocket_turn_detection_events(server, joined):
     with pytest.raises(InvalidStatus) as info:
         asyncio.run(refused())
     assert info.value.response.status_code == 400
+
+
+def test_word_timestamps_from_the_ctc_alignment(server, joined):
+    pcm, alone, starts = joined
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    verbose = client.audio.transcriptions.create(model="oasr", file=("long.wav", _wav(pcm)),
+                                                 response_format="verbose_json", chunking_strategy="auto",
+                                                 timestamp_granularities=["word", "segment"])
+    words = verbose.words
+    assert " ".join(w.word for w in words) == verbose.text == " ".join(alone)
+    assert all(a.end <= b.start for a, b in zip(words, words[1:], strict=False))  # in order, disjoint
+    for seg in verbose.segments:  # a turn's words lie inside its clip's speech
+        inside = [w for w in words if seg.start - 0.05 <= w.start and w.end <= seg.end + 0.1]
+        assert " ".join(w.word for w in inside) == seg.text
+    clip = pcm[int(GAPS[0] * 16000) : int(starts[1] * 16000)]  # one clip, no turns: words of the whole
+    only_words = client.audio.transcriptions.create(model="oasr", file=("one.wav", _wav(clip)),
+                                                    response_format="verbose_json", timestamp_granularities=["word"])
+    assert " ".join(w.word for w in only_words.words) == only_words.text and only_words.segments is None
+    bad = httpx.post(server.url + "/v1/audio/transcriptions", files={"file": ("a.wav", _wav(clip))},
+                     data={"timestamp_granularities[]": "word"}, timeout=60)
+    assert bad.status_code == 400 and "needs response_format=verbose_json" in bad.json()["error"]["message"]

@@ -51,6 +51,11 @@ def test_one_segment_per_clip_equal_to_the_clip_alone(clips_and_alone, turns):
     for seg, start, clip in zip(t.segments, starts, clips, strict=True):  # times on the stream's own clock
         assert start - 0.1 <= seg.start < start + 0.6 and start + len(clip) / 16000 - 0.8 < seg.end
         assert seg.end <= start + len(clip) / 16000 + 0.1
+        assert " ".join(w.word for w in seg.words) == seg.text
+        assert all(seg.start <= w.start < w.end <= seg.end + 0.1 for w in seg.words)
+    assert t.words == [w for seg in t.segments for w in seg.words]
+    # the pieces the audio comes in change nothing: segments, their times, the words' times
+    assert turns.transcribe([x], piece_seconds=1.0)[0].segments == t.segments
 
 
 def test_a_stream_fed_in_odd_pieces_keeps_its_id_and_reports_every_turn(clips_and_alone, turns):
@@ -117,3 +122,15 @@ def test_more_open_streams_than_slots_grow_the_endpointer_bank(clips_and_alone):
     while len(done) < 3:
         done += rec.step()
     assert all([seg.text for seg in t.segments] == alone[:2] for t in done)
+
+
+def test_word_times_group_tokens_into_words():
+    from oasr.asr.tokenizer import CharTokenizer
+    from oasr.asr.words import Word, word_times
+
+    tok = CharTokenizer()
+    tokens = tok.encode("hi yo")
+    frames = [3, 4, 6, 9, 11]
+    assert word_times(tok, tokens, frames, 0.04, 1.0) == [Word("hi", 1.12, 1.2), Word("yo", 1.36, 1.48)]
+    with pytest.raises(ValueError, match="5 tokens but 4 frames"):
+        word_times(tok, tokens, frames[:4], 0.04)

@@ -64,6 +64,7 @@ class Transcript:
     partials: list = field(default_factory=list)  # (audio seconds consumed, text) each time the text changed
     latencies: list = field(default_factory=list)  # seconds, one per chunk
     segments: list = field(default_factory=list)  # with endpointing: the turns (oasr.asr.segments.Segment)
+    words: list = field(default_factory=list)  # oasr.asr.words.Word from the CTC alignment (not after rescoring)
 
 
 class AudioStream:
@@ -450,13 +451,26 @@ class Recognizer:
         first = self.tokenizer.decode(result.first_pass) if result.first_pass is not None else text
         segments = []
         if stream.segments is not None:  # the last turn becomes the last segment; the text is every turn's
-            self.turns.close(stream, text)
+            self.turns.close(stream, text, self.turns.words(self, stream, result))
             segments = stream.segments
             text = first = self.turns.joined(stream)
+            words = [w for seg in segments for w in seg.words]
+        else:
+            words = self._words(result, 0.0)
         if stream.partials and stream.partials[-1][1] != text:
             stream.partials.append((stream.samples / SAMPLE_RATE, text))
         return Transcript(sid, text, first, stream.samples / SAMPLE_RATE, stream.partials, stream.latencies,
-                          segments)
+                          segments, words)
+
+    def _words(self, result, offset_seconds: float) -> list:
+        """The words of an engine result with their times (none when rescoring changed the tokens)."""
+        from oasr.asr.words import word_times
+
+        best = result.nbest[0] if result.nbest else None
+        if best is None or list(best.tokens) != list(result.tokens):
+            return []
+        frame_seconds = self.encoder.config.subsampling_rate * FRAME_SHIFT / SAMPLE_RATE
+        return word_times(self.tokenizer, best.tokens, best.frames, frame_seconds, offset_seconds)
 
     # ---- whole clips ------------------------------------------------------------------------
     def transcribe(self, clips, piece_seconds: float = 0.32) -> list[Transcript]:

@@ -131,7 +131,7 @@ class TurnTracker:
         pending = engine.buffered_input(stream.id)
         # the unencoded frames go through the gate again (their energies are the last ones kept)
         db = stream.recent_db[len(stream.recent_db) - len(pending):] if len(pending) else stream.recent_db[:0]
-        offset, done = stream.turn_offset, stream.frames_done
+        offset, done = stream.turn_offset, stream.frames_done  # (the gate moves the offset to the next turn's)
         stream.gated, stream.gate_tail = True, None
         keep = self._gate_frames(stream, pending, db)
         try:
@@ -141,18 +141,23 @@ class TurnTracker:
             raise
         stream.recent_db = np.concatenate([stream.recent_db[: len(stream.recent_db) - len(pending)],
                                            db[len(db) - len(keep):]])
-        self._add_segment(stream, start, end, recognizer.tokenizer.decode(result.tokens))
+        words = recognizer._words(result, offset * FRAME_SHIFT / SAMPLE_RATE)
+        self._add_segment(stream, start, end, recognizer.tokenizer.decode(result.tokens), words)
         stream.turn_offset += result.num_input_frames
         stream.text = ""
         self.bank.reset([self.slots[stream.id]])
 
-    def _add_segment(self, stream, start: float, end: float, text: str) -> None:
+    def words(self, recognizer, stream, result) -> list:
+        """The turn's words with their times on the stream's clock (``Recognizer._words``)."""
+        return recognizer._words(result, stream.turn_offset * FRAME_SHIFT / SAMPLE_RATE)
+
+    def _add_segment(self, stream, start: float, end: float, text: str, words=()) -> None:
         if text:
-            segment = Segment(round(start, 3), round(end, 3), text)
+            segment = Segment(round(start, 3), round(end, 3), text, tuple(words))
             stream.segments.append(segment)
             stream.turn_events.append(("segment", segment))
 
-    def close(self, stream, text: str) -> None:
+    def close(self, stream, text: str, words=()) -> None:
         """The stream ended with ``text`` in its last turn: that turn becomes its last segment."""
         span = getattr(stream, "pending_segment", None)
         if span is None and stream.id in self.slots:
@@ -162,7 +167,7 @@ class TurnTracker:
                 stream.turn_events.append(("speech_stopped", span[1]))
         if span is None:  # text with no turn detected (too little speech for the endpointer): the whole rest
             span = (stream.turn_offset * FRAME_SHIFT / SAMPLE_RATE, stream.samples / SAMPLE_RATE)
-        self._add_segment(stream, *span, text)
+        self._add_segment(stream, *span, text, words)
         self.drop(stream.id)
 
     @staticmethod

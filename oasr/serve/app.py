@@ -262,8 +262,9 @@ async def _read_form(request: Request) -> dict:
     if stream not in ("true", "false"):
         raise p.RequestError(400, "invalid_request", f"stream must be true or false, got {stream!r}", "stream")
     turns = p.parse_chunking_strategy(form.get("chunking_strategy"))
+    granularities = p.parse_granularities(form.getlist("timestamp_granularities[]"), response_format)
     return {"file": upload, "response_format": response_format, "stream": stream == "true",
-            "model": str(form.get("model") or ""), "turns": turns}
+            "model": str(form.get("model") or ""), "turns": turns, "granularities": granularities}
 
 
 async def _transcribe(request: Request, state: ServeState, form: dict) -> Response:
@@ -291,7 +292,7 @@ async def _transcribe(request: Request, state: ServeState, form: dict) -> Respon
         return Response(status_code=499)
     state.metrics.count("transcriptions", 200)
     body = p.transcription_body(transcript, form["response_format"], model,
-                                worker.rec.tokenizer.encode(transcript.text))
+                                worker.rec.tokenizer.encode(transcript.text), form["granularities"])
     if form["response_format"] == "text":
         return PlainTextResponse(body)
     return JSONResponse(body)

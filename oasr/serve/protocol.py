@@ -195,11 +195,29 @@ def sse(event: dict) -> str:
     return f"data: {json.dumps(event)}\n\n"
 
 
-def transcription_body(transcript, response_format: str, model: str, tokens: list | None = None) -> dict | str:
+def parse_granularities(values, response_format: str) -> tuple:
+    """The ``timestamp_granularities[]`` of an upload (``segment`` and/or ``word``; default ``segment``), as
+    OpenAI takes them: only with verbose_json. ``RequestError`` for another value or response format."""
+    chosen = tuple(dict.fromkeys(str(v) for v in values)) or ("segment",)
+    bad = [v for v in chosen if v not in ("segment", "word")]
+    if bad:
+        raise RequestError(400, "invalid_timestamp_granularities", f"timestamp_granularities[] takes 'segment' "
+                           f"and 'word', got {bad[0][:40]!r}", "timestamp_granularities")
+    if values and response_format != "verbose_json":
+        raise RequestError(400, "invalid_timestamp_granularities", f"timestamp_granularities[] needs "
+                           f"response_format=verbose_json, got {response_format!r}", "timestamp_granularities")
+    return chosen
+
+
+def transcription_body(transcript, response_format: str, model: str, tokens: list | None = None,
+                       granularities: tuple = ("segment",)) -> dict | str:
     """The response to a finished upload in ``response_format`` (json, text or verbose_json).
 
     verbose_json has one segment per utterance, from 0 to the audio's end, with the times at which
-    each partial text was reached (``partials``, an extra field: seconds of audio, text).
+    each partial text was reached (``partials``, an extra field: seconds of audio, text); an upload cut
+    into turns (``chunking_strategy``) has one segment per turn with its times instead. With ``word``
+    among ``granularities`` it also carries ``words`` (word, start, end) from the CTC alignment
+    (``oasr.asr.words``; empty when rescoring changed the first pass's tokens).
     """
     if response_format == "text":
         return transcript.text + "\n"
@@ -218,8 +236,13 @@ def transcription_body(transcript, response_format: str, model: str, tokens: lis
                      "no_speech_prob": 0.0,
                      "partials": [[round(t, 3), text] for t, text in transcript.partials]}]
         segments = segments if transcript.text else []
-    return {"task": "transcribe", "language": "english", "duration": round(seconds, 3), "text": transcript.text,
+    body = {"task": "transcribe", "language": "english", "duration": round(seconds, 3), "text": transcript.text,
             "segments": segments, "usage": usage, "model": model}
+    if "word" in granularities:
+        body["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in getattr(transcript, "words", [])]
+    if "segment" not in granularities:
+        del body["segments"]
+    return body
 
 
 def parse_chunking_strategy(value) -> bool:
