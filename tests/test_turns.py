@@ -134,3 +134,22 @@ def test_word_times_group_tokens_into_words():
     assert word_times(tok, tokens, frames, 0.04, 1.0) == [Word("hi", 1.12, 1.2), Word("yo", 1.36, 1.48)]
     with pytest.raises(ValueError, match="5 tokens but 4 frames"):
         word_times(tok, tokens, frames[:4], 0.04)
+
+
+def test_engine_new_turn_refusals_change_nothing(clips_and_alone):
+    import torch
+
+    plain, clips, alone = clips_and_alone
+    engine = plain.engine
+    with pytest.raises(KeyError):
+        engine.new_turn("nobody")
+    stream = plain.open_stream("t")
+    stream.accept(clips[0][: 3 * 16000])
+    plain.step()
+    before = (engine.status("t"), engine.buffered_input("t").shape)
+    with pytest.raises(ValueError, match=r"pending must be finite float \(T, input_dim=80\)"):
+        engine.new_turn("t", torch.zeros(3, 7))
+    assert (engine.status("t"), engine.buffered_input("t").shape) == before
+    result = engine.new_turn("t")  # the turn so far; the stream goes on under its id from position 0
+    assert result.tokens and engine.status("t") == "waiting" and engine.stream_ids.count("t") == 1
+    plain.cancel("t")
