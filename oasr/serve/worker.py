@@ -511,6 +511,11 @@ class EngineWorker:
                 self._drop(sid)
                 handle.post(("gone", "the server shut down without a state directory: the stream was dropped"))
                 continue
+            if getattr(self.rec.streams[sid], "segments", None) is not None:  # turns are not saved
+                self._drop(sid)
+                handle.post(("gone", "the server shut down: a stream with turn detection cannot be saved; its "
+                                     "completed turns were sent, the open one is dropped"))
+                continue
             try:
                 blob = self.rec.suspend(sid)
             except ValueError:
