@@ -76,13 +76,10 @@ from oasr.sessions.format import (
     SessionError,
     SessionGeometry,
     StreamSession,
-    capture_stream,
-    check_session,
     encode_session,
-    model_digest,
     read_session,
-    restore_stream,
 )
+from oasr.sessions.stream import capture_stream, check_session, model_digest, restore_stream
 
 WAITING, ACTIVE, RESCORING, FINISHED = "waiting", "active", "rescoring", "finished"
 STREAM_ID_BITS = 64  # an int id is stored as a signed 64-bit integer in a session
@@ -831,7 +828,7 @@ class StreamingEngine:
         return any(self._ready(self._streams[sid]) or self._streams[sid].session is not None
                    for sid in self._waiting) and self.can_admit()
 
-    # ---- sessions (oasr.sessions.format) ------------------------------------------------------------
+    # ---- sessions (oasr.sessions.format, .stream) --------------------------------------------------------
     def _claim_id(self, stream_id):
         """``stream_id``, or a fresh int id for None; ``ValueError`` if it is not an int or a str
         (``check_stream_id``) or is in use."""
@@ -947,7 +944,7 @@ class StreamingEngine:
         pass needs every encoder frame; the rescorer and ``ctc_weight`` are this engine's own).
         ``stream_id`` None takes the id the session was saved under (or a fresh one if
         that was neither an int nor a str); an id in use raises ``ValueError``. Nothing changes
-        on an error. Admission then restores the caches (``oasr.sessions.format.restore_stream``) in
+        on an error. Admission then restores the caches (``oasr.sessions.stream.restore_stream``) in
         new slots and blocks; the stream goes on exactly as if it had never left. Returns its id.
         """
         self._check_open()
@@ -956,7 +953,7 @@ class StreamingEngine:
         e = session.engine
         if e is None:
             raise SessionError("session has no engine stream section: it was saved from caches, not an engine "
-                               "(use oasr.sessions.format.load_stream)")
+                               "(use oasr.sessions.stream.load_stream)")
         if session.rescoring:
             return self._resume_rescoring(session, stream_id)
         rescoring = self._rescoring_difference(session)  # first: it also explains a differing n-best size
