@@ -393,3 +393,29 @@ def test_transcribe_a_folder_and_a_channel(capsys, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "a directory with no audio files in it" in _refuses(capsys, ["transcribe", str(empty)])
+
+
+def test_transcribe_segments_of_a_long_file(capsys, tmp_path):
+    import numpy as np
+    import soundfile as sf
+
+    from oasr.asr.audio import load_audio
+    from oasr.asr.testset import load_testset
+
+    clips = [load_audio(c.path) for c in load_testset(limit=3)]
+    gap = np.zeros(3 * 16000, np.float32)  # leading silence and long pauses between the clips
+    long = tmp_path / "long.wav"
+    sf.write(long, np.concatenate([gap, clips[0], gap, clips[1], gap, gap, clips[2], gap]), 16000)
+    for clip, i in zip(clips, range(3), strict=True):
+        sf.write(tmp_path / f"clip{i}.wav", clip, 16000)
+    assert oasr_main(["transcribe", *(str(tmp_path / f"clip{i}.wav") for i in range(3))]) == 0
+    alone = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert oasr_main(["transcribe", "--segments", str(long)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    found = [re.fullmatch(r"\[\s*([\d.]+) s -\s*([\d.]+) s\] (.*)", line) for line in lines]
+    assert all(found) and [m.group(3) for m in found] == alone, lines
+    starts = [3.0, 6.0 + len(clips[0]) / 16000, 12.0 + (len(clips[0]) + len(clips[1])) / 16000]
+    for m, start, clip in zip(found, starts, clips, strict=True):  # each segment lies on its clip's speech
+        end = start + len(clip) / 16000
+        assert start - 0.5 <= float(m.group(1)) < start + 0.5 and end - 0.5 < float(m.group(2)) <= end + 0.6
+    assert "--segments and --partials" in _refuses(capsys, ["transcribe", "--segments", "--partials", str(long)])

@@ -82,7 +82,7 @@ def test_warm_cache_compiles_what_a_launch_reads(kernel_cache, monkeypatch, caps
 def test_kernels_command_reports_every_kernel(kernel_cache, capsys):
     from oasr.commands.kernels import main
 
-    assert main(["--arch", ",".join(ARCHS), "--fail-on-spill"]) == 0
+    assert main(["--arch", ",".join(ARCHS), "--fail-on-spill", "--verbose"]) == 0
     out = capsys.readouterr().out
     for kernel in registry.KERNELS:
         for targs in kernel.instances:

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from oasr.fast.kernels import nvrtc, registry, sass
+from oasr.fast.kernels import nvrtc, perf_model, registry, sass, sass_report
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -97,11 +97,11 @@ def test_trip_count_compare_before_step():
     ],
 )
 def test_ctas_per_sm(regs, smem, threads, arch, expect):
-    assert sass.ctas_per_sm(regs, smem, threads, arch) == expect
+    assert perf_model.ctas_per_sm(regs, smem, threads, arch) == expect
 
 
 def test_bytes_moved_at_the_asr_shape():
-    s = sass.ASR_SHAPE
+    s = perf_model.ASR_SHAPE
     q_out = 2 * 128 * 8 * 16 * 64 * 2
     assert s.bytes_moved(2) == 2 * 128 * 1040 * 4 * 64 * 2 + q_out
     assert s.bytes_moved(1, 4) == 2 * 128 * 1040 * 4 * (64 + 4) + q_out
@@ -110,8 +110,8 @@ def test_bytes_moved_at_the_asr_shape():
 def test_cta_tile_cycles_picks_the_binding_resource():
     fn = sass.parse_sass(SASS_TEXT)["_Z6kernelv"]
     counts, _ = sass.main_loop(fn)
-    high = sass.cta_tile_cycles(counts, 4)
-    low = sass.cta_tile_cycles(counts, 4, broadcast=True)
+    high = perf_model.cta_tile_cycles(counts, 4)
+    low = perf_model.cta_tile_cycles(counts, 4, broadcast=True)
     # 4 warps, one per SMSP: 26 issue slots; the SM's mio path moves (512 + 4*512) * 4 B at 128 B/clk
     assert high == {"cycles": 80.0, "bound": "mio", "issue_slots": 26}
     assert low["cycles"] == 32.0 and low["bound"] == "mio"  # (512 + 4*128) * 4 / 128
@@ -128,7 +128,7 @@ def test_tools_are_found():
 @pytest.fixture(scope="module")
 def attention_report():
     families = sorted({k.family for k in registry.attention_kernels()})
-    return sass.report(ARCHS, families=families)
+    return sass_report.report(ARCHS, families=families)
 
 
 @needs_toolchain
@@ -149,16 +149,16 @@ def test_report_is_json_and_finds_v1_main_loop(attention_report):
 def test_model_rows_for_v1(attention_report):
     rows = [r for r in attention_report["attention_model"] if r["version"] == "v1"]
     assert {(r["arch"], r["page"], r["history"]) for r in rows} == {
-        (a, p, h) for a in ARCHS for p in sass.PAGES for h in sass.HISTORIES
+        (a, p, h) for a in ARCHS for p in perf_model.PAGES for h in perf_model.HISTORIES
     }
     for r in rows:
         low, high = r["kernel_us"]
         assert r["memory_us"] + r["fixed_us"] <= low + 0.1 and low <= high
-        assert r["event_us"][0] == pytest.approx(low + sass.CALIBRATION.host_us, abs=0.11)
+        assert r["event_us"][0] == pytest.approx(low + perf_model.CALIBRATION.host_us, abs=0.11)
         assert 0 < r["fraction_of_bw"][0] <= r["fraction_of_bw"][1] <= 1
         if r["history"] == 1024:
             assert r["ctas"] == 128 * 4 * 2 and r["tiles_per_cta"] == 33  # 32 query rows per KV head, 16 per CTA
-    text = sass.format_report(attention_report)
+    text = sass_report.format_report(attention_report)
     assert "| v1 | sm_90 | bf16 |" in text and "MODEL, NOT MEASURED" in text
 
 
@@ -175,7 +175,7 @@ def test_v2_main_loop_runs_on_tensor_cores(attention_report, arch):
         assert r["loop"] == "load-math-loop", r["kernel"]
         assert r["mix"]["HMMA"] > 0, f"{r['kernel']} on {arch}: no HMMA in the main loop: {r['mix']}"
     modelled = [r for r in attention_report["attention_model"] if r["version"] == "v2" and r["arch"] == arch]
-    assert modelled, f"v2 has no time model: add its Tiling to sass.TILINGS ({attention_report['notes']})"
+    assert modelled, f"v2 has no time model: add its Tiling to perf_model.TILINGS ({attention_report['notes']})"
 
 
 @needs_toolchain
@@ -203,8 +203,8 @@ def test_kernels_command_fails_when_an_attention_loop_is_lost(monkeypatch, capsy
         row = {"kernel": "oasr::paged_chunk_attention_kernel<...>", "arch": "sm_90", "version": 1, "loop": "no-loop"}
         return {"disclaimer": "", "shape": {}, "kernels": [row], "attention_model": [], "notes": []}
 
-    monkeypatch.setattr(sass, "report", lost)
-    monkeypatch.setattr(sass, "format_report", lambda rep: "")
+    monkeypatch.setattr(sass_report, "report", lost)
+    monkeypatch.setattr(sass_report, "format_report", lambda rep: "")
     assert main(["--arch", "sm_90", "--sass"]) == 1
     assert "no K/V main loop found in oasr::paged_chunk_attention_kernel<...> sm_90" in capsys.readouterr().err
 
@@ -223,7 +223,7 @@ V3_CEILINGS = {"__nv_bfloat16": 360, "__nv_fp8_e4m3": 250}
 def test_v3_main_loop_under_its_ceilings_without_spills(attention_report):
     rows = [r for r in attention_report["kernels"] if r["version"] == 3]
     assert rows and all(r["spill_bytes"] == 0 for r in rows), [r["kernel"] for r in rows if r["spill_bytes"]]
-    tiling = sass.TILINGS["paged_chunk_attention_v3_kernel"]
+    tiling = perf_model.TILINGS["paged_chunk_attention_v3_kernel"]
     for page, ceiling in V3_CEILINGS.items():
         name = f"oasr::paged_chunk_attention_v3_kernel<__nv_bfloat16, {page}, 64, 16>"
         (r,) = [r for r in rows if r["kernel"] == name and r["arch"] == "sm_90"]
@@ -234,14 +234,14 @@ def test_v3_main_loop_under_its_ceilings_without_spills(attention_report):
 
 @needs_toolchain
 def test_calibrated_model_reproduces_the_measured_v2_points(attention_report):
-    check = sass.calibration_check(attention_report)
-    assert {(r["page"], r["history"]) for r in check} == set(sass.MEASURED_V2)
+    check = perf_model.calibration_check(attention_report)
+    assert {(r["page"], r["history"]) for r in check} == set(perf_model.MEASURED_V2)
     outside = [r for r in check if not r["inside"]]
     assert not outside, f"the model misses measured v2 points: {outside}"
     # the stored constants are the fit on the bf16 points (the fp8 points above were not fitted)
-    efficiency, host = sass.fit_calibration(attention_report)
-    assert efficiency == pytest.approx(sass.CALIBRATION.issue_efficiency, rel=0.03)
-    assert host == pytest.approx(sass.CALIBRATION.host_us, abs=3)
+    efficiency, host = perf_model.fit_calibration(attention_report)
+    assert efficiency == pytest.approx(perf_model.CALIBRATION.issue_efficiency, rel=0.03)
+    assert host == pytest.approx(perf_model.CALIBRATION.host_us, abs=3)
 
 
 @needs_toolchain
@@ -264,8 +264,8 @@ def test_model_recalibrated_on_the_measured_v3_points(attention_report):
     """The first H200 run measured v3 kernel-only (graph replay); the model, recalibrated on those
     six points, predicts each within 10% and the fp8 / bf16 speed-up within 10%, and says what bounds
     the fp8 loop (the per-warp dependent chain: latency, not bytes, not conversions)."""
-    check = sass.calibration_check_v3(attention_report)
-    assert {(r["page"], r["history"]) for r in check} == set(sass.MEASURED_V3)
+    check = perf_model.calibration_check_v3(attention_report)
+    assert {(r["page"], r["history"]) for r in check} == set(perf_model.MEASURED_V3)
     for r in check:
         assert abs(r["error"]) <= 0.10, r
         if r["page"] == "fp8":
@@ -273,9 +273,9 @@ def test_model_recalibrated_on_the_measured_v3_points(attention_report):
             assert r["bound"] == "latency", r  # the chain binds: issue slots and the XU pipe are below it
             terms = r["step_terms"]
             assert terms["chain"] > terms["xu"] > terms["issue"] > terms["mio"][1], terms
-    fit = sass.fit_kernel_calibration(attention_report)
-    assert fit["launch_us"] == pytest.approx(sass.CALIBRATION.launch_us, abs=0.2)
-    assert fit["stream_bandwidth_tbs"] == pytest.approx(sass.CALIBRATION.stream_bandwidth_tbs, rel=0.03)
-    chain = sass.TILINGS["paged_chunk_attention_v3_kernel"].chain_cycles_32
+    fit = perf_model.fit_kernel_calibration(attention_report)
+    assert fit["launch_us"] == pytest.approx(perf_model.CALIBRATION.launch_us, abs=0.2)
+    assert fit["stream_bandwidth_tbs"] == pytest.approx(perf_model.CALIBRATION.stream_bandwidth_tbs, rel=0.03)
+    chain = perf_model.TILINGS["paged_chunk_attention_v3_kernel"].chain_cycles_32
     assert fit["chain_cycles_32"] == pytest.approx(chain, rel=0.03)
-    assert "fp8 speed-up model / measured" in sass.format_report(attention_report)
+    assert "fp8 speed-up model / measured" in sass_report.format_report(attention_report)

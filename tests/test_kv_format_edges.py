@@ -16,6 +16,7 @@ from oasr import fast, reference
 from oasr.cache.config import CacheConfig
 from oasr.fast.kernels.testing import bits
 from oasr.sessions import format as S
+from oasr.sessions import stream as SS
 
 TWINS = {"reference": reference, "fast": fast}
 
@@ -40,10 +41,10 @@ def test_q8_0_infinite_d_saves_and_loads(src, dst):
     cnn.allocate_stream("s")
     att.commit("s", chunk)
     assert torch.isposinf(att.pool.k_scale.float()).sum() == 1  # append stored GGML's d = inf
-    data = S.save_stream("s", att, [cnn])
+    data = SS.save_stream("s", att, [cnn])
     att2, cnn2 = _stack(TWINS[dst], config)
-    S.load_stream(data, "s", att2, [cnn2])
-    assert S.save_stream("s", att2, [cnn2]) == data
+    SS.load_stream(data, "s", att2, [cnn2])
+    assert SS.save_stream("s", att2, [cnn2]) == data
     assert torch.equal(bits(att2.pool.k_scale), bits(att.pool.k_scale))
 
 
@@ -76,7 +77,7 @@ def test_q8_0_loader_still_refuses_nan_and_negative_d():
     att.allocate_stream("s")
     cnn.allocate_stream("s")
     att.commit("s", torch.randn(1, 1, 4, 64))
-    session = S.capture_stream("s", att, [cnn])
+    session = SS.capture_stream("s", att, [cnn])
     for bad in (float("nan"), -1.0, float("-inf")):
         kv = session.kv
         scale = kv.k_scale.clone()

@@ -303,6 +303,7 @@ def test_dense_gather_dequantizes_like_the_reference(name):
 # ---- sessions record the format and refuse a foreign one --------------------------------------
 
 from oasr.sessions import format as S  # noqa: E402
+from oasr.sessions import stream as SS  # noqa: E402
 from tests.session_helpers import make_engine as _make_engine  # noqa: E402
 from tests.session_helpers import make_model, start  # noqa: E402
 
@@ -313,15 +314,15 @@ def test_sessions_carry_the_format_across_twins_and_refuse_another(name):
     a = _make_engine(model, "reference", "fp32", kv_cache_dtype=name)
     start(a)
     caches = lambda e: (e.att, [e.cnn, e.states], e.ctc)  # noqa: E731
-    data = S.save_stream("a", *caches(a))
+    data = SS.save_stream("a", *caches(a))
     assert S.read_session(data).geometry.kv_cache_dtype == name
     b = _make_engine(model, "fast", "fp32", kv_cache_dtype=name)
-    S.load_stream(data, "moved", *caches(b))
-    assert S.save_stream("moved", *caches(b)) == data  # the same pages, byte for byte
+    SS.load_stream(data, "moved", *caches(b))
+    assert SS.save_stream("moved", *caches(b)) == data  # the same pages, byte for byte
     other = "q8_0" if name != "q8_0" else "int8"
     c = _make_engine(model, "fast", "fp32", kv_cache_dtype=other)
     with pytest.raises(S.SessionError, match="kv_cache_dtype"):
-        S.load_stream(data, "x", *caches(c))
+        SS.load_stream(data, "x", *caches(c))
     assert c.att.pool.num_free_blocks == c.att.pool.num_blocks  # the refusal took nothing
 
 

@@ -156,7 +156,7 @@ def test_many_streams_in_one_cohort_equal_each_alone(checkpoint, twin):
     import importlib
 
     from oasr.cache.config import CacheConfig
-    from oasr.sessions import format as S
+    from oasr.sessions import stream as SS
 
     ops = importlib.import_module(f"oasr.{twin}")
     path, model, processor = checkpoint
@@ -181,11 +181,11 @@ def test_many_streams_in_one_cohort_equal_each_alone(checkpoint, twin):
     tick, session = 0, None
     while any(len(got[sid]) < len(chunks) for sid, (_, chunks) in streams.items()):
         if tick == 3:  # suspend s1: its slot state goes into a session and its slots are freed
-            session, done_before = S.save_stream("s1", att, [states]), len(got["s1"])
+            session, done_before = SS.save_stream("s1", att, [states]), len(got["s1"])
             att.free_stream("s1")
             states.free_stream("s1")
         if tick == 5:  # resume it (into whatever slot is free now), two ticks later
-            S.load_stream(session, "s1", att, [states])
+            SS.load_stream(session, "s1", att, [states])
         suspended = 3 <= tick < 5
         cohort = [sid for sid, (start, chunks) in streams.items()
                   if start <= tick and len(got[sid]) < len(chunks) and not (sid == "s1" and suspended)]

@@ -38,6 +38,7 @@ from oasr.engine import StreamingEngine
 from oasr.fast.ctc_decoder import StreamingCtcDecoder as FastDecoder
 from oasr.reference.ctc_decoder import StreamingCtcDecoder as RefDecoder
 from oasr.sessions import format as S
+from oasr.sessions import stream as SS
 
 DECODERS = {"reference": RefDecoder, "fast": FastDecoder}
 
@@ -121,12 +122,12 @@ def test_a_session_loads_into_the_other_twin_and_saves_back_to_the_same_bytes(fm
     a = make_engine(model, src, fmt)
     start(a)
     caches = lambda e: (e.att, [e.cnn, e.states], e.ctc)  # noqa: E731
-    data = S.save_stream("a", *caches(a))
+    data = SS.save_stream("a", *caches(a))
     b = make_engine(model, dst, fmt)
     hold_decoy(b)
-    S.load_stream(data, "moved", *caches(b))
+    SS.load_stream(data, "moved", *caches(b))
     assert b.att.describe("moved").slot != a.att.describe("a").slot
-    assert S.save_stream("moved", *caches(b)) == data
+    assert SS.save_stream("moved", *caches(b)) == data
 
 
 # ---- the fuzz ---------------------------------------------------------------------------------------
@@ -279,10 +280,10 @@ def test_cache_level_load_is_atomic_too(small):
     args = (engine.att, [engine.cnn, engine.states], engine.ctc)
     before = engine_snapshot(engine)
     with pytest.raises(ValueError, match="already allocated"):
-        S.load_stream(data, "busy", *args)
+        SS.load_stream(data, "busy", *args)
     taken = engine.pool.allocate(engine.pool.num_free_blocks)
     with pytest.raises(PoolExhaustedError):
-        S.restore_stream(session, "new", *args)
+        SS.restore_stream(session, "new", *args)
     engine.pool.free(taken)
     assert same_snapshot(before, engine_snapshot(engine))
     assert not engine.att.has_stream("new") and not engine.cnn.has_stream("new")
@@ -471,18 +472,18 @@ def test_any_history_moves_between_any_twins(src, dst, left, prefill, block, chu
         if not att.at_capacity("s"):
             att.commit("s", kv())
     cnn.update(["s"], torch.randn(2, 1, 2, 4, generator=g))
-    data = S.save_stream("s", att, [cnn])
+    data = SS.save_stream("s", att, [cnn])
 
     att2, cnn2 = cache_stack(TWIN_MODULES[dst], config)
     for d in range(decoys):
         att2.allocate_stream(f"d{d}")
         att2.prepare_chunk(f"d{d}")
-    S.load_stream(data, "s", att2, [cnn2])
+    SS.load_stream(data, "s", att2, [cnn2])
     for a, c in ((att, cnn), (att2, cnn2)):
         lengths = lambda info: (info.cache_seqlen, info.cache_seqstart, info.total_frames)  # noqa: E731
         assert lengths(a.describe("s")) == lengths(att.describe("s"))
         assert torch.equal(c.get_cache(["s"]), cnn.get_cache(["s"]))
-    assert S.save_stream("s", att2, [cnn2]) == data
+    assert SS.save_stream("s", att2, [cnn2]) == data
     for _ in range(after):
         if att.at_capacity("s"):
             break
@@ -490,7 +491,7 @@ def test_any_history_moves_between_any_twins(src, dst, left, prefill, block, chu
         att.commit("s", chunk_kv)
         att2.commit("s", chunk_kv)
         assert torch.equal(att.get_stacked_cache("s"), att2.get_stacked_cache("s"))
-    assert S.save_stream("s", att2, [cnn2]) == S.save_stream("s", att, [cnn])
+    assert SS.save_stream("s", att2, [cnn2]) == SS.save_stream("s", att, [cnn])
 
 
 @pytest.mark.parametrize("src,dst", [("reference", "fast"), ("fast", "reference")])
@@ -498,12 +499,12 @@ def test_stream_context_save_and_load(src, dst):
     model = make_model()
     a = make_engine(model, src)
     start(a)
-    data = S.save_context(a._contexts["a"], a.states)
+    data = SS.save_context(a._contexts["a"], a.states)
     b = make_engine(model, dst)
-    ctx = S.load_context(data, "moved", b.att, b.cnn, b.ctc, states=b.states)
-    assert S.save_context(ctx, b.states) == data and ctx.cached_frames() == a._contexts["a"].cached_frames()
+    ctx = SS.load_context(data, "moved", b.att, b.cnn, b.ctc, states=b.states)
+    assert SS.save_context(ctx, b.states) == data and ctx.cached_frames() == a._contexts["a"].cached_frames()
     with pytest.raises(S.SessionError, match="states"):
-        S.load_context(data, "again", b.att, b.cnn, b.ctc)  # without the declared states: foreign
+        SS.load_context(data, "again", b.att, b.cnn, b.ctc)  # without the declared states: foreign
     assert not b.att.has_stream("again")
 
 

@@ -45,6 +45,7 @@ from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
 from oasr.reference.decoder_cache import DecoderKVCacheManager as RefManager
 from oasr.sessions import decoder_rows as DS
 from oasr.sessions import format as S
+from oasr.sessions import stream as SS
 
 ROOT = Path(__file__).resolve().parent.parent
 MANAGERS = {"reference": RefManager, "fast": FastManager}
@@ -195,21 +196,21 @@ def test_a_stream_session_carries_its_decoder_rows():
     src.step()
     decoder = RefManager(decoder_config())
     rows = beams_and_prefixes(decoder)
-    data = S.save_stream("a", src.att, [src.cnn, src.states], src.ctc, decoder_rows=DS.capture_paged(decoder, rows))
+    data = SS.save_stream("a", src.att, [src.cnn, src.states], src.ctc, decoder_rows=DS.capture_paged(decoder, rows))
     assert S.read_session(data).flags & S.FLAG_DECODER_ROWS
 
     dst = make_engine(model, "reference")
     target = FastManager(decoder_config())
     before, before_m = engine_snapshot(dst), manager_snapshot(target)
     with pytest.raises(S.SessionError, match="decoder rows"):  # rows, but no decoder cache to take them
-        S.load_stream(data, "a", dst.att, [dst.cnn, dst.states], dst.ctc)
+        SS.load_stream(data, "a", dst.att, [dst.cnn, dst.states], dst.ctc)
     with pytest.raises(S.SessionError, match="decoder rows"):  # the engine keeps none outside rescoring
         dst.resume(S.encode_session(_with_engine(S.read_session(data), src)))
     with pytest.raises(S.SessionError, match="kv_cache_dtype"):
-        S.load_stream(data, "a", dst.att, [dst.cnn, dst.states], dst.ctc,
+        SS.load_stream(data, "a", dst.att, [dst.cnn, dst.states], dst.ctc,
                       decoder=FastManager(decoder_config("fp8_e4m3")))
     assert same_snapshot(before, engine_snapshot(dst)) and same_manager(before_m, manager_snapshot(target))
-    session = S.load_stream(data, "a", dst.att, [dst.cnn, dst.states], dst.ctc, decoder=target)
+    session = SS.load_stream(data, "a", dst.att, [dst.cnn, dst.states], dst.ctc, decoder=target)
     assert dst.att.has_stream("a") and len(session.decoder_row_ids) == 3
     for a, b in zip(rows, session.decoder_row_ids, strict=True):
         assert torch.equal(decoder.gather_self(a), target.gather_self(b))
@@ -233,7 +234,7 @@ def test_cache_level_decoder_row_sessions_refuse_truncations_and_bit_flips():
     src.step()
     decoder = RefManager(decoder_config("fp8_e4m3"))
     rows = DS.capture_paged(decoder, beams_and_prefixes(decoder))
-    data = S.save_stream("a", src.att, [src.cnn, src.states], src.ctc, decoder_rows=rows)
+    data = SS.save_stream("a", src.att, [src.cnn, src.states], src.ctc, decoder_rows=rows)
     dst = make_engine(model, "reference")
     target = FastManager(decoder_config("fp8_e4m3"))
     target.admit([DecoderRequest(2, 2, 3)])
@@ -241,16 +242,16 @@ def test_cache_level_decoder_row_sessions_refuse_truncations_and_bit_flips():
     caches = (dst.att, [dst.cnn, dst.states], dst.ctc)
     for n in range(len(data)):
         with pytest.raises(S.SessionError):
-            S.load_stream(data[:n], "a", *caches, decoder=target)
+            SS.load_stream(data[:n], "a", *caches, decoder=target)
     at = section_at(data, S.SEC_DECODER_ROWS)
     rng = random.Random(3)
     for _ in range(200):
         raw = bytearray(data)
         raw[rng.randrange(at, len(data))] ^= 1 << rng.randrange(8)
         with pytest.raises(S.SessionError, match="corrupt session"):
-            S.load_stream(bytes(raw), "a", *caches, decoder=target)
+            SS.load_stream(bytes(raw), "a", *caches, decoder=target)
     assert same_snapshot(before, engine_snapshot(dst)) and same_manager(before_m, manager_snapshot(target))
-    S.load_stream(data, "a", *caches, decoder=target)  # the untouched bytes load
+    SS.load_stream(data, "a", *caches, decoder=target)  # the untouched bytes load
 
 
 # ---- a property test: random op sequences, loaded into the other twin ------------------------------------

@@ -63,6 +63,8 @@ class Transcript:
     audio_seconds: float
     partials: list = field(default_factory=list)  # (audio seconds consumed, text) each time the text changed
     latencies: list = field(default_factory=list)  # seconds, one per chunk
+    segments: list = field(default_factory=list)  # with endpointing: the turns (oasr.asr.segments.Segment)
+    words: list = field(default_factory=list)  # oasr.asr.words.Word from the CTC alignment (not after rescoring)
 
 
 class AudioStream:
@@ -82,6 +84,7 @@ class AudioStream:
         self.frames_pushed = 0
         self.frames_done = 0  # feature frames turned into encoder output so far
         self.text = ""
+        self.segments: list | None = None  # with turns (oasr.asr.turns): the finished turns; None without
         self.partials: list = []
         self.latencies: list = []
         self._arrivals: list = []  # (samples accepted so far, time they were sent)
@@ -136,7 +139,7 @@ class Recognizer:
     def __init__(self, model_path=None, *, twin: str = "fast", device: str = "cpu", kv_cache_dtype=None,
                  chunk_size: int | None = None, num_left_chunks: int | None = None, rescore: bool = False,
                  full_context: bool = False, beam_size: int = 8, max_streams: int = 16, cuda_graphs=None,
-                 max_seconds: float = 60.0, matmul_dtype: str | None = None):
+                 max_seconds: float = 60.0, matmul_dtype: str | None = None, endpointing=None):
         if matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"Recognizer: matmul_dtype must be one of {sorted(MATMUL_DTYPES, key=str)}, "
                              f"got {matmul_dtype!r}")
@@ -166,16 +169,46 @@ class Recognizer:
                                       ctc_config=self.ctc_config, rescore=self.rescore and not self.full_context,
                                       rescorer=self.decoder if self.rescore else None,
                                       ctc_weight=self.spec.ctc_weight, cuda_graphs=cuda_graphs)
+        self.turns = None  # with endpointing: oasr.asr.turns.TurnTracker
+        self.turns_by_default = endpointing is not None  # open_stream(turns=None) follows this
+        if endpointing is not None:
+            self.enable_endpointing(endpointing)
         self.streams: dict = {}
         self._buffered: set = set()  # ids of streams holding audio the front end has not turned into frames
         self.stage_clock = self.engine.stage_clock  # the engine's stages, and ingest, front end, delivery here
         self.busy_seconds = 0.0  # time spent in feature extraction and engine ticks
 
+    def enable_endpointing(self, config=None) -> None:
+        """Make live turns available (``config``: an ``oasr.vad.EndpointConfig``, default its defaults) to
+        streams opened with ``open_stream(turns=True)``; a no-op once enabled. ``ValueError`` with
+        ``rescore`` or ``full_context`` (turns cut the streaming first pass) or a config of another type."""
+        if self.turns is not None:
+            return
+        if self.rescore or self.full_context:
+            raise ValueError("Recognizer: endpointing works on the streaming first pass; it does not go with "
+                             "rescore=True or full_context=True")
+        from oasr.asr.turns import TurnTracker
+        from oasr.vad import EndpointConfig
+
+        self.turns = TurnTracker(config or EndpointConfig(), self.encoder.config.subsampling_rate,
+                                 self.cache_config.max_batch_size)
+        self.engine.emit_speech_probs = True
+
     # ---- streaming -------------------------------------------------------------------------
-    def open_stream(self, stream_id=None) -> AudioStream:
-        """Start a stream on the engine (``stream_id`` or a fresh one) and return its ``AudioStream``."""
+    def open_stream(self, stream_id=None, turns: bool | None = None) -> AudioStream:
+        """Start a stream on the engine (``stream_id`` or a fresh one) and return its ``AudioStream``.
+
+        ``turns``: whether the endpointer cuts the stream into turns (``oasr.asr.turns``); None: as the
+        recognizer was built (``endpointing=``). True on a recognizer built without it enables the default
+        ``EndpointConfig`` (``enable_endpointing``; ``ValueError`` where it cannot, nothing opened)."""
+        if turns is None:
+            turns = self.turns_by_default
+        if turns:
+            self.enable_endpointing()
         sid = self.engine.add_stream(stream_id)
         stream = self.streams[sid] = AudioStream(self, sid)
+        if turns:
+            self.turns.open(stream)
         return stream
 
     def cancel(self, stream_id) -> None:
@@ -186,6 +219,8 @@ class Recognizer:
         self.engine.cancel(stream_id)
         del self.streams[stream_id]
         self._buffered.discard(stream_id)
+        if self.turns is not None:
+            self.turns.drop(stream_id)
 
     def suspend(self, stream_id) -> bytes:
         """Take a live stream out of the recognizer as self-contained bytes (see ``resume``).
@@ -199,6 +234,9 @@ class Recognizer:
         stream; arrival times do not travel (they are this process's clock)."""
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
+        if self.streams[stream_id].segments is not None:
+            raise ValueError("Recognizer.suspend: a stream with endpointing (turns) cannot be saved (its turn "
+                             "state is not serialized)")
         stream = self.streams[stream_id]
         if self.engine.status(stream_id) == "waiting" and not self.engine.admitted(stream_id):
             feats = self.engine.buffered_input(stream_id).float().contiguous()
@@ -220,6 +258,9 @@ class Recognizer:
         """
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
+        if self.streams[stream_id].segments is not None:
+            raise ValueError("Recognizer.checkpoint: a stream with endpointing (turns) cannot be saved (its turn "
+                             "state is not serialized)")
         stream = self.streams[stream_id]
         if self.engine.status(stream_id) == "waiting" and not self.engine.admitted(stream_id):
             feats = self.engine.buffered_input(stream_id).float().contiguous()
@@ -338,7 +379,15 @@ class Recognizer:
                     if text != stream.text:
                         stream.text = text
                         stream.partials.append((stream.frames_done * FRAME_SHIFT / SAMPLE_RATE, text))
-                if out.finished:
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(sid, exc)
+        if self.turns is not None:  # endpoints end turns (new engine streams) before finished streams are read
+            self.turns.advance(self, outputs)
+        for sid, out in outputs.items():
+            try:
+                if out.finished and sid in self.streams:  # (not one on_error dropped above)
                     done.append(self._finish(sid))
             except Exception as exc:
                 if on_error is None:
@@ -382,7 +431,11 @@ class Recognizer:
         for stream, n in zip(streams, counts, strict=True):
             if n:
                 try:
-                    self.engine.push(stream.id, feats[start : start + n])
+                    mine = feats[start : start + n]
+                    if stream.segments is not None:  # a new turn's leading silence never reaches the model
+                        mine = self.turns.gate(stream, mine, windows[start : start + n])
+                    if len(mine):
+                        self.engine.push(stream.id, mine)
                     stream.frames_pushed += n
                 except Exception as exc:
                     if on_error is None:
@@ -396,9 +449,28 @@ class Recognizer:
         result = self.engine.result(sid)
         text = self.tokenizer.decode(result.tokens)
         first = self.tokenizer.decode(result.first_pass) if result.first_pass is not None else text
+        segments = []
+        if stream.segments is not None:  # the last turn becomes the last segment; the text is every turn's
+            self.turns.close(stream, text, self.turns.words(self, stream, result))
+            segments = stream.segments
+            text = first = self.turns.joined(stream)
+            words = [w for seg in segments for w in seg.words]
+        else:
+            words = self._words(result, 0.0)
         if stream.partials and stream.partials[-1][1] != text:
             stream.partials.append((stream.samples / SAMPLE_RATE, text))
-        return Transcript(sid, text, first, stream.samples / SAMPLE_RATE, stream.partials, stream.latencies)
+        return Transcript(sid, text, first, stream.samples / SAMPLE_RATE, stream.partials, stream.latencies,
+                          segments, words)
+
+    def _words(self, result, offset_seconds: float) -> list:
+        """The words of an engine result with their times (none when rescoring changed the tokens)."""
+        from oasr.asr.words import word_times
+
+        best = result.nbest[0] if result.nbest else None
+        if best is None or list(best.tokens) != list(result.tokens):
+            return []
+        frame_seconds = self.encoder.config.subsampling_rate * FRAME_SHIFT / SAMPLE_RATE
+        return word_times(self.tokenizer, best.tokens, best.frames, frame_seconds, offset_seconds)
 
     # ---- whole clips ------------------------------------------------------------------------
     def transcribe(self, clips, piece_seconds: float = 0.32) -> list[Transcript]:

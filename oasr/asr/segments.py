@@ -49,6 +49,7 @@ class Segment:
     start: float
     end: float
     text: str
+    words: tuple = ()  # oasr.asr.words.Word, where the CTC alignment gave them (live turns)
 
 
 def speech_regions(pcm, sample_rate: int = SAMPLE_RATE, config: SegmenterConfig | None = None) -> list[tuple]:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from oasr.cache.paged import PagedKVCache
 from oasr.fast.kernels import ops, registry
-from oasr.fast.kernels.sass import ASR_SHAPE, PAGES, AttentionShape
+from oasr.fast.kernels.perf_model import ASR_SHAPE, PAGES, AttentionShape
 
 HISTORIES = (256, 1024, 4096)
 DTYPE = torch.bfloat16

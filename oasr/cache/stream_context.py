@@ -5,7 +5,7 @@ state) manager and, optionally, the CTC state manager, so an engine's loop
 reads as one object per stream. It works with either twin: it only calls the
 managers' public API. ``StreamContext.allocate`` admits a stream in every
 manager or in none (a failure rolls back what was admitted). A context's whole
-cache state travels as session bytes through ``oasr.sessions.format.save_context``
+cache state travels as session bytes through ``oasr.sessions.stream.save_context``
 / ``load_context``, to another set of managers of either twin. ``att`` and
 ``cnn`` may be None for an encoder with no paged K/V and no conv manager (a
 fixed-extent runtime keeps its own state).

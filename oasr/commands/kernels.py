@@ -7,7 +7,7 @@ needed. Exits 1 on any compile error (the log goes to stderr) and, with
 ``--fail-on-spill``, when any kernel spills. ``--json PATH`` also writes the
 rows as JSON. ``--no-cache`` recompiles instead of reading the kernel cache.
 
-``--sass`` adds the SASS report (``oasr.fast.kernels.sass``): each kernel's
+``--sass`` adds the SASS report (``oasr.fast.kernels.sass_report``): each kernel's
 main loop and instruction mix from the pip nvdisasm, CTAs per SM, and a MODEL
 (not a measurement) of the attention kernels on an H200 at the ASR shape, v1
 and v2 side by side when both are registered; with ``--json`` it goes under
@@ -141,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"kernels": rows, "errors": failed}
     sass_ok = True
     if args.sass and not failed:
-        from oasr.fast.kernels import sass
+        from oasr.fast.kernels import sass_report
 
-        result["sass"] = report = sass.report(archs, use_cache=not args.no_cache)
+        result["sass"] = report = sass_report.report(archs, use_cache=not args.no_cache)
         attention = [r for r in report["kernels"] if r["version"]]
         lost = [f"{r['kernel']} {r['arch']}" for r in attention if r["loop"] != "load-math-loop"]
         if args.verbose:
-            print("\n== SASS report ==\n" + sass.format_report(report))
+            print("\n== SASS report ==\n" + sass_report.format_report(report))
         else:
             print(f"SASS: {len(report['kernels'])} kernels' main loops read; the K/V main loop found in "
                   f"{len(attention) - len(lost)} of {len(attention)} attention kernels; "

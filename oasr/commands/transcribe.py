@@ -1,6 +1,8 @@
 """``python -m oasr transcribe FILE_OR_DIR...``: stream each audio file through the engine and print its text.
 
-A directory stands for the audio files directly inside it (by extension, in name order).
+A directory stands for the audio files directly inside it (by extension, in name order). With ``--segments``
+a long recording is cut at its pauses by the energy endpointer (``oasr.asr.segments``) and each segment is printed
+on a line of its own with its start and end times in seconds.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ def build_parser() -> CommandParser:
                              "left of a stereo file) (default: the mix of all channels)")
     parser.add_argument("--partials", action="store_true",
                         help="also print each partial result as it changes, with the audio time it was reached")
+    parser.add_argument("--segments", action="store_true",
+                        help="cut each file at its pauses (energy endpointer) and print one line per segment with "
+                             "its start and end times: for long recordings (any length; silence never reaches "
+                             "the model)")
     add_model_options(parser)
     return parser
 
@@ -50,11 +56,14 @@ def main(argv=None) -> int:
             audio.append(load_audio(path, args.channel))
         except AudioError as exc:
             parser.error(str(exc))
-    if is_transducer(args):
-        transcripts = transducer_recognizer(args, parser).transcribe(audio)
-    else:
-        rec = recognizer(args, max_seconds=max(60.0, max(len(a) for a in audio) / 16000 + 1))
-        transcripts = rec.transcribe(audio)
+    if args.segments and args.partials:
+        parser.error("--segments and --partials do not go together (a segment's partials are not kept)")
+    longest = 60.0 if args.segments else max(60.0, max(len(a) for a in audio) / 16000 + 1)
+    rec = transducer_recognizer(args, parser) if is_transducer(args) else recognizer(args, max_seconds=longest)
+    if args.segments:
+        print_segments(rec, files, audio)
+        return 0
+    transcripts = rec.transcribe(audio)
     for path, transcript in zip(files, transcripts, strict=True):
         if args.partials:
             for seconds, text in transcript.partials:
@@ -62,6 +71,17 @@ def main(argv=None) -> int:
         print(f"{path}: {transcript.text}" if len(files) > 1 or args.partials else transcript.text)
     sys.stdout.flush()
     return 0
+
+
+def print_segments(rec, files, audio) -> None:
+    """Print ``[start - end] text`` for every segment of every file (the file's name first when there are several)."""
+    from oasr.asr.segments import transcribe_segments
+
+    for path, pcm in zip(files, audio, strict=True):
+        for seg in transcribe_segments(rec, pcm):
+            line = f"[{seg.start:8.2f} s - {seg.end:8.2f} s] {seg.text}"
+            print(f"{path} {line}" if len(files) > 1 else line)
+    sys.stdout.flush()
 
 
 def audio_extensions() -> set:

@@ -47,7 +47,7 @@ import torch
 
 from oasr.cache.config import CacheConfig
 from oasr.models.twins import twin_module
-from oasr.sessions.format import load_stream, model_digest, save_stream
+from oasr.sessions.stream import load_stream, model_digest, save_stream
 
 SUSPEND_FORMAT = "oasr-encoder-stream-1"
 logger = logging.getLogger("oasr.engine")

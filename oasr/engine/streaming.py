@@ -76,13 +76,10 @@ from oasr.sessions.format import (
     SessionError,
     SessionGeometry,
     StreamSession,
-    capture_stream,
-    check_session,
     encode_session,
-    model_digest,
     read_session,
-    restore_stream,
 )
+from oasr.sessions.stream import capture_stream, check_session, model_digest, restore_stream
 
 WAITING, ACTIVE, RESCORING, FINISHED = "waiting", "active", "rescoring", "finished"
 STREAM_ID_BITS = 64  # an int id is stored as a signed 64-bit integer in a session
@@ -143,6 +140,8 @@ class StepOutput:
     finish_reason: str | None = None  # "eos" or "length" once finished
     retracted: int = 0
     partial: list = field(default_factory=list)
+    # with ``engine.emit_speech_probs``: ``1 - p(blank)`` of this tick's ``num_frames`` frames (the endpointer's input)
+    speech_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -286,6 +285,8 @@ class StreamingEngine:
             self.ctc_config = ctc_config or CtcDecoderConfig(beam_size=4, nbest=4 if rescore else 1)
             self.ctc = self.ops.CtcStateCacheManager(self.ops.StreamingCtcDecoder(self.ctc_config))
         self.keep_log_probs = keep_log_probs
+        # set True to get each chunk's CTC speech probability (1 - p(blank)) in StepOutput.speech_probs
+        self.emit_speech_probs = False
         # the runtime of the declared kind (oasr.engine.streaming_backend); a paged one checks the geometry
         self.backend = backend_cls.for_engine(model, config, self.ops)
         self.chunk_input_frames = self.backend.chunk_input_frames
@@ -440,6 +441,44 @@ class StreamingEngine:
             self._rescoring = [(sid, job) for sid, job in self._rescoring if sid != stream_id]
         self.results.pop(stream_id, None)
         del self._streams[stream_id]
+
+    def new_turn(self, stream_id, pending: torch.Tensor | None = None) -> StreamResult:
+        """End the stream's current turn without closing the stream; returns the turn's ``StreamResult``.
+
+        The turn's first pass is finalized (the CTC beam's best, as if the stream had ended here), its
+        slot, blocks and decoder state go back to the pools, and the same id starts afresh: a new stream
+        waiting for admission, positions from 0, holding the frames pushed but not yet encoded, or
+        ``pending`` instead (``(T, input_dim)`` frames, e.g. those of ``buffered_input`` less a silence), and
+        ended if the old one was. The turn's result is returned, not kept in ``results``. Raises
+        ``ValueError`` for a finished stream or one being rescored, and with ``rescore=True`` (a turn's
+        second pass is not run), ``KeyError`` for an unknown id; nothing changes on an error.
+        """
+        self._check_open()
+        s = self._stream(stream_id)
+        if self.rescore:
+            raise ValueError("StreamingEngine.new_turn: not with rescore=True (a turn has no second pass)")
+        if s.state not in (ACTIVE, WAITING) or s.session is not None:
+            raise ValueError(f"stream {stream_id!r} is {s.state}{' (resumed, not yet admitted)' if s.session else ''}"
+                             f"; only a running stream starts a new turn")
+        if pending is not None:
+            pending = torch.as_tensor(pending)
+            if pending.dim() != 2 or pending.shape[1] != self.input_dim or not pending.is_floating_point() \
+                    or not bool(torch.isfinite(pending).all()):
+                raise ValueError(f"StreamingEngine.new_turn: pending must be finite float (T, input_dim="
+                                 f"{self.input_dim}) frames, got {tuple(pending.shape)} {pending.dtype}")
+            pending = [pending.detach().to("cpu", self.config.dtype)] if pending.shape[0] else []
+            num_pending = sum(p.shape[0] for p in pending)
+        else:
+            pending, num_pending = s.pending, s.num_pending
+        ended = s.ended
+        outputs: dict = {}
+        self._finish(s, "eos", outputs)  # clears pending, frees the caches
+        result = self.results.pop(stream_id)
+        greedy = GreedyCtcDecoder(self.model.config.vocab_size) if self.decoder == "greedy" else None
+        fresh = self._streams[stream_id] = _Stream(stream_id, greedy, arrival_tick=self.tick)
+        fresh.pending, fresh.num_pending, fresh.ended = pending, num_pending, ended
+        self._waiting.append(stream_id)
+        return result
 
     def buffered_input(self, stream_id) -> torch.Tensor:
         """A copy of the stream's feature frames pushed but not yet encoded, ``(T, input_dim)`` on the CPU."""
@@ -690,6 +729,12 @@ class StreamingEngine:
         clock.add("model", decoding - started)
         self._keep_encoder_out(cohort, enc, hidden)
         chunks = [log_probs[row, : enc[row]] for row in range(len(cohort))]
+        speech = None
+        if self.emit_speech_probs:  # one op for the cohort
+            from oasr.vad import ctc_speech_probability
+
+            blank = self.ctc_config.blank_id if self.ctc_config is not None else 0
+            speech = ctc_speech_probability(log_probs[: len(cohort), : max(enc)], blank)
         with clock.device_region("decode"):
             partials = self._decode(cohort, chunks)
         clock.add("decode", time.perf_counter() - decoding)
@@ -703,7 +748,8 @@ class StreamingEngine:
                 s.log_probs.append(chunks[row].clone())
             kept = _common_prefix(s.partial, partials[row])
             outputs[sid] = StepOutput(sid, partials[row][kept:], n, retracted=len(s.partial) - kept,
-                                      partial=list(partials[row]))
+                                      partial=list(partials[row]),
+                                      speech_probs=None if speech is None else speech[row, :n].clone())
             s.partial = list(partials[row])
             if s.ended and s.num_pending < self.rate:
                 self._finish(s, "eos", outputs)
@@ -812,7 +858,7 @@ class StreamingEngine:
         return any(self._ready(self._streams[sid]) or self._streams[sid].session is not None
                    for sid in self._waiting) and self.can_admit()
 
-    # ---- sessions (oasr.sessions.format) ------------------------------------------------------------
+    # ---- sessions (oasr.sessions.format, .stream) --------------------------------------------------------
     def _claim_id(self, stream_id):
         """``stream_id``, or a fresh int id for None; ``ValueError`` if it is not an int or a str
         (``check_stream_id``) or is in use."""
@@ -928,7 +974,7 @@ class StreamingEngine:
         pass needs every encoder frame; the rescorer and ``ctc_weight`` are this engine's own).
         ``stream_id`` None takes the id the session was saved under (or a fresh one if
         that was neither an int nor a str); an id in use raises ``ValueError``. Nothing changes
-        on an error. Admission then restores the caches (``oasr.sessions.format.restore_stream``) in
+        on an error. Admission then restores the caches (``oasr.sessions.stream.restore_stream``) in
         new slots and blocks; the stream goes on exactly as if it had never left. Returns its id.
         """
         self._check_open()
@@ -937,7 +983,7 @@ class StreamingEngine:
         e = session.engine
         if e is None:
             raise SessionError("session has no engine stream section: it was saved from caches, not an engine "
-                               "(use oasr.sessions.format.load_stream)")
+                               "(use oasr.sessions.stream.load_stream)")
         if session.rescoring:
             return self._resume_rescoring(session, stream_id)
         rescoring = self._rescoring_difference(session)  # first: it also explains a differing n-best size

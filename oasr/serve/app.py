@@ -261,8 +261,10 @@ async def _read_form(request: Request) -> dict:
     stream = str(form.get("stream") or "false").lower()
     if stream not in ("true", "false"):
         raise p.RequestError(400, "invalid_request", f"stream must be true or false, got {stream!r}", "stream")
+    turns = p.parse_chunking_strategy(form.get("chunking_strategy"))
+    granularities = p.parse_granularities(form.getlist("timestamp_granularities[]"), response_format)
     return {"file": upload, "response_format": response_format, "stream": stream == "true",
-            "model": str(form.get("model") or "")}
+            "model": str(form.get("model") or ""), "turns": turns, "granularities": granularities}
 
 
 async def _transcribe(request: Request, state: ServeState, form: dict) -> Response:
@@ -273,7 +275,10 @@ async def _transcribe(request: Request, state: ServeState, form: dict) -> Respon
                              f"files up to {options.max_upload_bytes} bytes", "file")
     data = await upload.read()
     pcm = await asyncio.to_thread(p.decode_upload, data, upload.filename or "file", options.max_audio_seconds)
-    handle = await worker.open(f"upload-{uuid.uuid4().hex[:16]}", kind="upload")
+    try:
+        handle = await worker.open(f"upload-{uuid.uuid4().hex[:16]}", kind="upload", turns=form["turns"])
+    except ValueError as exc:  # turns asked of a recognizer that cannot cut them (rescoring, a transducer)
+        raise p.RequestError(400, "unsupported_chunking_strategy", str(exc), "chunking_strategy") from None
     worker.audio(handle, pcm)
     worker.end(handle)
     model = form["model"] or options.model_name
@@ -287,7 +292,7 @@ async def _transcribe(request: Request, state: ServeState, form: dict) -> Respon
         return Response(status_code=499)
     state.metrics.count("transcriptions", 200)
     body = p.transcription_body(transcript, form["response_format"], model,
-                                worker.rec.tokenizer.encode(transcript.text))
+                                worker.rec.tokenizer.encode(transcript.text), form["granularities"])
     if form["response_format"] == "text":
         return PlainTextResponse(body)
     return JSONResponse(body)
@@ -373,6 +378,11 @@ async def _realtime(websocket: WebSocket, state: ServeState) -> None:
         return await _deny(websocket, state, p.RequestError(
             400, "invalid_audio_format", f"input_audio_format must be one of {', '.join(p.INPUT_AUDIO_FORMATS)}, "
             f"got {audio_format[:40]!r}", "input_audio_format"))
+    turn_detection = query.get("turn_detection")
+    if turn_detection not in (None, p.TURN_DETECTION):
+        return await _deny(websocket, state, p.RequestError(
+            400, "invalid_turn_detection", f"turn_detection must be {p.TURN_DETECTION!r} (or absent), got "
+            f"{turn_detection[:40]!r}", "turn_detection"))
     resume_id = query.get("stream_id")
     if resume_id is not None and not p.SESSION_ID_PATTERN.fullmatch(resume_id):
         return await _deny(websocket, state, p.RequestError(
@@ -380,7 +390,7 @@ async def _realtime(websocket: WebSocket, state: ServeState) -> None:
             "stream_id"))
     try:
         handle = await worker.open(resume_id or f"live-{uuid.uuid4().hex[:16]}", kind="live",
-                                   resume=resume_id is not None)
+                                   resume=resume_id is not None, turns=turn_detection is not None)
     except Busy as exc:
         return await _deny(websocket, state, p.RequestError(503, "server_busy", str(exc)),
                            {"Retry-After": str(exc.retry_after)})
@@ -452,15 +462,32 @@ async def _read_audio(websocket: WebSocket, worker: EngineWorker, handle, rate: 
 async def _write_events(websocket: WebSocket, handle) -> str:
     """Worker -> client until the stream completes, is suspended or is gone; returns the outcome."""
     delta_text = p.DeltaText()
+    turn, turned = 0, False  # the current turn's number; whether the session has turns (server_vad)
     while True:
         event = await handle.events.get()
         kind = event[0]
-        if kind == "partial":
+        item = f"{handle.id}-turn{turn}" if turned else handle.id
+        if kind == "turn":
+            turned, (what, value) = True, event[1]
+            item = f"{handle.id}-turn{turn}"
+            if what == "speech_started":
+                await websocket.send_json(p.ws_speech_started(item, value))
+            elif what == "speech_stopped":
+                await websocket.send_json(p.ws_speech_stopped(item, value))
+            else:  # a finished turn: the rest of its text as a delta, its completed event, then the next turn
+                delta = delta_text.update(value.text, final=True)
+                if delta:
+                    await websocket.send_json(p.ws_delta(item, delta, value.text, int(round(value.end * 1000))))
+                await websocket.send_json(p.ws_turn_completed(item, value))
+                turn, delta_text = turn + 1, p.DeltaText()
+        elif kind == "partial":
             text = event[1]
-            await websocket.send_json(p.ws_delta(handle.id, delta_text.update(text), text,
-                                                 int(round(event[2] * 1000))))
+            await websocket.send_json(p.ws_delta(item, delta_text.update(text), text, int(round(event[2] * 1000))))
         elif kind == "error":
             await websocket.send_json(p.ws_error("invalid_audio", event[1]))
+        elif kind == "final" and (turned or getattr(event[1], "segments", None)):
+            await websocket.close(p.CLOSE_NORMAL)  # every turn has had its completed event
+            return "completed"
         elif kind == "final":
             transcript = event[1]
             delta = delta_text.update(transcript.text, final=True)

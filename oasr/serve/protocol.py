@@ -28,6 +28,13 @@ Server -> client (JSON text frames):
   server then closes the socket (code 1000);
 * ``transcription_session.suspended``: the server is shutting down and saved the stream; it closes
   with code 1012 (service restart). Reconnect with ``?stream_id=<session.id>`` to continue;
+* with ``?turn_detection=server_vad`` the stream is cut into turns by the endpointer over the CTC
+  speech probability (``oasr.asr.turns``): per turn ``input_audio_buffer.speech_started``
+  (``audio_start_ms``), its deltas, ``input_audio_buffer.speech_stopped`` (``audio_end_ms``) and one
+  ``conversation.item.input_audio_transcription.completed`` (``transcript``: the turn's text, with
+  ``audio_start_ms`` / ``audio_end_ms``); each turn's ``item_id`` is ``<session id>-turn<N>`` (N from 0),
+  and the deltas of a turn carry its item id and its text alone. After the commit the last turn
+  completes and the server closes (code 1000) without a whole-stream completed event;
 * ``error``: ``error.code`` and ``error.message``; the session stays open unless it cannot go on:
   ``stream_failed`` (an internal error ended this stream; the server goes on) and ``server_error``
   are followed by close code 1011.
@@ -47,6 +54,7 @@ from oasr.asr.features import SAMPLE_RATE
 TRANSCRIPTION_PATH = "/v1/audio/transcriptions"
 REALTIME_PATH = "/v1/realtime"
 RESPONSE_FORMATS = ("json", "text", "verbose_json")
+TURN_DETECTION = "server_vad"  # ?turn_detection= of a WebSocket session
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CLOSE_NORMAL, CLOSE_SERVICE_RESTART, CLOSE_TRY_AGAIN, CLOSE_POLICY = 1000, 1012, 1013, 1008
 CLOSE_INTERNAL_ERROR = 1011
@@ -187,11 +195,29 @@ def sse(event: dict) -> str:
     return f"data: {json.dumps(event)}\n\n"
 
 
-def transcription_body(transcript, response_format: str, model: str, tokens: list | None = None) -> dict | str:
+def parse_granularities(values, response_format: str) -> tuple:
+    """The ``timestamp_granularities[]`` of an upload (``segment`` and/or ``word``; default ``segment``), as
+    OpenAI takes them: only with verbose_json. ``RequestError`` for another value or response format."""
+    chosen = tuple(dict.fromkeys(str(v) for v in values)) or ("segment",)
+    bad = [v for v in chosen if v not in ("segment", "word")]
+    if bad:
+        raise RequestError(400, "invalid_timestamp_granularities", f"timestamp_granularities[] takes 'segment' "
+                           f"and 'word', got {bad[0][:40]!r}", "timestamp_granularities")
+    if values and response_format != "verbose_json":
+        raise RequestError(400, "invalid_timestamp_granularities", f"timestamp_granularities[] needs "
+                           f"response_format=verbose_json, got {response_format!r}", "timestamp_granularities")
+    return chosen
+
+
+def transcription_body(transcript, response_format: str, model: str, tokens: list | None = None,
+                       granularities: tuple = ("segment",)) -> dict | str:
     """The response to a finished upload in ``response_format`` (json, text or verbose_json).
 
     verbose_json has one segment per utterance, from 0 to the audio's end, with the times at which
-    each partial text was reached (``partials``, an extra field: seconds of audio, text).
+    each partial text was reached (``partials``, an extra field: seconds of audio, text); an upload cut
+    into turns (``chunking_strategy``) has one segment per turn with its times instead. With ``word``
+    among ``granularities`` it also carries ``words`` (word, start, end) from the CTC alignment
+    (``oasr.asr.words``; empty when rescoring changed the first pass's tokens).
     """
     if response_format == "text":
         return transcript.text + "\n"
@@ -199,12 +225,42 @@ def transcription_body(transcript, response_format: str, model: str, tokens: lis
     usage = {"type": "duration", "seconds": round(seconds, 3)}
     if response_format == "json":
         return {"text": transcript.text, "usage": usage}
-    segment = {"id": 0, "seek": 0, "start": 0.0, "end": round(seconds, 3), "text": transcript.text,
-               "tokens": list(tokens or []), "temperature": 0.0, "avg_logprob": 0.0, "compression_ratio": 1.0,
-               "no_speech_prob": 0.0,
-               "partials": [[round(t, 3), text] for t, text in transcript.partials]}
-    return {"task": "transcribe", "language": "english", "duration": round(seconds, 3), "text": transcript.text,
-            "segments": [segment] if transcript.text else [], "usage": usage, "model": model}
+    turns = getattr(transcript, "segments", None)
+    if turns:  # the upload was cut into turns (chunking_strategy): one segment per turn, with its times
+        segments = [{"id": i, "seek": 0, "start": seg.start, "end": seg.end, "text": seg.text, "tokens": [],
+                     "temperature": 0.0, "avg_logprob": 0.0, "compression_ratio": 1.0, "no_speech_prob": 0.0}
+                    for i, seg in enumerate(turns)]
+    else:
+        segments = [{"id": 0, "seek": 0, "start": 0.0, "end": round(seconds, 3), "text": transcript.text,
+                     "tokens": list(tokens or []), "temperature": 0.0, "avg_logprob": 0.0, "compression_ratio": 1.0,
+                     "no_speech_prob": 0.0,
+                     "partials": [[round(t, 3), text] for t, text in transcript.partials]}]
+        segments = segments if transcript.text else []
+    body = {"task": "transcribe", "language": "english", "duration": round(seconds, 3), "text": transcript.text,
+            "segments": segments, "usage": usage, "model": model}
+    if "word" in granularities:
+        body["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in getattr(transcript, "words", [])]
+    if "segment" not in granularities:
+        del body["segments"]
+    return body
+
+
+def parse_chunking_strategy(value) -> bool:
+    """Whether an upload's ``chunking_strategy`` form field asks for turns: ``auto`` or a JSON object of
+    ``"type": "server_vad"`` (its other knobs are not taken: the server's endpointer decides); absent: no.
+    ``RequestError`` for anything else."""
+    if value in (None, ""):
+        return False
+    if value == "auto":
+        return True
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and parsed.get("type") == TURN_DETECTION:
+        return True
+    raise RequestError(400, "invalid_chunking_strategy", f"chunking_strategy must be 'auto' or a JSON object with "
+                       f"\"type\": \"{TURN_DETECTION}\", got {str(value)[:80]!r}", "chunking_strategy")
 
 
 def ws_session_created(stream_id: str, resumed: bool, samples: int, audio_format: str = "pcm16") -> dict:
@@ -224,6 +280,25 @@ def ws_completed(stream_id: str, text: str, seconds: float) -> dict:
     """The final transcript of a WebSocket session."""
     return {"type": "conversation.item.input_audio_transcription.completed", "item_id": stream_id,
             "content_index": 0, "transcript": text, "audio_ms": int(round(seconds * 1000))}
+
+
+def ws_speech_started(item_id: str, seconds: float) -> dict:
+    """A turn began (turn detection): OpenAI's ``input_audio_buffer.speech_started``."""
+    return {"type": "input_audio_buffer.speech_started", "item_id": item_id,
+            "audio_start_ms": int(round(seconds * 1000))}
+
+
+def ws_speech_stopped(item_id: str, seconds: float) -> dict:
+    """A turn ended (turn detection): OpenAI's ``input_audio_buffer.speech_stopped``."""
+    return {"type": "input_audio_buffer.speech_stopped", "item_id": item_id,
+            "audio_end_ms": int(round(seconds * 1000))}
+
+
+def ws_turn_completed(item_id: str, segment) -> dict:
+    """One turn's transcript (turn detection): the completed event, with the turn's times."""
+    return {"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id, "content_index": 0,
+            "transcript": segment.text, "audio_start_ms": int(round(segment.start * 1000)),
+            "audio_end_ms": int(round(segment.end * 1000))}
 
 
 def ws_suspended(stream_id: str, samples: int) -> dict:

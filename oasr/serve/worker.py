@@ -113,7 +113,10 @@ class StreamHandle:
     Events are tuples: ``("partial", text, audio_seconds)`` after each chunk the engine encoded,
     ``("final", transcript)``, ``("error", message)`` (bad audio, refused; the stream goes on),
     ``("suspended", samples)`` at shutdown, ``("failed", message)`` when an internal error ended the
-    stream, ``("gone", reason)`` when the stream was dropped (the worker stopped).
+    stream, ``("gone", reason)`` when the stream was dropped (the worker stopped); a stream opened with
+    ``turns=True`` also gets ``("turn", entry)`` for each of its ``AudioStream.turn_events`` entries
+    (``("speech_started", seconds)``, ``("speech_stopped", seconds)``, ``("segment", Segment)``), in order,
+    before the partial of the same tick and before its final.
     """
 
     id: str
@@ -137,6 +140,7 @@ class _Open:
     future: object  # concurrent.futures.Future -> StreamHandle or exception
     deadline: float
     resume: bool = False
+    turns: bool = False  # the endpointer cuts the stream into turns (Recognizer.open_stream(turns=True))
 
 
 @dataclass
@@ -243,7 +247,8 @@ class EngineWorker:
             self.writer.close(timeout)  # the deletes of the streams it dropped
         self._thread = None
 
-    async def open(self, stream_id: str, kind: str = "live", resume: bool = False) -> StreamHandle:
+    async def open(self, stream_id: str, kind: str = "live", resume: bool = False,
+                   turns: bool = False) -> StreamHandle:
         """A granted stream under ``stream_id`` (``resume``: the saved session of that id).
 
         Waits up to ``admit_timeout`` for a slot; ``Busy`` after it, or at once while shutting
@@ -251,14 +256,15 @@ class EngineWorker:
         after ``admit_timeout + ADMIT_GRACE`` on the event loop's clock). ``resume``: ``NoSession``
         without a saved session (or without a state directory), ``ValueError`` for one this recognizer
         cannot take (another model); ``ValueError`` for an id already live; ``StreamFailed`` when opening
-        raised an internal error.
+        raised an internal error. ``turns``: the stream is cut into turns (``ValueError`` where the
+        recognizer cannot: rescoring, full context, a transducer).
         """
         if not self.alive:
             raise Busy("the engine is not running (see /health)", retry_after=5)
         loop = asyncio.get_running_loop()
         handle = StreamHandle(stream_id, kind, asyncio.Queue(), loop=loop)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("open", _Open(handle, future, time.monotonic() + self.admit_timeout, resume)))
+        self._commands.put(("open", _Open(handle, future, time.monotonic() + self.admit_timeout, resume, turns)))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.admit_timeout + ADMIT_GRACE)
         except asyncio.TimeoutError:
@@ -423,7 +429,12 @@ class EngineWorker:
                         path.unlink(missing_ok=True)
                     handle.resumed = True
                 else:
-                    stream = self.rec.open_stream(handle.id)
+                    stream = self.rec.open_stream(handle.id, turns=True) if request.turns else \
+                        self.rec.open_stream(handle.id)
+            except TypeError as exc:  # a recognizer without turns (the transducer's)
+                _settle(request.future, exc=ValueError(f"stream {handle.id!r}: this model serves no turn "
+                                                       f"detection ({exc})"))
+                continue
             except (ValueError, KeyError, OSError, StreamCapacityError) as exc:
                 _settle(request.future, exc=ValueError(f"stream {handle.id!r}: {exc}"))
                 continue
@@ -500,6 +511,11 @@ class EngineWorker:
                 self._drop(sid)
                 handle.post(("gone", "the server shut down without a state directory: the stream was dropped"))
                 continue
+            if getattr(self.rec.streams[sid], "segments", None) is not None:  # turns are not saved
+                self._drop(sid)
+                handle.post(("gone", "the server shut down: a stream with turn detection cannot be saved; its "
+                                     "completed turns were sent, the open one is dropped"))
+                continue
             try:
                 blob = self.rec.suspend(sid)
             except ValueError:
@@ -548,6 +564,7 @@ class EngineWorker:
         if not self.rec.streams:
             return False
         before = {sid: (s.frames_done, len(s.latencies)) for sid, s in self.rec.streams.items()}
+        turning = {sid: s for sid, s in self.rec.streams.items() if getattr(s, "segments", None) is not None}
         t0 = time.perf_counter()
         try:
             finished = self.rec.step(on_error=lambda sid, exc: self._fail(sid, exc, "its part of a tick"))
@@ -562,6 +579,11 @@ class EngineWorker:
         progressed = bool(finished) or bool(stats and (stats.cohort or stats.decode_steps))
         if progressed and self.on_tick is not None:
             self.on_tick(seconds)
+        for sid, stream in turning.items():  # a finished stream's last turn too (its object outlives it)
+            handle = self._handles.get(sid)
+            events, stream.turn_events = stream.turn_events, []
+            for entry in events if handle is not None else ():
+                handle.post(("turn", entry))
         for sid, (frames, timed) in before.items():
             stream = self.rec.streams.get(sid)
             handle = self._handles.get(sid)

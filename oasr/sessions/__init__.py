@@ -2,7 +2,8 @@
 
 | module | what |
 |---|---|
-| ``format`` | the byte format (header, sections, checksum), capture and restore of a stream's caches |
+| ``format`` | the byte format (header, sections, checksum): encode and read a session |
+| ``stream`` | capture a stream's caches into a session and restore them (save/load a stream or a ``StreamContext``) |
 | ``decoder_rows`` | the attention decoder's K/V rows as a session section (pages written once, shared on load) |
 
 ``docs/sessions.md`` describes the format.

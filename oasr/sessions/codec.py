@@ -1,6 +1,6 @@
 """The session format's byte primitives: type codes, the error, tensors to bytes and back, bounded reads.
 
-``oasr.sessions.format`` (a stream's caches) and ``oasr.sessions.decoder_rows`` (an attention decoder's rows)
+``oasr.sessions.format`` (a stream's session) and ``oasr.sessions.decoder_rows`` (an attention decoder's rows)
 both write and read with these, so a code or a bounds check is stated once.
 """
 

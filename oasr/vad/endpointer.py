@@ -177,6 +177,16 @@ class EndpointerBank:
         self.start = np.zeros(max_streams, np.int64)
         self.last_end = np.zeros(max_streams, np.int64)
 
+    def grow(self, max_streams: int) -> None:
+        """Room for ``max_streams`` slots (the new ones at a stream's start); never shrinks."""
+        extra = max_streams - self.max_streams
+        if extra <= 0:
+            return
+        for name in ("frame", "in_turn", "run", "start", "last_end"):
+            array = getattr(self, name)
+            setattr(self, name, np.concatenate([array, np.zeros(extra, array.dtype)]))
+        self.max_streams = max_streams
+
     def reset(self, slots) -> None:
         """Slots back to a stream's start."""
         s = self._slots(slots, "reset")
