@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from oasr.asr.checkpoint import FORMAT, load_checkpoint, read_header, save_checkpoint
-from oasr.asr.features import GlobalCmvn
 from oasr.asr.model import AsrSpec, build
+from oasr.features.fbank import GlobalCmvn
 
 TINY = AsrSpec(
     encoder=dict(input_dim=80, hidden_dim=32, num_layers=1, n_head=2, n_kv_head=1, head_dim=16, ffn_dim=64,

@@ -6,10 +6,10 @@ import soundfile as sf
 import torch
 
 from oasr.asr.audio import AudioError, check_pcm, load_audio
-from oasr.asr.features import SAMPLE_RATE, OnlineFbank, fbank, num_frames
 from oasr.asr.metrics import edit_distance, error_rates
 from oasr.asr.testset import load_testset
-from oasr.asr.tokenizer import CharTokenizer, normalize
+from oasr.features.fbank import SAMPLE_RATE, OnlineFbank, fbank, num_frames
+from oasr.tokenizers.char import CharTokenizer, normalize
 
 
 def _clip_pcm():

@@ -20,8 +20,8 @@ from oasr.asr.opentext import (
 from oasr.asr.testset import load_testset, shipped_testset_dir
 from oasr.asr.testset2 import SecondSetSentences
 from oasr.asr.text import is_held_out
-from oasr.asr.tokenizer import CharTokenizer
 from oasr.asr.vocab import load_names, load_words, spelled_out
+from oasr.tokenizers.char import CharTokenizer
 
 
 def _take(gen, n):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from oasr.asr.audio import load_audio
-from oasr.asr.features import fbank
 from oasr.asr.testset import load_testset
 from oasr.asr.train import batches, joint_loss, learning_rate, train
+from oasr.features.fbank import fbank
 from tests.test_asr_checkpoint import TINY
 
 

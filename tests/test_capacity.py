@@ -10,9 +10,9 @@ import torch
 
 from oasr.asr.audio import load_audio
 from oasr.asr.batched_fbank import FBANK_TOLERANCE, PcmBuffer, fbank_frames, frame_windows
-from oasr.asr.features import fbank, num_frames
 from oasr.asr.recognizer import Recognizer
 from oasr.asr.testset import load_testset
+from oasr.features.fbank import fbank, num_frames
 
 
 @pytest.fixture(scope="module")

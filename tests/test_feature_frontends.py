@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from oasr.asr import features as kaldi_features
 from oasr.features import KaldiFbank, NemoMel, NemoMelConfig, build_extractor, list_extractors
+from oasr.features import fbank as kaldi_features
 
 sys.path.insert(0, str(Path(__file__).parent))
 from nemotron_rnnt_oracle import clip  # noqa: E402

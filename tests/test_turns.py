@@ -125,8 +125,8 @@ def test_more_open_streams_than_slots_grow_the_endpointer_bank(clips_and_alone):
 
 
 def test_word_times_group_tokens_into_words():
-    from oasr.asr.tokenizer import CharTokenizer
     from oasr.asr.words import Word, word_times
+    from oasr.tokenizers.char import CharTokenizer
 
     tok = CharTokenizer()
     tokens = tok.encode("hi yo")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oasr.asr.features import SAMPLE_RATE
+from oasr.features.fbank import SAMPLE_RATE
 
 MIN_RATE, MAX_RATE = 8000, 192000
 FORMATS = "WAV, FLAC, OGG, MP3 and the other formats libsndfile reads"

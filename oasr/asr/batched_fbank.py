@@ -1,12 +1,12 @@
 """The fbank of many frames in one call: Kaldi's log-mel filterbank as a few array operations.
 
-``oasr.asr.features.OnlineFbank`` runs kaldi-native-fbank one stream at a time; its C++ frame loop
+``oasr.features.fbank.OnlineFbank`` runs kaldi-native-fbank one stream at a time; its C++ frame loop
 costs ~20 us per 10 ms frame here (a stream-chunk of 1.28 s: ~2.5 ms), which alone caps one CPU
 thread at a few hundred live streams. ``fbank_frames(windows)`` computes the same features for every
 frame of every stream ready in a tick at once: one gather of the windows, one real FFT over all of
 them, one matrix product with the mel banks.
 
-The arithmetic is Kaldi's, with ``oasr.asr.features.FBANK``'s options (16 kHz, 25 ms windows every
+The arithmetic is Kaldi's, with ``oasr.features.fbank.FBANK``'s options (16 kHz, 25 ms windows every
 10 ms, no dither, ``snip_edges``, 80 bins from 20 Hz to Nyquist), per frame of 400 samples scaled
 to 16-bit values::
 
@@ -29,7 +29,7 @@ import math
 import numpy as np
 import torch
 
-from oasr.asr.features import FRAME_LENGTH, FRAME_SHIFT, NUM_MEL_BINS, SAMPLE_RATE, num_frames
+from oasr.features.fbank import FRAME_LENGTH, FRAME_SHIFT, NUM_MEL_BINS, SAMPLE_RATE, num_frames
 
 PADDED = 512  # the FFT length: the window rounded up to a power of two
 PREEMPHASIS = 0.97

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from oasr.asr.features import GlobalCmvn
 from oasr.asr.model import AsrSpec, build
+from oasr.features.fbank import GlobalCmvn
 
 FORMAT = "oasr-asr-1"
 WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16}  # what ``weights`` may say

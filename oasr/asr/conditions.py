@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from oasr.asr.features import SAMPLE_RATE
+from oasr.features.fbank import SAMPLE_RATE
 
 NARROW_RATE = 8000
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from oasr.asr.features import fbank
 from oasr.asr.opentext import MixedSentenceGenerator
 from oasr.asr.text import SentenceGenerator
+from oasr.features.fbank import fbank
 
 
 def shard_path(directory, index: int) -> Path:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from oasr.asr.features import SAMPLE_RATE
+from oasr.features.fbank import SAMPLE_RATE
 
 _HEADER = struct.Struct("<d")  # the time the message was sent
 _DONE = b"done"

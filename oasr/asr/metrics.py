@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oasr.asr.tokenizer import normalize
+from oasr.tokenizers.char import normalize
 
 
 def edit_distance(ref, hyp) -> int:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from oasr.asr.tokenizer import ALPHABET, CharTokenizer
 from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
 from oasr.models.conformer import ConformerConfig, StreamingConformer
+from oasr.tokenizers.char import ALPHABET, CharTokenizer
 
 
 def _encoder_defaults() -> dict:

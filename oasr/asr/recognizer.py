@@ -42,8 +42,8 @@ import torch
 from oasr.asr.audio import check_pcm, load_audio
 from oasr.asr.batched_fbank import PcmBuffer, fbank_frames
 from oasr.asr.checkpoint import default_model_path, load_checkpoint
-from oasr.asr.features import FRAME_LENGTH, FRAME_SHIFT, SAMPLE_RATE
 from oasr.ctc.config import CtcDecoderConfig
+from oasr.features.fbank import FRAME_LENGTH, FRAME_SHIFT, SAMPLE_RATE
 from oasr.layers import Linear
 
 # Recognizer(matmul_dtype=): the encoder's projections in fp32 (None, torch's numerics) or bfloat16
@@ -511,7 +511,7 @@ class Recognizer:
     @torch.no_grad()
     def transcribe_full_context(self, pcm, clip_id=0) -> Transcript:
         """Encode a whole utterance with unrestricted attention, then the same beam search (and rescoring)."""
-        from oasr.asr.features import fbank
+        from oasr.features.fbank import fbank
         from oasr.models.attention_decoder import attention_rescore
         from oasr.reference import StreamingCtcDecoder
 

@@ -20,7 +20,7 @@ import subprocess
 
 import numpy as np
 
-from oasr.asr.features import SAMPLE_RATE
+from oasr.features.fbank import SAMPLE_RATE
 
 ACCENTS = ["en-us", "en", "en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd", "en-029"]
 TRAIN_VARIANTS = ["m1", "m2", "m3", "m4", "m6", "m7", "f1", "f2", "f4", "f5", "klatt", "klatt3", "klatt4",

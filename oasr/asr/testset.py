@@ -68,8 +68,8 @@ def make_testset(directory, count: int = 120, seed: int = 20261201) -> Path:
     """Synthesize ``count`` held-out clips (FLAC) and their ``transcripts.tsv`` into ``directory``, from ``seed``."""
     import soundfile as sf
 
-    from oasr.asr.features import SAMPLE_RATE
     from oasr.asr.synth import TEST_VARIANTS, draw_utterance
+    from oasr.features.fbank import SAMPLE_RATE
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

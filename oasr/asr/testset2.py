@@ -110,8 +110,8 @@ def make_testset2(directory, seed: int = 20261204, base: int = 30, narrow: int =
     import soxr
 
     from oasr.asr.conditions import NARROW_RATE, add_noise, join_phrases, noise, pad, silence
-    from oasr.asr.features import SAMPLE_RATE
     from oasr.asr.synth import TEST2_ACCENTS, TEST2_VARIANTS, speak
+    from oasr.features.fbank import SAMPLE_RATE
 
     if narrow + lead + noisy > base:
         raise ValueError(f"make_testset2: {narrow} + {lead} + {noisy} copies need as many base clips, got {base}")

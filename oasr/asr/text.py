@@ -3,7 +3,7 @@
 Sentences come from templates over a closed vocabulary of a few hundred words: spoken numbers,
 clock times, dates, home-assistant commands, weather reports and short descriptive sentences.
 Everything is lower case letters, apostrophes and single spaces, which is exactly the
-character tokenizer's alphabet (``oasr.asr.tokenizer``).
+character tokenizer's alphabet (``oasr.tokenizers.char``).
 
 The held-out test set must contain sentences never trained on. ``is_held_out(text)`` splits the
 space of sentences by a stable hash (not by Python's salted ``hash``): the training stream drops

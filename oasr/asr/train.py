@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from oasr.asr.data import ShardSet
-from oasr.asr.features import GlobalCmvn
 from oasr.asr.model import AsrSpec, build
+from oasr.features.fbank import GlobalCmvn
 
 
 def batches(lens: np.ndarray, max_frames: int, rng: random.Random) -> list[list[int]]:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from oasr.asr.audio import check_pcm
-from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE
+from oasr.features.fbank import FRAME_SHIFT, SAMPLE_RATE
 
 SERVED_FORMAT = "oasr-served-transducer-1"
 

@@ -29,8 +29,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE
 from oasr.asr.segments import Segment, SegmenterConfig
+from oasr.features.fbank import FRAME_SHIFT, SAMPLE_RATE
 from oasr.vad import EndpointConfig, EndpointerBank
 
 

@@ -10,7 +10,7 @@ then drops what espeak-ng does not speak as a word: entries it spells letter by 
 as "en tee aitch": as many stress marks as letters) and entries without a vowel letter. The result is
 written as ``words.txt.gz`` and ``names.txt.gz`` (one entry a line, sorted) under ``oasr/assets/vocab``;
 ``load_words()`` / ``load_names()`` read the shipped copies, so neither the recipe nor the tests need
-the word list. Every entry is in the character tokenizer's alphabet (``oasr.asr.tokenizer.ALPHABET``).
+the word list. Every entry is in the character tokenizer's alphabet (``oasr.tokenizers.char.ALPHABET``).
 """
 
 from __future__ import annotations

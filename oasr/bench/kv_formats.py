@@ -124,9 +124,9 @@ def shipped_model_wer(kv_cache_dtype, device="cpu", quick: bool = False) -> floa
 def trained_model_kv(quick: bool = False) -> torch.Tensor:
     """Every layer's keys and values of the shipped model over a few shipped clips, ``(N, head_dim)`` vectors."""
     from oasr.asr.audio import load_audio
-    from oasr.asr.features import fbank
     from oasr.asr.recognizer import Recognizer
     from oasr.asr.testset import load_testset
+    from oasr.features.fbank import fbank
 
     rec = Recognizer(max_streams=1)
     captured = []

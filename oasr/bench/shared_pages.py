@@ -85,8 +85,8 @@ def _decoders(quick: bool, device) -> list[tuple]:
     and the seeded toy decoder on random frames."""
     from oasr.asr.audio import load_audio
     from oasr.asr.checkpoint import default_model_path, load_checkpoint
-    from oasr.asr.features import fbank
     from oasr.asr.testset import load_testset
+    from oasr.features.fbank import fbank
     from oasr.models.attention_decoder import AttentionDecoder, DecoderConfig
 
     encoder, decoder, _, cmvn, _ = load_checkpoint(default_model_path())

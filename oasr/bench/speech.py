@@ -41,10 +41,10 @@ def training_row(steps: int = 4) -> dict:
     import torch
 
     from oasr.asr.audio import load_audio
-    from oasr.asr.features import GlobalCmvn, fbank
     from oasr.asr.model import AsrSpec, build
     from oasr.asr.testset import load_testset
     from oasr.asr.train import joint_loss
+    from oasr.features.fbank import GlobalCmvn, fbank
 
     spec = AsrSpec()
     tok = spec.tokenizer()

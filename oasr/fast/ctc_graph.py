@@ -43,7 +43,7 @@ class _ChunkGraph:
     """Static inputs of one (width, T, vocab, dtype) and the runner that replays the search over them."""
 
     def __init__(self, decoder, width: int, frames: int, vocab: int, dtype: torch.dtype, capture):
-        from oasr.fast.ctc_decoder import _allocate, _fill_initial, search_chunk
+        from oasr.fast.ctc_search import _allocate, _fill_initial, search_chunk
 
         device = decoder.device
         self.width, self.frames = width, frames

@@ -1,9 +1,9 @@
-"""``kaldi_fbank``: the shipped model's front end (``oasr.asr.features``) behind the registry's interface."""
+"""``kaldi_fbank``: the shipped model's front end (``oasr.features.fbank``) behind the registry's interface."""
 
 from __future__ import annotations
 
-from oasr.asr import features as _fbank
-from oasr.features import FeatureExtractor, StreamingFraming, register_extractor
+from oasr.features import fbank as _fbank
+from oasr.features.registry import FeatureExtractor, StreamingFraming, register_extractor
 
 
 @register_extractor

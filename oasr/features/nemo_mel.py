@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oasr.features import FeatureExtractor, StreamingFraming, register_extractor
+from oasr.features.registry import FeatureExtractor, StreamingFraming, register_extractor
 
 LOG_GUARD = 2.0**-24
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

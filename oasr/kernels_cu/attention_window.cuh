@@ -51,7 +51,7 @@ __device__ __forceinline__ AttentionCta attention_cta(const int* __restrict__ ca
     return c;
 }
 
-// The relative-position term (oasr/rel_bias.py), read by the attention kernels' kRel instances:
+// The relative-position term (oasr/cache/rel_bias.py), read by the attention kernels' kRel instances:
 // query row `row` (t = row / group, query head kvh * group + row % group) adds, to its score of
 // the key at table position pos, rel_bias[b, hq, t, c] with c = (seqlen + t) - pos + (T - 1),
 // from a float32 (B, n_head, T, rel_len) table. A query reads only the columns of the keys it

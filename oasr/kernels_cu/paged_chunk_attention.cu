@@ -14,7 +14,7 @@
 //       out[b, hq, t] = softmax(scale * q . k) @ v   over those keys,
 //                       k/v of KV head hq / (n_head / n_kv_head)   (GQA)
 //   No mask inside the chunk (unless causal). Softmax is online and in fp32.
-//   kRel (the relative-position term, oasr/rel_bias.py; rel_bias (B, n_head, T, rel_len) fp32):
+//   kRel (the relative-position term, oasr/cache/rel_bias.py; rel_bias (B, n_head, T, rel_len) fp32):
 //       score = scale * q . k + rel_bias[b, hq, t, (cache_seqlens[b] + t) - pos + T - 1]
 //       for key table position pos, added before the mask. Lane j reads the entry of its own key
 //       for each of its warp's rows (consecutive lanes, consecutive columns: one coalesced read

@@ -42,7 +42,7 @@
 //   O (16 x D) += P (registers: S's C fragments are P's A fragments)
 //                 x V of its KW keys (ldmatrix .trans), KW/16 x D/8 mma
 //
-// kRel (the relative-position term, oasr/rel_bias.py): after S (and fp8's k scales), each element
+// kRel (the relative-position term, oasr/cache/rel_bias.py): after S (and fp8's k scales), each element
 //   a row sees (key below its key_limit) becomes s * c_row + rel_bias[b, hq, t, (seqlen + t) - pos +
 //   T - 1] * log2(e), read from global memory (L1-cached; a quad's lanes read neighbouring columns),
 //   and the softmax takes c = 1 for those rows. A column past rel_len gives NaN, and a NaN row sum

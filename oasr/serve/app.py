@@ -40,7 +40,7 @@ from starlette.datastructures import UploadFile
 from starlette.websockets import WebSocketDisconnect
 
 from oasr.asr.audio import AudioError, check_pcm
-from oasr.asr.features import SAMPLE_RATE
+from oasr.features.fbank import SAMPLE_RATE
 from oasr.serve import protocol as p
 from oasr.serve.metrics import CONTENT_TYPE, ServeMetrics
 from oasr.serve.worker import (

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from oasr.asr.features import SAMPLE_RATE
+from oasr.features.fbank import SAMPLE_RATE
 from oasr.serve.protocol import CLOSE_NORMAL, REALTIME_PATH, float_to_float32, float_to_pcm16
 
 ENCODERS = {"float32": float_to_float32, "pcm16": float_to_pcm16}

@@ -49,7 +49,7 @@ import re
 import numpy as np
 
 from oasr.asr.audio import AudioError, read_bytes
-from oasr.asr.features import SAMPLE_RATE
+from oasr.features.fbank import SAMPLE_RATE
 
 TRANSCRIPTION_PATH = "/v1/audio/transcriptions"
 REALTIME_PATH = "/v1/realtime"

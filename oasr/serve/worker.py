@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from oasr.asr.audio import AudioError
-from oasr.asr.features import FRAME_SHIFT, SAMPLE_RATE
 from oasr.cache.errors import StreamCapacityError
+from oasr.features.fbank import FRAME_SHIFT, SAMPLE_RATE
 from oasr.serve.state import SessionWriter, write_atomic
 
 logger = logging.getLogger("oasr.serve")

@@ -4,7 +4,7 @@ Every tokenizer has ``vocab_size``, ``blank_id`` and ``decode(ids) -> str``. Kin
 
 | kind | what |
 |---|---|
-| ``char`` | the shipped model's character tokenizer (``oasr.asr.tokenizer.CharTokenizer``) |
+| ``char`` | the shipped model's character tokenizer (``oasr.tokenizers.char.CharTokenizer``) |
 | ``hf_json`` | a checkpoint's ``tokenizer.json`` through the ``tokenizers`` library, decoded as transformers does |
 
 ``build_tokenizer(kind, ...)`` builds one; an unknown kind is refused naming the known ones.
@@ -35,7 +35,7 @@ def build_tokenizer(kind: str, *args, **kwargs):
 
 
 def _char(*args, **kwargs):
-    from oasr.asr.tokenizer import CharTokenizer
+    from oasr.tokenizers.char import CharTokenizer
 
     return CharTokenizer(*args, **kwargs)
 
