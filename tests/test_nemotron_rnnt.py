@@ -396,3 +396,33 @@ def test_fast_decode_loop_is_capture_safe_and_the_reference_is_not():
     with checker.region("reference") as record:
         ref_rnnt.decode_chunk(head, enc, _zero_state(spec, 3), [4, 2, 3])
     assert record.violations
+
+
+def test_end_to_end_on_the_emulated_kernels_equals_transformers(tmp_path, monkeypatch):
+    """Audio to text with the fast twin's attention on the g++-emulated CUDA kernels (head_dim 64, a tile the
+    kernels have; the relative-position term inside the kernel): the text and each chunk's tokens equal
+    transformers' streaming generation, and no kernel gap was counted (the kernel, not torch, served every
+    attention call)."""
+    from oasr.asr.transducer import TransducerRecognizer
+    from oasr.fast import backend, kernel_policy
+
+    model, processor = oracle.make_checkpoint(tmp_path, "a", seed=11,
+                                              overrides=dict(hidden_size=128, num_attention_heads=2,
+                                                             num_hidden_layers=1, lookaheads=[1]))
+    clips = {sid: oracle.clip(index, seconds) for sid, (index, seconds) in enumerate(CLIPS[:2])}
+    monkeypatch.setenv(backend.ENV_VAR, "emulated")
+    kernel_policy.reset_counts()
+    rec = TransducerRecognizer(tmp_path, None, 1, {"twin": "fast"}, max_batch_size=2)
+    for sid, pcm in clips.items():
+        rec.add_stream(sid)
+        rec.accept_audio(sid, pcm)
+        rec.end_stream(sid)
+    rec.run()
+    assert backend.backends_used()["cpu"] == "emulated"
+    assert kernel_policy.gaps["paged-attention-head-dim"] == 0
+    monkeypatch.delenv(backend.ENV_VAR)
+    for sid, pcm in clips.items():
+        tokens, where, enc_chunks, sequence = oracle.oracle_stream(model, _features(tmp_path, pcm), 1)
+        assert rec.chunk_tokens(sid) == _by_chunk(tokens, where, len(enc_chunks)), sid
+        assert rec.text(sid) == processor.decode(sequence, skip_special_tokens=True)
+    assert any(rec.text(sid) for sid in clips)  # the biased joint emits tokens: the comparison is not of blanks
