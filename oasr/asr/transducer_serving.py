@@ -24,7 +24,6 @@ Semantics, as ``Recognizer``'s:
 from __future__ import annotations
 
 import json
-import struct
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -34,6 +33,7 @@ import torch
 
 from oasr.asr.audio import check_pcm
 from oasr.features.fbank import FRAME_SHIFT, SAMPLE_RATE
+from oasr.sessions.codec import read_tensor_blob
 
 SERVED_FORMAT = "oasr-served-transducer-1"
 
@@ -190,15 +190,7 @@ class ServedTransducer:
     def resume(self, data, stream_id=None) -> TransducerAudioStream:
         """A stream from ``suspend``/``checkpoint`` bytes (of a recognizer of the same checkpoint and lookahead),
         live again under ``stream_id``; ``ValueError`` for foreign or corrupt bytes or an id in use."""
-        from safetensors.torch import load
-
-        try:
-            data = bytes(data)
-            tensors = load(data)
-            (header_bytes,) = struct.unpack("<Q", data[:8])
-            meta = json.loads(data[8 : 8 + header_bytes]).get("__metadata__") or {}
-        except Exception as exc:
-            raise ValueError(f"ServedTransducer.resume: not a suspended stream ({exc})") from None
+        tensors, meta = read_tensor_blob(data, "ServedTransducer.resume")
         if meta.get("format") != SERVED_FORMAT or "transducer" not in tensors:
             raise ValueError(f"ServedTransducer.resume: format {meta.get('format')!r}, expected {SERVED_FORMAT!r}")
         if stream_id is None:

@@ -47,6 +47,7 @@ import torch
 
 from oasr.cache.config import CacheConfig
 from oasr.models.twins import twin_module
+from oasr.sessions.codec import read_tensor_blob
 from oasr.sessions.stream import load_stream, model_digest, save_stream
 
 SUSPEND_FORMAT = "oasr-encoder-stream-1"
@@ -322,20 +323,10 @@ class EncoderStreamingEngine:
     def resume(self, data: bytes, stream_id) -> object:
         """Register ``stream_id`` from ``suspend``'s bytes; it is admitted (its caches restored) at the next
         tick with a free slot. ``ValueError`` for foreign bytes or another model's weights."""
-        import json
-        import struct
-
-        from safetensors.torch import load
 
         if stream_id in self._streams:
             raise ValueError(f"EncoderStreamingEngine: stream {stream_id!r} exists")
-        try:
-            data = bytes(data)
-            tensors = load(data)
-            (header_bytes,) = struct.unpack("<Q", data[:8])
-            meta = json.loads(data[8 : 8 + header_bytes]).get("__metadata__") or {}
-        except Exception as exc:
-            raise ValueError(f"EncoderStreamingEngine.resume: not a suspended stream ({exc})") from None
+        tensors, meta = read_tensor_blob(data, "EncoderStreamingEngine.resume")
         if meta.get("format") != SUSPEND_FORMAT:
             raise ValueError(f"EncoderStreamingEngine.resume: format {meta.get('format')!r}, expected "
                              f"{SUSPEND_FORMAT!r}")

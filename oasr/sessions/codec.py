@@ -80,3 +80,20 @@ def dtype_of(code: int, where: str) -> torch.dtype:
     if code not in DTYPES:
         raise SessionError(f"{where}: unknown dtype code {code}")
     return DTYPES[code]
+
+
+def read_tensor_blob(data, where: str) -> tuple[dict, dict]:
+    """``(tensors, metadata)`` of a safetensors byte string (a suspended transducer stream or encoder stream);
+    a ``ValueError`` naming ``where`` when ``data`` is not one. Nothing is unpickled."""
+    import json
+
+    from safetensors.torch import load
+
+    try:
+        data = bytes(data)
+        tensors = load(data)
+        (header_bytes,) = struct.unpack("<Q", data[:8])
+        meta = json.loads(data[8 : 8 + header_bytes]).get("__metadata__") or {}
+    except Exception as exc:
+        raise ValueError(f"{where}: not a suspended stream ({exc})") from None
+    return tensors, meta
