@@ -58,6 +58,8 @@ def find_tool(name: str) -> str:
 
 
 def run_tool(tool: str, *args: str, cubin: bytes) -> str:
+    """The standard output of ``tool`` (cuobjdump, nvdisasm) run with ``args`` on ``cubin`` written to a
+    temporary file."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "family.cubin"
         path.write_bytes(cubin)
