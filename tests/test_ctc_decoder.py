@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from oasr.ctc.config import CtcDecoderConfig, CtcHypothesis
 from oasr.fast import ctc_decoder as fast_mod
+from oasr.fast import ctc_search as fast_search
 from oasr.reference import ctc_decoder as ref_mod
 
 # "fast" dispatches by size (small CPU cohorts take its host loop); "fast_batched" forces the
@@ -506,7 +507,7 @@ def test_fast_rolling_keys_are_distinct_and_consistent():
         prev = torch.tensor([keys[p] for p in frontier])
         nxt = []
         for tok in range(40):
-            new = fast_mod._extend_keys(prev, torch.full_like(prev, tok)).tolist()
+            new = fast_search._extend_keys(prev, torch.full_like(prev, tok)).tolist()
             for p, k in zip(frontier, new, strict=True):
                 keys[p + (tok,)] = k
                 nxt.append(p + (tok,))
@@ -523,7 +524,7 @@ def test_fast_hash_hint_is_verified(monkeypatch):
     T, V = 4, 3
     lp = random_log_probs(1, T, V, seed=8, dtype=torch.float64)
     truth = {tuple(labels): logp for labels, logp in exhaustive_ctc(lp[0], blank=0)}
-    monkeypatch.setattr(fast_mod, "_extend_keys", lambda keys, tokens: torch.zeros_like(keys))
+    monkeypatch.setattr(fast_search, "_extend_keys", lambda keys, tokens: torch.zeros_like(keys))
     config = CtcDecoderConfig(beam_size=V**T, nbest=V**T, max_prefix_len=T)
     nbest = decode(TWINS["fast_batched"], config, lp)[0]
     mass: dict[tuple[int, ...], float] = {}
@@ -668,11 +669,11 @@ def test_dispatch_by_size():
 
 def test_top_set_breaks_ties_by_lower_index():
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 3.0], [0.0, -math.inf, 5.0, 5.0, -math.inf, 1.0]])
-    assert fast_mod._top_set(x, 3).tolist() == [[1, 2, 4], [2, 3, 5]]
-    assert fast_mod._top_set(x, 4).tolist() == [[1, 2, 4, 5], [0, 2, 3, 5]]
+    assert fast_search._top_set(x, 3).tolist() == [[1, 2, 4], [2, 3, 5]]
+    assert fast_search._top_set(x, 4).tolist() == [[1, 2, 4, 5], [0, 2, 3, 5]]
     wide = torch.zeros(2, 3000, dtype=torch.float64)
     wide[0, 2999] = 1.0
-    assert fast_mod._ranked_top(wide, 3).tolist() == [[2999, 0, 1], [0, 1, 2]]
+    assert fast_search._ranked_top(wide, 3).tolist() == [[2999, 0, 1], [0, 1, 2]]
 
 
 @pytest.mark.cuda
