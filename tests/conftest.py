@@ -117,3 +117,16 @@ def pytest_runtest_makereport(item, call):
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(scope="module")
+def emu():
+    """The host-emulated kernel executor, every kernel loaded (a toolchain skip when it cannot build)."""
+    from oasr.fast.kernels import emulation
+
+    missing = emulation.unavailable_reason()
+    if missing is not None:
+        pytest.skip(f"kernel emulation unavailable: {missing}")
+    executor = emulation.executor()
+    executor.load_all()
+    return executor

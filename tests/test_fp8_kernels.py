@@ -52,11 +52,7 @@ BLOCK_SIZES = [8, 16, 24, 32, 64]
 # 1.3e-6 relative for the emulated kernels (1, 3 or the launcher's splits), 4e-7 for the torch path.
 FP32_FLOOR = 1e-5
 
-try:
-    emulation.emulation_toolchain()
-    _MISSING = None
-except emulation.EmulationUnavailable as exc:
-    _MISSING = str(exc)
+_MISSING = emulation.unavailable_reason()
 
 BACKENDS = [
     "torch",
@@ -64,15 +60,6 @@ BACKENDS = [
         "emulated", marks=pytest.mark.skipif(_MISSING is not None, reason=f"kernel emulation unavailable: {_MISSING}")
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def emu():
-    if _MISSING is not None:
-        pytest.skip(f"kernel emulation unavailable: {_MISSING}")
-    executor = emulation.executor()
-    executor.load_all()
-    return executor
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from oasr.fast import paged_ops as fast
-from oasr.fast.kernels import emulation, ops
+from oasr.fast.kernels import ops
 from oasr.fast.kernels.testing import bits, low_precision_bound, make_scenario, to_format, written_slots
 from oasr.kv_formats import get_format
 from oasr.reference import paged_ops as ref
@@ -27,20 +27,6 @@ FORMATS = ["int8", "q8_0", "affine4", "affine4_g64"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FP32_FLOOR = 1e-5  # fp32 summation order (tests/test_fp8_kernels.py calibrates it)
 
-try:
-    emulation.emulation_toolchain()
-    _MISSING = None
-except emulation.EmulationUnavailable as exc:
-    _MISSING = str(exc)
-
-
-@pytest.fixture(scope="module")
-def emu():
-    if _MISSING is not None:
-        pytest.skip(f"kernel emulation unavailable: {_MISSING}")
-    executor = emulation.executor()
-    executor.load_all()
-    return executor
 
 
 def _geometry(seed: int, head_dim: int, dtype: torch.dtype, max_history: int = 100) -> dict:

@@ -17,17 +17,10 @@ from oasr.cache.config import CacheConfig
 from oasr.fast import paged_ops as fast
 from oasr.fast.attention_cache import AttentionCacheManager as FastManager
 from oasr.fast.block_pool import BlockPool as FastPool
-from oasr.fast.kernels import emulation
 from oasr.fast.kernels.testing import bits
 from oasr.reference import paged_ops as ref
 from oasr.reference.attention_cache import AttentionCacheManager as RefManager
 from oasr.reference.block_pool import BlockPool as RefPool
-
-try:
-    emulation.emulation_toolchain()
-    _MISSING = None
-except emulation.EmulationUnavailable as exc:
-    _MISSING = str(exc)
 
 # (format, model dtype, n_kv_head, block_size, max_num_blocks): the config first (q8_0, fp32,
 # 7 blocks with scratch x 5 frames x 1 head x 2 fp16 = 140 bytes per layer), then odd geometries
@@ -41,15 +34,6 @@ GEOMETRIES = [
     ("affine4_g64", torch.float16, 1, 7, 4),
     ("affine4_g64", torch.float32, 1, 5, 6),
 ]
-
-
-@pytest.fixture(scope="module")
-def emu():
-    if _MISSING is not None:
-        pytest.skip(f"kernel emulation unavailable: {_MISSING}")
-    executor = emulation.executor()
-    executor.load_all()
-    return executor
 
 
 def _config(fmt, dtype, n_kv_head, block_size, max_num_blocks) -> CacheConfig:

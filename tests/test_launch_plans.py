@@ -16,11 +16,7 @@ from oasr.bench.launcher import NoopExecutor, make_view
 from oasr.fast.kernels import emulation, ops
 from oasr.fast.kernels.testing import make_scenario
 
-try:
-    emulation.emulation_toolchain()
-    _MISSING = None
-except emulation.EmulationUnavailable as exc:
-    _MISSING = str(exc)
+_MISSING = emulation.unavailable_reason()
 
 
 def test_a_plan_is_kept_per_key_and_reused():

@@ -20,11 +20,7 @@ import torch
 from oasr.fast.kernels import emulation
 from oasr.fast.kernels.registry import FP8_DTYPE, Kernel
 
-try:
-    emulation.emulation_toolchain()
-    _MISSING = None
-except emulation.EmulationUnavailable as exc:
-    _MISSING = str(exc)
+_MISSING = emulation.unavailable_reason()
 
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"kernel emulation unavailable: {_MISSING}")
 

@@ -111,6 +111,15 @@ def emulation_toolchain() -> tuple[str, str]:
     )
 
 
+def unavailable_reason() -> str | None:
+    """Why the host emulation cannot build here (the ``EmulationUnavailable`` message), or None when it can."""
+    try:
+        emulation_toolchain()
+    except EmulationUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def shim_source(family: str) -> str:
     """The generated translation unit: the family's .cu plus one launcher per instantiation."""
     return _shim(f"{family}.cu", registry.kernels_of(family))
