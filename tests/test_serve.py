@@ -32,6 +32,7 @@ pytest.importorskip("websockets")
 
 import soundfile as sf  # noqa: E402
 
+from oasr.asr import recognizer as recognizer_module  # noqa: E402
 from oasr.asr.audio import load_audio  # noqa: E402
 from oasr.asr.recognizer import Recognizer  # noqa: E402
 from oasr.asr.testset import load_testset  # noqa: E402
@@ -170,29 +171,41 @@ def test_disconnect_mid_stream_frees_blocks_and_slot(server, clips):
 
     results = asyncio.run(run())
     assert all(r.deltas and r.transcript is None for r in results)  # each held blocks, then went away
+    cancelled = before["streams_ended"]["cancelled"] + 3
+    assert wait_for(lambda: health(server)["streams_ended"]["cancelled"] == cancelled), (health(server), before)
     assert wait_for(lambda: health(server)["pool"] == before["pool"]), (health(server), before)
     assert health(server)["streams_active"] == 0
-    assert health(server)["streams_ended"]["cancelled"] == before["streams_ended"]["cancelled"] + 3
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     assert 'oasr_requests_total{endpoint="realtime",status="disconnected"}' in metrics
 
 
-def test_upload_clients_that_go_away_free_their_streams(server, clips):
+def test_upload_clients_that_go_away_free_their_streams(server, clips, monkeypatch):
     chosen, audio, _ = clips
+    # every chunk of work takes at least 20 ms, so no 29 s upload can finish before its client is gone
+    advance = recognizer_module.AudioStream._advance
+
+    def slow_advance(self, encoder_frames, now):
+        time.sleep(0.02)
+        return advance(self, encoder_frames, now)
+
+    monkeypatch.setattr(recognizer_module.AudioStream, "_advance", slow_advance)
     before = health(server)
     url = server.url + protocol.TRANSCRIPTION_PATH
+    long_clip = np.concatenate([audio[i % len(audio)] for i in range(12)])[: 29 * 16000]
     # an event stream closed after its first delta
-    with httpx.stream("POST", url, files={"file": ("a.flac", chosen[0].path.read_bytes())},
+    with httpx.stream("POST", url, files={"file": ("long.wav", wav_bytes(long_clip, 16000))},
                       data={"model": "oasr", "stream": "true"}, timeout=TIMEOUT) as response:
         first = next(line for line in response.iter_lines() if line.startswith("data: "))
     assert json.loads(first[len("data: "):])["type"] == "transcript.text.delta"
-    # a plain upload whose client gives up long before 29 s of audio are transcribed
-    long_clip = np.concatenate([audio[i % len(audio)] for i in range(12)])[: 29 * 16000]
+    # a plain upload whose client gives up long before its audio is transcribed
     with pytest.raises(httpx.TimeoutException):
         httpx.post(url, files={"file": ("long.wav", wav_bytes(long_clip, 16000))}, timeout=0.3)
+    was = before["streams_ended"]
+    # the pool alone is no signal: the upload may not be admitted yet when its client gives up
+    assert wait_for(lambda: health(server)["streams_ended"]["cancelled"] == was["cancelled"] + 2), \
+        (health(server)["streams_ended"], was)
     assert wait_for(lambda: health(server)["pool"] == before["pool"]), (health(server), before)
-    ended, was = health(server)["streams_ended"], before["streams_ended"]
-    assert ended["cancelled"] == was["cancelled"] + 2 and ended["completed"] == was["completed"]  # not finished
+    assert health(server)["streams_ended"]["completed"] == was["completed"]  # neither finished
     assert 'endpoint="transcriptions",status="499"} 1.0' in httpx.get(server.url + "/metrics", timeout=10).text
 
 
