@@ -59,6 +59,33 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
             assert torch.equal(p, q), name
 
 
+def test_a_run_can_start_from_an_exported_model(tmp_path):
+    """``init``: step 0 holds the checkpoint's weights and CMVN (lr 0 keeps them), EMA included; resuming
+    ignores it; a checkpoint of another geometry is refused before any step."""
+    from oasr.asr.checkpoint import load_checkpoint, save_checkpoint
+    from oasr.asr.model import AsrSpec
+
+    torch.set_num_threads(1)
+    _tiny_shards(tmp_path / "a" / "train")
+    _tiny_shards(tmp_path / "b" / "train")
+    _tiny_shards(tmp_path / "c" / "train")
+    kw = dict(max_frames=2500, warmup=1, spec=TINY, log=lambda s: None)
+    first = train(tmp_path / "a", steps=3, seed=1, lr=3e-3, **kw)
+    save_checkpoint(tmp_path / "m.safetensors", first["encoder"], first["decoder"], TINY, first["cmvn"])
+    logs = []
+    tuned = train(tmp_path / "b", steps=1, seed=2, lr=1e-12, init=tmp_path / "m.safetensors",
+                  **{**kw, "log": logs.append})
+    assert any(line.startswith("starting from") for line in logs)
+    enc, dec, _, cmvn, _ = load_checkpoint(tmp_path / "m.safetensors")
+    for m, want in (("encoder", enc), ("decoder", dec)):
+        for (name, p), q in zip(tuned[m].named_parameters(), want.parameters(), strict=True):
+            assert torch.allclose(p, q, atol=1e-6), name  # one step at lr 1e-12
+    assert torch.equal(tuned["cmvn"].mean, cmvn.mean) and torch.equal(tuned["cmvn"].istd, cmvn.istd)
+    other = AsrSpec.from_dict({**TINY.to_dict(), "encoder": {**TINY.to_dict()["encoder"], "num_layers": 2}})
+    with pytest.raises(ValueError, match="this run trains"):
+        train(tmp_path / "c", steps=1, init=tmp_path / "m.safetensors", **{**kw, "spec": other})
+
+
 def test_batches_and_schedule():
     import random
 

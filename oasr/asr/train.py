@@ -134,7 +134,7 @@ def greedy_wer(encoder, tokenizer, cmvn, shards: ShardSet, count: int, chunk: in
 def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: float = 2e-3,
           warmup: int = 400, ema_decay: float = 0.999, save_every: int = 200, log_every: int = 25,
           dev_every: int = 1000, dev_dir: Path | None = None, spec: AsrSpec | None = None, serving_share: float = 0.0,
-          stop_at: int | None = None, device: str = "cpu", log=print) -> dict:
+          stop_at: int | None = None, device: str = "cpu", init=None, log=print) -> dict:
     """Train for ``steps`` optimizer steps on the shards in ``work/train`` (resuming ``work/state.pt``).
 
     ``serving_share`` (0 <= share < 1) is the share of batches drawn at the serving chunking
@@ -142,7 +142,10 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
     would (the learning-rate schedule still runs to ``steps``). Every ``dev_every`` steps (and at the end)
     the EMA weights' greedy streaming WER on ``dev_dir`` is logged. ``device`` (``"cpu"`` or ``"cuda[:N]"``)
     runs the model there; batches, SpecAugment and every random draw stay on the CPU, so the data order and
-    masks are those of a CPU run, and the returned networks are back on the CPU."""
+    masks are those of a CPU run, and the returned networks are back on the CPU. ``init``: an exported
+    checkpoint (``save_checkpoint``) of the same geometry whose weights and CMVN a fresh run starts from
+    (fine-tuning; the EMA starts there too); ignored when ``work/state.pt`` resumes a run. ``ValueError``
+    when its geometry is not ``spec``'s."""
     if not 0.0 <= serving_share < 1.0:
         raise ValueError(f"serving_share must be in [0, 1), got {serving_share}")
     work = Path(work)
@@ -160,6 +163,16 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
     step, epoch, cmvn, skip = 0, 0, None, 0
     g = torch.Generator().manual_seed(seed)
     state_path = work / "state.pt"
+    if init is not None and not state_path.exists():
+        from oasr.asr.checkpoint import load_checkpoint
+
+        start_enc, start_dec, start_spec, cmvn, _ = load_checkpoint(init)
+        if start_spec.to_dict() != spec.to_dict():
+            raise ValueError(f"train: {init} is a {start_spec.to_dict()} model, this run trains {spec.to_dict()}")
+        for p, v in zip(params, list(start_enc.parameters()) + list(start_dec.parameters()), strict=True):
+            p.data.copy_(v.to(device))
+        ema = [p.detach().clone() for p in params]
+        log(f"starting from {init} (its weights and CMVN)")
     if state_path.exists():
         state = torch.load(state_path, weights_only=True, map_location=device)
         for p, v in zip(params, state["params"], strict=True):

@@ -59,6 +59,9 @@ def build_parser() -> CommandParser:
     parser.add_argument("--seed", type=int, default=2026, help="seed of the data and the model")
     parser.add_argument("--workers", type=int, default=2, help="synthesis processes")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for training")
+    parser.add_argument("--init", default=None,
+                        help="start from this exported model's weights and CMVN (fine-tuning; same --size), "
+                             "e.g. oasr/assets/model/model.safetensors; default: random weights")
     parser.add_argument("--max-frames", type=int, default=3000,
                         help="padded feature frames per batch (3000: about 9 utterances; on a CPU more, smaller "
                              "steps learned faster than fewer large ones)")
@@ -162,13 +165,14 @@ def main(argv=None) -> int:
     synth_seconds = time.time() - t0
     torch.set_num_threads(args.threads)
     out = train(work, args.steps, seed=args.seed, max_frames=args.max_frames, lr=args.lr, dev_dir=work / "dev",
-                spec=model_spec(args.size), serving_share=args.serving_share, device=args.device,
+                spec=model_spec(args.size), serving_share=args.serving_share, device=args.device, init=args.init,
                 log=lambda s: print(s, flush=True))
     params = sum(p.numel() for m in (out["encoder"], out["decoder"]) for p in m.parameters())
     info = {"steps": out["step"], "train_seconds": round(out["seconds"]), "synth_seconds": round(synth_seconds),
             "utterances": (args.shards + args.extra_voice_shards) * args.shard_size, "seed": args.seed,
             "threads": args.threads, "parameters": params, "serving_share": args.serving_share,
             "device": args.device, "size": args.size, "data": options,
+            "init": None if args.init is None else Path(args.init).name,
             "schedule": f"warmup 400 steps, then a cosine from lr {args.lr:g} to 5% of it at step {args.steps}; "
                         f"batches of at most {args.max_frames} padded frames"}
     save_checkpoint(work / "model.safetensors", out["encoder"], out["decoder"], out["spec"], out["cmvn"], info,
