@@ -30,6 +30,7 @@ SECTIONS = {
     "speech": ("oasr.bench.speech", "section", True),  # RTF and latency at 1/8/64 live streams, training speed
     "serve": ("oasr.bench.serve", "section", True),  # python -m oasr serve under the openai client and live clients
     "capacity": ("oasr.bench.capacity", "section", True),  # live streams held at real time within a latency budget
+    "serve_load": ("oasr.bench.serve_load", "section", True),  # WebSocket clients python -m oasr serve holds
 }
 
 
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: small ops on a shared 2-core machine are noisy with more)")
     parser.add_argument("--latency-budget-ms", type=float, default=250.0,
-                        help="capacity section: the p99 chunk latency a number of live streams must hold")
+                        help="capacity and serve_load sections: the p99 chunk latency a number of live streams "
+                             "(or WebSocket clients) must hold")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="also write all rows as JSON to PATH; without PATH the JSON alone goes to stdout "
                              "and the tables to stderr (default: not written)")
@@ -98,7 +100,7 @@ def _run(args: argparse.Namespace, names: list[str]) -> list[dict]:
     for name in tqdm(names, desc="bench", unit="section", file=sys.stderr):
         module_name, function, takes_device = SECTIONS[name]
         section = getattr(importlib.import_module(module_name), function)
-        extra = {"latency_budget_ms": args.latency_budget_ms} if name == "capacity" else {}
+        extra = {"latency_budget_ms": args.latency_budget_ms} if name in ("capacity", "serve_load") else {}
         rows = section(args.quick, args.device, **extra) if takes_device else section(args.quick)
         rows = with_ratio(rows)
         all_rows += rows
