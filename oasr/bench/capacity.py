@@ -20,7 +20,8 @@ names the device and the largest N. One recognizer (shipped model, fast twin, CU
 available) serves every N, warmed up first.
 
 ``python -m oasr bench --sections capacity [--latency-budget-ms B]``; ``--quick`` (CI): fewer and
-shorter runs.
+shorter runs. ``--capacity-model nemotron-0.6b`` (or ``nemotron-tiny``): a Nemotron streaming transducer with
+random weights instead, rows per lookahead (``oasr.bench.capacity_nemotron``).
 """
 
 from __future__ import annotations
@@ -151,9 +152,23 @@ def capacity(device: str = "cpu", latency_budget_ms: float = 250.0, start: int =
     return rows
 
 
-def section(quick: bool, device: str = "cpu", latency_budget_ms: float = 250.0) -> list[dict]:
-    """The bench section: quick (CI) doubles from 16 (CPU) / 64 (CUDA) over 2 s lanes, else from 16 / 64 over 8 s."""
+def section(quick: bool, device: str = "cpu", latency_budget_ms: float = 250.0, model: str = "shipped",
+            lookaheads=None, time_budget_s: float | None = None) -> list[dict]:
+    """The bench section: quick (CI) doubles from 16 (CPU) / 64 (CUDA) over 2 s lanes, else from 16 / 64 over 8 s.
+
+    ``model``: "shipped", or a Nemotron configuration of ``oasr.bench.capacity_nemotron.MODELS`` (random weights,
+    rows per lookahead, ``lookaheads`` and ``time_budget_s`` as ``nemotron_capacity``'s): quick doubles from 2 to 8
+    (CPU) / 64 to 2,048 (CUDA) over 2 s lanes, else from 4 to 256 / 64 to 4,096 over 8 s."""
     cuda = torch.device(device).type == "cuda"
+    if model != "shipped":
+        from oasr.bench.capacity_nemotron import nemotron_capacity
+
+        if quick:
+            start, top, seconds = (64, 2048, 2.0) if cuda else (2, 8, 2.0)
+        else:
+            start, top, seconds = (64, 4096, 8.0) if cuda else (4, 256, 8.0)
+        return nemotron_capacity(device, model, lookaheads, latency_budget_ms, start, top, seconds, time_budget_s,
+                                 progress=None)
     if quick:
         start, top, seconds = (64, 4096, 2.0) if cuda else (16, 64, 2.0)
     else:

@@ -1,0 +1,102 @@
+"""The Nemotron capacity rows: a random-weight transducer (the tiny configuration; never the full-size one in
+tests) played as live lanes gives the offline transcripts, the rows' structure, the per-chunk latency rule, and
+the options refused. No timings asserted."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers")
+
+from oasr.asr.live_source import plan_lanes, play_lanes  # noqa: E402
+from oasr.bench.capacity_nemotron import (  # noqa: E402
+    MODELS,
+    build_recognizer,
+    nemotron_capacity,
+    synthetic_audio,
+    write_random_checkpoint,
+)
+
+
+def test_live_lanes_give_the_offline_transcripts(tmp_path):
+    audio = synthetic_audio(4, 1.5, seed=3)
+    rec = build_recognizer("nemotron-tiny", 2, "cpu", max_streams=8, directory=tmp_path / "a", seed=5)
+    lanes = plan_lanes([len(a) for a in audio], 3, 2.0, stagger=0.24)
+    run = play_lanes(rec, audio, lanes)
+    expected = {(i, k): c for i, lane in enumerate(lanes) for k, c in enumerate(lane.clips)}
+    assert sorted(run.transcripts) == sorted(expected)
+    assert not rec.streams and not rec.rec.stream_ids  # every finished stream gave its slot back
+    offline = build_recognizer("nemotron-tiny", 2, "cpu", max_streams=8, directory=tmp_path / "b", seed=5)
+    want = [t.text for t in offline.rec.transcribe([audio[c] for c in expected.values()])]
+    got = [run.transcripts[key].text for key in expected]
+    assert got == want and any(want)  # the random joint emits tokens; the live path equals the batch path
+    assert len(run.latencies) == rec.stage_clock.stream_chunks > 0 and (run.latencies > 0).all()
+
+
+def test_a_chunks_latency_starts_at_the_piece_holding_its_last_sample(tmp_path):
+    rec = build_recognizer("nemotron-tiny", 2, "cpu", max_streams=2, directory=tmp_path)
+    stream = rec.open_stream()
+    pcm = synthetic_audio(1, 1.0)[0]
+    base = time.perf_counter()
+    sent = [base - 1000.0 * (10 - k) for k in range(10)]  # pieces sent 1000 s apart: the chosen one is unambiguous
+    for k in range(10):
+        stream.accept(pcm[640 * k : 640 * (k + 1)], sent_at=sent[k])
+    rec.step()
+    # the first chunk is 1 + 8 * 2 = 17 log-mel frames; frame 16 reads samples up to 16 * 160 + 256 = 2816,
+    # which the fifth piece (samples 2560..3200) brought
+    assert len(stream.latencies) == 1
+    assert abs(stream.latencies[0] - (time.perf_counter() - sent[4])) < 500.0
+
+
+def test_rows_per_lookahead_and_the_time_budget():
+    rows = nemotron_capacity("cpu", "nemotron-tiny", [1], latency_budget_ms=1e6, start=2, max_streams=4,
+                             seconds=1.5, progress=None)
+    assert [r["case"] for r in rows] == ["lookahead 1, 2 live streams", "lookahead 1, 4 live streams", "lookahead 1"]
+    for row in rows[:2]:
+        assert row["wer"] is None and row["chunks"] > 0 and row["lookahead"] == 1 and row["chunk_ms"] == 160.0
+        assert row["model_us"] > 0 and row["decode_us"] > 0 and row["ingest_us"] > 0
+        assert "gpu_busy" not in row  # CPU: no device events
+    assert rows[-1]["max_streams_held"] == 4 and rows[-1]["stopped"] == "max_streams"
+    rows = nemotron_capacity("cpu", "nemotron-tiny", [2, 0], time_budget_s=1e-9, progress=None)
+    assert [(r["case"], r["stopped"]) for r in rows] == [("lookahead 2", "time budget"), ("lookahead 0", "time budget")]
+
+
+def test_the_written_checkpoint_is_the_configuration(tmp_path):
+    import json
+
+    d = write_random_checkpoint(tmp_path, "nemotron-0.6b")  # the head only: small even at full size
+    config = json.loads((d / "config.json").read_text())
+    assert config["encoder_config"]["hidden_size"] == 1024 and config["encoder_config"]["num_hidden_layers"] == 24
+    assert config["blank_token_id"] == 1024 and config["decoder_hidden_size"] == 640
+    processor = json.loads((d / "processor_config.json").read_text())
+    assert processor["supported_num_lookahead_tokens"] == MODELS["nemotron-0.6b"]["lookaheads"] == [13, 6, 1, 0]
+
+
+@pytest.mark.parametrize("bad, match", [(dict(model="nemotron-7b"), "unknown model"),
+                                        (dict(lookaheads=[5]), "not among"),
+                                        (dict(start=8, max_streams=4), "start <= max_streams"),
+                                        (dict(time_budget_s=0), "time budget > 0")])
+def test_bad_options_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        nemotron_capacity(**{"device": "cpu", "model": "nemotron-tiny", "progress": None, **bad})
+
+
+@pytest.mark.parametrize("argv, says", [(["--lookaheads", "1"], "--lookaheads applies"),
+                                        (["--capacity-model", "nemotron-tiny", "--lookaheads", "5"], "not among"),
+                                        (["--capacity-model", "nemotron-tiny", "--lookaheads", "x"], "ints"),
+                                        (["--time-budget-s", "0"], "--time-budget-s")])
+def test_bench_refuses_bad_nemotron_options(argv, says, capsys):
+    from oasr.commands.bench import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--sections", "capacity", *argv])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_synthetic_audio_is_fixed_by_its_seed():
+    a, b = synthetic_audio(3, 1.0, seed=1), synthetic_audio(3, 1.0, seed=1)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)) and len(a[0]) == 16000
+    assert all(x.dtype == np.float32 and np.abs(x).max() <= 1.0 for x in a)
