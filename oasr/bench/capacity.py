@@ -38,7 +38,8 @@ NOTES = ("latency: ms from the clock process sending a chunk's last sample to it
          "*_us: host microseconds per stream-chunk by stage; dev_*_us: CUDA event time per stream-chunk; "
          "gpu_busy: model + decode event time over the run's wall time; "
          "held: p99 within the budget and the last transcript within a chunk plus the budget of the last audio; "
-         "cpu_us: process CPU time per stream-chunk; cpu_bound_streams: streams one core feeds at that cost")
+         "cpu_us: process CPU time per stream-chunk; cpu_bound_streams: streams one core feeds at that cost; "
+         "Nemotron rows (--capacity-model): random weights, so wer is n/a, and ingest_us includes the log-mel")
 PIECE = 640  # samples per message (40 ms), as a live client sends them
 
 
