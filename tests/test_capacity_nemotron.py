@@ -100,3 +100,17 @@ def test_synthetic_audio_is_fixed_by_its_seed():
     a, b = synthetic_audio(3, 1.0, seed=1), synthetic_audio(3, 1.0, seed=1)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)) and len(a[0]) == 16000
     assert all(x.dtype == np.float32 and np.abs(x).max() <= 1.0 for x in a)
+
+
+@pytest.mark.cuda
+def test_gpu_rows_say_how_busy_the_gpu_is():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rows = nemotron_capacity("cuda", "nemotron-tiny", [2], latency_budget_ms=1e6, start=4, max_streams=8,
+                             seconds=1.5, progress=None)
+    assert [r["case"] for r in rows] == ["lookahead 2, 4 live streams", "lookahead 2, 8 live streams", "lookahead 2"]
+    for row in rows[:2]:
+        assert row["dev_model_us"] > 0 and row["dev_decode_us"] > 0 and 0 < row["gpu_busy"]
+    assert rows[-1]["gpu_busy_max"] == max(r["gpu_busy"] for r in rows[:2])
