@@ -75,6 +75,24 @@ def test_the_written_checkpoint_is_the_configuration(tmp_path):
     assert processor["supported_num_lookahead_tokens"] == MODELS["nemotron-0.6b"]["lookaheads"] == [13, 6, 1, 0]
 
 
+def test_an_error_in_one_lookahead_keeps_the_rows_and_goes_on(monkeypatch):
+    import oasr.bench.capacity_nemotron as module
+
+    real = module.build_recognizer
+
+    def build(model, lookahead, *args, **kwargs):
+        if lookahead == 1:
+            raise RuntimeError("CUDA out of memory (a stand-in)\nmore lines")
+        return real(model, lookahead, *args, **kwargs)
+
+    monkeypatch.setattr(module, "build_recognizer", build)
+    rows = nemotron_capacity("cpu", "nemotron-tiny", [1, 0], latency_budget_ms=1e6, start=2, max_streams=2,
+                             seconds=1.0, progress=None)
+    assert [r["case"] for r in rows] == ["lookahead 1", "lookahead 0, 2 live streams", "lookahead 0"]
+    assert rows[0]["stopped"] == "error: RuntimeError: CUDA out of memory (a stand-in)"
+    assert rows[0]["max_streams_held"] == 0 and rows[2]["max_streams_held"] == 2
+
+
 @pytest.mark.parametrize("bad, match", [(dict(model="nemotron-7b"), "unknown model"),
                                         (dict(lookaheads=[5]), "not among"),
                                         (dict(start=8, max_streams=4), "start <= max_streams"),

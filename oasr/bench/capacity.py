@@ -169,7 +169,7 @@ def section(quick: bool, device: str = "cpu", latency_budget_ms: float = 250.0, 
         else:
             start, top, seconds = (64, 4096, 8.0) if cuda else (4, 256, 8.0)
         return nemotron_capacity(device, model, lookaheads, latency_budget_ms, start, top, seconds, time_budget_s,
-                                 progress=None)
+                                 progress=lambda line: print(line, flush=True))  # a log that outlives a kill
     if quick:
         start, top, seconds = (64, 4096, 2.0) if cuda else (16, 64, 2.0)
     else:

@@ -27,6 +27,7 @@ parameters in fp32, 2.4 GB); on a CPU use ``nemotron-tiny``.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -179,16 +180,54 @@ def build_recognizer(model: str, lookahead: int, device="cpu", max_streams: int 
     return LiveTransducer(rec)
 
 
+def _lookahead_rows(model, a, device, slots, audio, budget_ms, start, max_streams, seconds, time_budget_s, t_start,
+                    progress, rows: list, summary: dict) -> None:
+    """One lookahead's runs (``nemotron_capacity``): its rows appended to ``rows``, ``summary`` filled in as it goes
+    (so an exception leaves what was measured)."""
+    from oasr.bench.capacity import capacity_row
+
+    built = time.perf_counter()
+    rec = build_recognizer(model, a, device, slots)
+    chunk_s = rec.rec.lookaheads.latency_seconds(a)
+    summary.update(chunk_ms=chunk_s * 1e3, note=rec.engine.execution_note)
+    capacity_row(rec, audio, None, min(start, 8), 2.0, budget_ms, chunk_s)  # warm-up: first-use costs
+    summary["setup_s"] = time.perf_counter() - built
+    n, last_run = start, 0.0
+    while True:
+        if n > max_streams:
+            summary["stopped"] = "max_streams"
+            return
+        if time_budget_s is not None and time.perf_counter() - t_start + 2 * last_run > time_budget_s:
+            summary["stopped"] = "time budget"
+            return
+        began = time.perf_counter()
+        row = capacity_row(rec, audio, None, n, seconds, budget_ms, chunk_s)
+        last_run = time.perf_counter() - began
+        row.update(case=f"lookahead {a}, {n} live streams", model=model, lookahead=a, chunk_ms=chunk_s * 1e3)
+        rows.append(row)
+        if row.get("gpu_busy") is not None:
+            summary["gpu_busy_max"] = max(summary["gpu_busy_max"] or 0.0, row["gpu_busy"])
+        if progress is not None:
+            progress(f"capacity {model} lookahead {a}: {n} streams p99 {row['latency_p99_ms']:.0f} ms, "
+                     f"held={row['held']}" + (f", gpu busy {row['gpu_busy']:.0%}" if "gpu_busy" in row else ""))
+        if not row["held"]:
+            summary["stopped"] = "over budget"
+            return
+        summary["max_streams_held"], n = n, 2 * n
+
+
 def nemotron_capacity(device: str = "cpu", model: str = "nemotron-tiny", lookaheads=None,
                       latency_budget_ms: float = 250.0, start: int = 16, max_streams: int = 1024,
                       seconds: float = 8.0, time_budget_s: float | None = None, progress=print) -> list[dict]:
     """Per lookahead (default all of the model's), double N from ``start`` while N live streams hold the budget;
     the rows (module docstring). ``time_budget_s``: no new run starts once the time spent, plus the last run's
     time doubled, would pass it, and no lookahead starts once the time spent plus the last one's set-up would
-    (the rows so far are returned; ``stopped`` on the lookahead row says why).
+    (the rows so far are returned; ``stopped`` on the lookahead row says why). A ``RuntimeError`` or
+    ``MemoryError`` inside one lookahead (e.g. out of device memory at a wide cohort) ends that lookahead:
+    its rows so far are kept and ``stopped`` names the error; the next lookahead runs.
     ``ValueError`` for an unknown model or lookahead, ``1 <= start <= max_streams`` not holding, a budget or
     ``seconds`` not > 0."""
-    from oasr.bench.capacity import capacity_row, device_name
+    from oasr.bench.capacity import device_name
 
     spec = _check_model(model)
     lookaheads = list(spec["lookaheads"] if lookaheads is None else lookaheads)
@@ -210,36 +249,17 @@ def nemotron_capacity(device: str = "cpu", model: str = "nemotron-tiny", lookahe
             rows.append({"section": "capacity", "case": f"lookahead {a}", "model": model, "stopped": "time budget"})
             continue
         built = time.perf_counter()
-        rec = build_recognizer(model, a, device, slots)
-        chunk_s = rec.rec.lookaheads.latency_seconds(a)
-        capacity_row(rec, audio, None, min(start, 8), 2.0, latency_budget_ms, chunk_s)  # warm-up: first-use costs
-        setup_s = time.perf_counter() - built
-        held, n, busiest, stopped, last_run = 0, start, None, "over budget", 0.0
-        while True:
-            if n > max_streams:
-                stopped = "max_streams"
-                break
-            if time_budget_s is not None and time.perf_counter() - t_start + 2 * last_run > time_budget_s:
-                stopped = "time budget"
-                break
-            began = time.perf_counter()
-            row = capacity_row(rec, audio, None, n, seconds, latency_budget_ms, chunk_s)
-            last_run = time.perf_counter() - began
-            row.update(case=f"lookahead {a}, {n} live streams", model=model, lookahead=a, chunk_ms=chunk_s * 1e3)
-            rows.append(row)
-            if row.get("gpu_busy") is not None:
-                busiest = max(busiest or 0.0, row["gpu_busy"])
-            if progress is not None:
-                progress(f"capacity {model} lookahead {a}: {n} streams p99 {row['latency_p99_ms']:.0f} ms, "
-                         f"held={row['held']}" + (f", gpu busy {row['gpu_busy']:.0%}" if "gpu_busy" in row else ""))
-            if not row["held"]:
-                break
-            held, n = n, 2 * n
-        rows.append({"section": "capacity", "case": f"lookahead {a}", "model": model, "device": device_name(device),
-                     "chunk_ms": chunk_s * 1e3, "latency_budget_ms": latency_budget_ms, "max_streams_held": held,
-                     "gpu_busy_max": busiest, "stopped": stopped, "setup_s": setup_s,
-                     "note": rec.engine.execution_note})
-        del rec
+        summary = {"section": "capacity", "case": f"lookahead {a}", "model": model, "device": device_name(device),
+                   "chunk_ms": None, "latency_budget_ms": latency_budget_ms, "max_streams_held": 0,
+                   "gpu_busy_max": None, "stopped": None, "setup_s": None, "note": None}
+        try:
+            _lookahead_rows(model, a, device, slots, audio, latency_budget_ms, start, max_streams, seconds,
+                            time_budget_s, t_start, progress, rows, summary)
+        except (RuntimeError, MemoryError) as exc:  # e.g. out of device memory at a width: keep the rows so far
+            summary["stopped"] = f"error: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        setup_s = summary["setup_s"] if summary["setup_s"] is not None else time.perf_counter() - built
+        rows.append(summary)
+        gc.collect()
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     return rows
