@@ -132,3 +132,36 @@ def test_gpu_rows_say_how_busy_the_gpu_is():
     for row in rows[:2]:
         assert row["dev_model_us"] > 0 and row["dev_decode_us"] > 0 and 0 < row["gpu_busy"]
     assert rows[-1]["gpu_busy_max"] == max(r["gpu_busy"] for r in rows[:2])
+
+
+def test_a_cohort_padded_to_its_graph_width_decodes_as_the_cohort_alone():
+    import torch
+
+    from oasr.fast.rnnt_greedy import decode_chunk, graph_width, pad_cohort
+    from oasr.models.transducer import TransducerHead, TransducerSpec
+
+    assert [graph_width(b) for b in (1, 2, 3, 5, 8, 9, 600)] == [1, 2, 4, 8, 8, 16, 1024]
+    with pytest.raises(ValueError, match=">= 1 stream"):
+        graph_width(0)
+    torch.manual_seed(0)
+    spec = TransducerSpec(vocab_size=12, blank_id=11, encoder_dim=8, pred_hidden=6, pred_layers=2,
+                          max_symbols_per_step=3)
+    head = TransducerHead(spec).eval()
+    with torch.no_grad():
+        head.joint_net.head.bias[11] -= 1.0  # emit often: the states change
+    batch, frames = 5, 4
+    enc = torch.randn(batch, frames, 8) * 3
+    state = {"rnnt_h": torch.randn(2, batch, 6), "rnnt_c": torch.randn(2, batch, 6),
+             "rnnt_last": torch.randint(0, 12, (batch, 1))}
+    lengths = [4, 2, 0, 3, 4]
+    tokens, where, new = decode_chunk(head, enc, state, lengths)
+    assert any(tokens)
+    p_enc, p_state, p_len = pad_cohort(enc, state, lengths, graph_width(batch))
+    assert p_enc.shape[0] == 8 and p_len == lengths + [0, 0, 0] and p_state["rnnt_h"].shape == (2, 8, 6)
+    p_tokens, p_where, p_new = decode_chunk(head, p_enc, p_state, p_len)
+    assert p_tokens[:batch] == tokens and p_where[:batch] == where and p_tokens[batch:] == [[], [], []]
+    assert torch.equal(p_new["rnnt_h"][:, :batch], new["rnnt_h"]) and torch.equal(p_new["rnnt_last"][:batch],
+                                                                                   new["rnnt_last"])
+    assert torch.equal(p_new["rnnt_c"][:, batch:], p_state["rnnt_c"][:, batch:])  # padding rows never change
+    with pytest.raises(ValueError, match="width 4 <"):
+        pad_cohort(enc, state, lengths, 4)

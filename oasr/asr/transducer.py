@@ -208,10 +208,10 @@ class TransducerRecognizer:
 
     def _decode_cohort(self, cohort: list, hidden: dict) -> list:
         """The RNN-T decode of the cohort's new encoder frames, batched; each stream's new tokens, in order."""
-        frames = [hidden[sid].shape[0] for sid in cohort]
-        enc = torch.zeros(len(cohort), max(frames), self.head.spec.encoder_dim, device=self.device)
-        for row, sid in enumerate(cohort):
-            enc[row, : frames[row]] = hidden[sid].to(self.device, torch.float32)
+        rows = [hidden[sid] for sid in cohort]
+        frames = [r.shape[0] for r in rows]
+        # one (B, T, d) tensor where the encoder left its frames (the host, after a graphed step), then one copy
+        enc = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(self.device, torch.float32)
         views = self.states.views(cohort)
         tokens, _, new = self._decode(self.head, enc, {k: v.gather() for k, v in views.items()}, frames,
                                       self.options.max_symbols_per_step)
