@@ -105,7 +105,8 @@ def test_bad_options_are_refused(bad, match):
 @pytest.mark.parametrize("argv, says", [(["--lookaheads", "1"], "--lookaheads applies"),
                                         (["--capacity-model", "nemotron-tiny", "--lookaheads", "5"], "not among"),
                                         (["--capacity-model", "nemotron-tiny", "--lookaheads", "x"], "ints"),
-                                        (["--time-budget-s", "0"], "--time-budget-s")])
+                                        (["--time-budget-s", "0"], "--time-budget-s must be"),
+                                        (["--time-budget-s", "60"], "--time-budget-s applies")])
 def test_bench_refuses_bad_nemotron_options(argv, says, capsys):
     from oasr.commands.bench import main
 

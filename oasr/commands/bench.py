@@ -50,6 +50,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         parser.error(f"--latency-budget-ms must be a finite number > 0, got {args.latency_budget_ms}")
     if args.time_budget_s is not None and not 0 < args.time_budget_s < float("inf"):
         parser.error(f"--time-budget-s must be a finite number > 0, got {args.time_budget_s}")
+    if args.time_budget_s is not None and args.capacity_model == "shipped":
+        parser.error("--time-budget-s applies to a Nemotron --capacity-model, not the shipped model")
     args.lookahead_list = None
     if args.lookaheads is not None:
         from oasr.bench.capacity_nemotron import MODELS
@@ -94,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                              "weights, rows per lookahead (nemotron-0.6b: the full-size configuration, for a GPU; "
                              "nemotron-tiny: a small one)")
     parser.add_argument("--lookaheads", default=None, metavar="A,B",
-                        help="capacity section with a Nemotron model: the lookaheads to measure (default: all the "
-                             "configuration was trained with, 13,6,1,0 for nemotron-0.6b)")
+                        help="capacity section with a Nemotron model: the lookaheads to measure (default: every one "
+                             "the configuration was trained with, 13,6,1,0 for nemotron-0.6b)")
     parser.add_argument("--time-budget-s", type=float, default=None, metavar="S",
                         help="capacity section with a Nemotron model: start no run that would end past S seconds "
-                             "(the rows so far are kept; default: no limit)")
+                             "and keep the rows so far (default: no limit)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="also write all rows as JSON to PATH; without PATH the JSON alone goes to stdout "
                              "and the tables to stderr (default: not written)")
