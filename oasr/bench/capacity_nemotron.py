@@ -128,8 +128,8 @@ def random_encoder_factory(model: str, device="cpu", max_batch_size: int = 8, se
     dev = torch.device(device)
 
     def factory(directory, lookahead: int):
-        with dev:
-            encoder = NemotronEncoder(NemotronEncoderConfig(**spec["encoder"]), lookahead=lookahead)
+        with dev:  # parameters allocated on the device; .to moves anything the constructor made on the host
+            encoder = NemotronEncoder(NemotronEncoderConfig(**spec["encoder"]), lookahead=lookahead).to(dev)
         _redraw(encoder, torch.Generator(device=dev).manual_seed(seed))
         config = encoder.cache_config(max_batch_size=max_batch_size, kv_cache_dtype=kv_cache_dtype, device=dev)
         return EncoderStreamingEngine(encoder, config, twin="fast")
