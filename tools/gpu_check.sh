@@ -20,6 +20,11 @@
 #   4. the real model on the GPU: `python -m oasr eval --device cuda` (timeout 60 s)   -> eval.json, eval.log
 #   5. the capacity row, when `python -m oasr bench` has a `capacity` section (timeout 150 s, --quick)
 #                                                                  -> capacity.json, capacity.log
+#   6. the Nemotron capacity rows: the full-size configuration with random weights, lookaheads
+#      GPU_CHECK_NEMOTRON_LOOKAHEADS (13,0), --quick (64 to 2,048 streams, 2 s lanes); GPU_CHECK_NEMOTRON_S (150 s)
+#      at most, and steps 4 and 5 leave it GPU_CHECK_NEMOTRON_RESERVE_S (100 s) of the deadline; the bench's own
+#      --time-budget-s (the step's limit less 40 s) starts no run it cannot finish, so its JSON is always written.
+#      Needs no audio wheels (synthetic audio)     -> capacity-nemotron.json, capacity-nemotron.log
 #   summary.txt: one line per step (exit code, seconds), the per-file table, the verdict.
 # Steps 4 and 5 need soundfile, kaldi-native-fbank and soxr, which the GPU machine lacks: carry them as wheels
 # in ./wheels (python 3.12, manylinux x86_64), e.g. on a machine with network:
@@ -49,6 +54,8 @@ PY=${PYTHON:-python3}
 START=$(date +%s)
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
 FILE_TIMEOUT=${GPU_CHECK_FILE_TIMEOUT_S:-120}
+NEMOTRON_S=${GPU_CHECK_NEMOTRON_S:-150}
+NEMOTRON_RESERVE=${GPU_CHECK_NEMOTRON_RESERVE_S:-100}
 SUMMARY="$DIR/summary.txt"
 : >"$SUMMARY"
 verdict=0
@@ -211,11 +218,11 @@ tail -3 "$DIR/pytest-cuda-all.log" 2>/dev/null | tee -a "$SUMMARY"
 
 # ---- 4, 5. the real model and the capacity row (need the audio wheels) ------------------------------------------------
 if $PY -c "import soundfile, kaldi_native_fbank, soxr" >/dev/null 2>&1; then
-    step "eval --device cuda" 60 0 "$DIR/eval.log" $PY -m oasr eval --device cuda --json "$DIR/eval.json"
+    step "eval --device cuda" 60 "$NEMOTRON_RESERVE" "$DIR/eval.log" $PY -m oasr eval --device cuda --json "$DIR/eval.json"
     tail -2 "$DIR/eval.log" | tee -a "$SUMMARY"
     if $PY -c "import sys; from oasr.commands.bench import SECTIONS; sys.exit(0 if 'capacity' in SECTIONS else 1)" \
             >/dev/null 2>&1; then
-        step "capacity" 150 0 "$DIR/capacity.log" \
+        step "capacity" 150 "$NEMOTRON_RESERVE" "$DIR/capacity.log" \
             $PY -m oasr bench --quick --device cuda --sections capacity --json "$DIR/capacity.json"
         tail -5 "$DIR/capacity.log" | tee -a "$SUMMARY"
     else
@@ -223,6 +230,22 @@ if $PY -c "import soundfile, kaldi_native_fbank, soxr" >/dev/null 2>&1; then
     fi
 else
     note "eval, capacity: skipped: missing imports (soundfile, kaldi-native-fbank, soxr: carry their wheels)"
+fi
+
+# ---- 6. the Nemotron capacity rows (full-size configuration, random weights) ---------------------------------------
+if $PY -c "import oasr.bench.capacity_nemotron, tokenizers, safetensors" >/dev/null 2>&1; then
+    limit=$(fit "$NEMOTRON_S" 0)
+    if [ "$limit" -ge 60 ]; then
+        step "capacity nemotron-0.6b" "$limit" 0 "$DIR/capacity-nemotron.log" \
+            $PY -m oasr bench --quick --device cuda --sections capacity --capacity-model nemotron-0.6b \
+            --lookaheads "${GPU_CHECK_NEMOTRON_LOOKAHEADS:-13,0}" --time-budget-s $((limit - 40)) \
+            --json "$DIR/capacity-nemotron.json"
+        tail -4 "$DIR/capacity-nemotron.log" | tee -a "$SUMMARY"
+    else
+        note "capacity nemotron-0.6b: not run: budget ($limit s left at $(elapsed) s of $BUDGET)"
+    fi
+else
+    note "capacity nemotron-0.6b: skipped: oasr.bench.capacity_nemotron, tokenizers or safetensors does not import"
 fi
 
 if [ "${GPU_CHECK_EXTRA:-0}" = 1 ]; then

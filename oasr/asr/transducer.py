@@ -20,6 +20,10 @@ On a CUDA device the fast twin captures CUDA graphs: the encoder's chunk step pe
 (``EncoderStreamingEngine``) and the RNN-T decode loop per (cohort width, chunk frames)
 (``oasr.fast.rnnt_greedy.RnntGreedyGraphs``, eager off the GPU); the reference twin runs op by op.
 
+**Stage clock.** ``stage_clock`` (``oasr.engine.stage_clock.StageClock``) adds up each tick's host seconds in
+``model`` (the encoder's step) and ``decode`` (the batched RNN-T decode, the cohort's frames staged), with CUDA
+events around both on a GPU, and counts the stream-chunks decoded; a caller adds its own stages.
+
 The encoder is any object with ``add_stream(sid)``, ``push(sid, features (n, bins))``, ``end_stream(sid)``
 and ``step() -> {sid: new encoder frames (n, hidden)}`` (``oasr.engine.encoder_streams.EncoderStreamingEngine``
 for oasr's Nemotron encoder: :func:`oasr_encoder_streams`, the default); ``encoder_factory(directory,
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 
 from oasr.engine.decode_families import resolve_decode_family
+from oasr.engine.stage_clock import StageClock, now
 from oasr.features import NemoMel
 from oasr.features.nemo_mel import OnlineNemoMel
 from oasr.models.transducer import read_hf_transducer
@@ -132,6 +137,7 @@ class TransducerRecognizer:
             self._decode = rnnt.decode_chunk
             self.rnnt_graphs = None
         self.states = self.twin.SlotStateCache(self.head.spec.state_specs(), max_batch_size, device=self.device)
+        self.stage_clock = StageClock(self.device)
         self._streams: dict = {}
 
     @property
@@ -185,14 +191,27 @@ class TransducerRecognizer:
     # ---- the tick ------------------------------------------------------------------------------------------
     def step(self) -> dict:
         """Encode what is ready and decode it, batched; returns ``{sid: the tokens this tick added}``."""
-        hidden = self.encoder.step()
+        clock = self.stage_clock
+        t0 = now()
+        with clock.device_region("model"):
+            hidden = self.encoder.step()
+        t1 = now()
+        clock.add("model", t1 - t0)
         cohort = [sid for sid in hidden if sid in self._streams]
         if not cohort:
             return {}
-        frames = [hidden[sid].shape[0] for sid in cohort]
-        enc = torch.zeros(len(cohort), max(frames), self.head.spec.encoder_dim, device=self.device)
-        for row, sid in enumerate(cohort):
-            enc[row, : frames[row]] = hidden[sid].to(self.device, torch.float32)
+        with clock.device_region("decode"):
+            tokens = self._decode_cohort(cohort, hidden)
+        clock.add("decode", now() - t1)
+        clock.stream_chunks += len(cohort)
+        return dict(zip(cohort, tokens, strict=True))
+
+    def _decode_cohort(self, cohort: list, hidden: dict) -> list:
+        """The RNN-T decode of the cohort's new encoder frames, batched; each stream's new tokens, in order."""
+        rows = [hidden[sid] for sid in cohort]
+        frames = [r.shape[0] for r in rows]
+        # one (B, T, d) tensor where the encoder left its frames (the host, after a graphed step), then one copy
+        enc = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(self.device, torch.float32)
         views = self.states.views(cohort)
         tokens, _, new = self._decode(self.head, enc, {k: v.gather() for k, v in views.items()}, frames,
                                       self.options.max_symbols_per_step)
@@ -200,7 +219,7 @@ class TransducerRecognizer:
             v.scatter(new[k])
         for sid, toks in zip(cohort, tokens, strict=True):
             self._streams[sid].chunks.append(toks)
-        return dict(zip(cohort, tokens, strict=True))
+        return tokens
 
     def run(self, max_ticks: int = 100_000) -> None:
         """Tick until a tick encodes nothing."""

@@ -12,6 +12,12 @@ Semantics, as ``Recognizer``'s:
 
 - ``frames_done`` counts 10 ms feature frames the decoded chunks cover (the last chunk's zero padding excluded);
   ``text`` is the stream's text so far (partials: ``(audio seconds, text)`` each time it changed).
+- ``latencies``: one per decoded chunk, seconds from the arrival of the piece holding the last sample the chunk's
+  log-mel frames read (``accept(..., sent_at=)``: when its source sent it; default when ``accept`` took it) to
+  the end of the tick that decoded it.
+- ``stage_clock``: the transducer's (``model``, ``decode``), plus ``ingest`` (``accept``: the piece checked, its
+  log-mel frames, the push; the front end runs per piece here, so ``front_end`` stays 0) and ``delivery`` (the
+  tick's per-stream results).
 - A stream finishes in the tick that decodes its last chunk (after ``end()``); its ``Transcript`` is returned by
   that ``step`` and it leaves ``streams``; the engine keeps it (``engine.stream_ids``) until ``engine.cancel``.
 - ``suspend(sid)`` returns self-contained bytes (the transducer's suspended stream, which holds the encoder's
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -60,21 +67,33 @@ class TransducerAudioStream:
         self.partials: list = []
         self.latencies: list = []
         self._last_accept: float | None = None
+        self._arrivals: deque = deque()  # (samples received after a piece, when it was sent), not yet timed
 
-    def accept(self, pcm, sample_rate: int = SAMPLE_RATE) -> None:
-        """Take the next piece of audio (mono samples at ``sample_rate``); ``AudioError`` for bad input."""
+    def accept(self, pcm, sample_rate: int = SAMPLE_RATE, sent_at: float | None = None) -> None:
+        """Take the next piece of audio (mono samples at ``sample_rate``); ``AudioError`` for bad input.
+        ``sent_at``: when the source sent it (``time.perf_counter``; default now), where its chunk's latency starts."""
+        started = time.perf_counter()
         if not np.asarray(pcm).size:
-            self._last_accept = time.perf_counter()
+            self._last_accept = started
             return
         x = check_pcm(pcm, sample_rate, f"stream {self.id!r}")
         if x.size:
             self.served.rec.accept_audio(self.id, x)
             self.samples += x.size
-        self._last_accept = time.perf_counter()
+            self._arrivals.append((self.samples, started if sent_at is None else sent_at))
+        self._last_accept = started
+        self.served.stage_clock.add("ingest", time.perf_counter() - started)
+
+    def _arrival_of(self, sample_count: int) -> float | None:
+        """When the piece that brought the stream to ``sample_count`` samples arrived (earlier pieces forgotten)."""
+        while len(self._arrivals) > 1 and self._arrivals[0][0] < sample_count:
+            self._arrivals.popleft()
+        return self._arrivals[0][1] if self._arrivals else self._last_accept
 
     def end(self) -> None:
         """End the stream's audio: its last chunk (zero-padded to the chunk boundary) follows."""
         self.served.rec.end_stream(self.id)
+        self.served._ended.add(self.id)
 
 
 class _EngineFacts:
@@ -100,6 +119,7 @@ class _EngineFacts:
         if stream_id in self._rec.stream_ids:
             self._rec.free_stream(stream_id)
         self._served.streams.pop(stream_id, None)
+        self._served._ended.discard(stream_id)
 
     def input_ended(self, stream_id) -> bool:
         """Whether the stream's audio has ended."""
@@ -138,7 +158,9 @@ class ServedTransducer:
         self.twin = rec.options.twin
         self.cache_config = SimpleNamespace(max_batch_size=rec.states.max_batch_size)
         self.engine = _EngineFacts(self)
+        self.stage_clock = rec.stage_clock
         self.streams: dict = {}
+        self._ended: set = set()  # streams whose audio ended, not finished yet
         self.busy_seconds = 0.0
         self._ids = 0
 
@@ -170,6 +192,7 @@ class ServedTransducer:
         stream = self.streams[stream_id]
         inner = self.rec.suspend(stream_id)
         del self.streams[stream_id]
+        self._ended.discard(stream_id)
         return self._blob(stream, inner)
 
     def checkpoint(self, stream_id) -> bytes:
@@ -177,7 +200,8 @@ class ServedTransducer:
         stream = self.streams.get(stream_id)
         data = self.suspend(stream_id)
         resumed = self.resume(data, stream_id)
-        resumed.latencies, resumed._last_accept = stream.latencies, stream._last_accept
+        resumed.latencies, resumed._last_accept, resumed._arrivals = stream.latencies, stream._last_accept, \
+            stream._arrivals
         return data
 
     def _blob(self, stream: TransducerAudioStream, inner: bytes) -> bytes:
@@ -202,6 +226,8 @@ class ServedTransducer:
         stream.text = self.rec.text(stream_id)
         stream._last_accept = time.perf_counter()
         self.streams[stream_id] = stream
+        if self.rec.ended(stream_id):
+            self._ended.add(stream_id)
         return stream
 
     # ---- the tick ----------------------------------------------------------------------------------------------
@@ -217,15 +243,19 @@ class ServedTransducer:
         self.busy_seconds += now - t0
         self.engine.stats.append(TransducerTick(cohort=len(ran), seconds=now - t0))
         self.engine.tick += 1
-        hop = self.rec.lookaheads.hop
-        done = []
-        for sid in list(self.streams):
+        hop, reach = self.rec.lookaheads.hop, self.rec.frontend.config.n_fft // 2  # a frame's last sample: k*hop+reach
+        done, delivering = [], time.perf_counter()
+        # only a stream that ran, or whose audio ended, can change or finish in this tick
+        touched = [sid for sid in self.streams if sid in ran or sid in self._ended]
+        for sid in touched:
             try:
                 stream = self.streams[sid]
                 if sid in ran:
-                    stream.frames_done = self.rec.frames_encoded(sid) * hop // FRAME_SHIFT
-                    if stream._last_accept is not None:
-                        stream.latencies.append(now - stream._last_accept)
+                    frames = self.rec.frames_encoded(sid)
+                    stream.frames_done = frames * hop // FRAME_SHIFT
+                    arrived = stream._arrival_of(min(max(frames - 1, 0) * hop + reach, stream.samples))
+                    if arrived is not None:
+                        stream.latencies.append(now - arrived)
                     text = self.rec.text(sid)
                     if text != stream.text:
                         stream.text = text
@@ -233,12 +263,14 @@ class ServedTransducer:
                                                 text))
                 if self.rec.finished(sid):
                     del self.streams[sid]
+                    self._ended.discard(sid)
                     done.append(Transcript(sid, stream.text, stream.text, stream.samples / SAMPLE_RATE,
                                            stream.partials, stream.latencies))
             except Exception as exc:
                 if on_error is None:
                     raise
                 on_error(sid, exc)
+        self.stage_clock.add("delivery", time.perf_counter() - delivering)
         return done
 
     def pool_usage(self) -> dict:

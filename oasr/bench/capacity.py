@@ -11,7 +11,8 @@ last sample to the tick that delivered its partial result), whether it held, the
 transcripts, and per stage the host microseconds per stream-chunk (``oasr.engine.stage_clock``:
 ingest, front end, model step, decode, bookkeeping, delivery, and the harness's own feeding loop)
 and on CUDA the device microseconds per stream-chunk of the model step and the decode (CUDA
-events around each; the decode's includes the gaps while the host launches its ops). The process's
+events around each; the decode's includes the gaps while the host launches its ops) and ``gpu_busy``,
+their sum over the run's wall time (how close the GPU is to busy). The process's
 CPU time per stream-chunk (``cpu_us``) and the streams one core could feed at that cost
 (``cpu_bound_streams``, chunk seconds over it) do not count waits for a core, so on a machine
 shared with other jobs they say what the latency columns cannot. A last row
@@ -19,7 +20,8 @@ names the device and the largest N. One recognizer (shipped model, fast twin, CU
 available) serves every N, warmed up first.
 
 ``python -m oasr bench --sections capacity [--latency-budget-ms B]``; ``--quick`` (CI): fewer and
-shorter runs.
+shorter runs. ``--capacity-model nemotron-0.6b`` (or ``nemotron-tiny``): a Nemotron streaming transducer with
+random weights instead, rows per lookahead (``oasr.bench.capacity_nemotron``).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from oasr.engine.stage_clock import STAGES
 
 NOTES = ("latency: ms from the clock process sending a chunk's last sample to its partial result (real time); "
          "*_us: host microseconds per stream-chunk by stage; dev_*_us: CUDA event time per stream-chunk; "
+         "gpu_busy: model + decode event time over the run's wall time; "
          "held: p99 within the budget and the last transcript within a chunk plus the budget of the last audio; "
-         "cpu_us: process CPU time per stream-chunk; cpu_bound_streams: streams one core feeds at that cost")
+         "cpu_us: process CPU time per stream-chunk; cpu_bound_streams: streams one core feeds at that cost; "
+         "Nemotron rows (--capacity-model): random weights, so wer is n/a, and ingest_us includes the log-mel")
 PIECE = 640  # samples per message (40 ms), as a live client sends them
 
 
@@ -68,12 +72,17 @@ def auto_matmul_dtype(device: str) -> str | None:
     return "bfloat16" if torch.device(device).type == "cpu" and cpu_has_bf16() else None
 
 
-def capacity_row(rec, audio: list, refs: list, streams: int, seconds: float, budget_ms: float) -> dict:
-    """One run of ``streams`` live lanes of ``seconds`` each on the idle recognizer ``rec``; its row."""
+def capacity_row(rec, audio: list, refs: list | None, streams: int, seconds: float, budget_ms: float,
+                 chunk_s: float | None = None) -> dict:
+    """One run of ``streams`` live lanes of ``seconds`` each on the idle recognizer ``rec``; its row.
+
+    ``rec``: a ``Recognizer`` or anything with its live-stream surface (``play_lanes``; e.g. a
+    ``ServedTransducer``). ``refs``: the reference text of each clip of ``audio``, or None (random weights:
+    ``wer`` is None). ``chunk_s``: the chunk's seconds (default the ``Recognizer`` engine's)."""
     from oasr.asr.live_source import plan_lanes, play_lanes
     from oasr.asr.metrics import error_rates
 
-    chunk_s = rec.engine.chunk_input_frames * 0.01
+    chunk_s = rec.engine.chunk_input_frames * 0.01 if chunk_s is None else chunk_s
     lanes = plan_lanes([len(a) for a in audio], streams, seconds, stagger=chunk_s)
     rec.stage_clock.reset()
     cpu = time.process_time()
@@ -85,13 +94,14 @@ def capacity_row(rec, audio: list, refs: list, streams: int, seconds: float, bud
     p50, p95, p99 = np.percentile(lat, [50, 95, 99]) if len(lat) else (float("nan"),) * 3
     behind = run.timed_out or run.last_delivered - run.last_sent > chunk_s + budget_ms / 1e3
     keys = sorted(run.transcripts)
-    rates = error_rates([refs[lanes[i].clips[k]] for i, k in keys], [run.transcripts[key].text for key in keys])
+    wer = None if refs is None else error_rates([refs[lanes[i].clips[k]] for i, k in keys],
+                                                [run.transcripts[key].text for key in keys])["wer"]
     row = {"section": "capacity", "case": f"{streams} live streams", "streams": streams,
            "audio_s": float(sum(lane.bounds[-1] for lane in lanes)) / 16000, "chunks": totals["stream_chunks"],
            "latency_p50_ms": float(p50), "latency_p95_ms": float(p95), "latency_p99_ms": float(p99),
            "latency_max_ms": float(lat.max()) if len(lat) else float("nan"),
            "drain_ms": (run.last_delivered - run.last_sent) * 1e3, "max_lag_ms": run.max_lag * 1e3,
-           "held": bool(p99 <= budget_ms and not behind), "timed_out": run.timed_out, "wer": rates["wer"]}
+           "held": bool(p99 <= budget_ms and not behind), "timed_out": run.timed_out, "wer": wer}
     for stage in STAGES:
         row[f"{stage}_us"] = totals["host_s"][stage] / chunks * 1e6
     row["harness_us"] = run.harness_seconds / chunks * 1e6
@@ -103,6 +113,8 @@ def capacity_row(rec, audio: list, refs: list, streams: int, seconds: float, bud
     if totals["device_ms"] is not None:
         for stage, ms in totals["device_ms"].items():
             row[f"dev_{stage}_us"] = ms / chunks * 1e3
+        # how close the GPU is to busy: the model step's and the decode's event time over the run's wall time
+        row["gpu_busy"] = sum(totals["device_ms"].values()) / 1e3 / max(run.wall_seconds, 1e-9)
     return row
 
 
@@ -141,9 +153,23 @@ def capacity(device: str = "cpu", latency_budget_ms: float = 250.0, start: int =
     return rows
 
 
-def section(quick: bool, device: str = "cpu", latency_budget_ms: float = 250.0) -> list[dict]:
-    """The bench section: quick (CI) doubles from 16 (CPU) / 64 (CUDA) over 2 s lanes, else from 16 / 64 over 8 s."""
+def section(quick: bool, device: str = "cpu", latency_budget_ms: float = 250.0, model: str = "shipped",
+            lookaheads=None, time_budget_s: float | None = None) -> list[dict]:
+    """The bench section: quick (CI) doubles from 16 (CPU) / 64 (CUDA) over 2 s lanes, else from 16 / 64 over 8 s.
+
+    ``model``: "shipped", or a Nemotron configuration of ``oasr.bench.capacity_nemotron.MODELS`` (random weights,
+    rows per lookahead, ``lookaheads`` and ``time_budget_s`` as ``nemotron_capacity``'s): quick doubles from 2 to 8
+    (CPU) / 64 to 2,048 (CUDA) over 2 s lanes, else from 4 to 256 / 64 to 4,096 over 8 s."""
     cuda = torch.device(device).type == "cuda"
+    if model != "shipped":
+        from oasr.bench.capacity_nemotron import nemotron_capacity
+
+        if quick:
+            start, top, seconds = (64, 2048, 2.0) if cuda else (2, 8, 2.0)
+        else:
+            start, top, seconds = (64, 4096, 8.0) if cuda else (4, 256, 8.0)
+        return nemotron_capacity(device, model, lookaheads, latency_budget_ms, start, top, seconds, time_budget_s,
+                                 progress=lambda line: print(line, flush=True))  # a log that outlives a kill
     if quick:
         start, top, seconds = (64, 4096, 2.0) if cuda else (16, 64, 2.0)
     else:

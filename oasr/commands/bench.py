@@ -30,6 +30,7 @@ SECTIONS = {
     "speech": ("oasr.bench.speech", "section", True),  # RTF and latency at 1/8/64 live streams, training speed
     "serve": ("oasr.bench.serve", "section", True),  # python -m oasr serve under the openai client and live clients
     "capacity": ("oasr.bench.capacity", "section", True),  # live streams held at real time within a latency budget
+    "serve_load": ("oasr.bench.serve_load", "section", True),  # WebSocket clients python -m oasr serve holds
 }
 
 
@@ -47,6 +48,25 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
     check_at_least(parser, args, {"threads": 1})
     if not args.latency_budget_ms > 0 or args.latency_budget_ms == float("inf"):
         parser.error(f"--latency-budget-ms must be a finite number > 0, got {args.latency_budget_ms}")
+    if args.time_budget_s is not None and not 0 < args.time_budget_s < float("inf"):
+        parser.error(f"--time-budget-s must be a finite number > 0, got {args.time_budget_s}")
+    if args.time_budget_s is not None and args.capacity_model == "shipped":
+        parser.error("--time-budget-s applies to a Nemotron --capacity-model, not the shipped model")
+    args.lookahead_list = None
+    if args.lookaheads is not None:
+        from oasr.bench.capacity_nemotron import MODELS
+
+        if args.capacity_model == "shipped":
+            parser.error("--lookaheads applies to a Nemotron --capacity-model, not the shipped model")
+        trained = MODELS[args.capacity_model]["lookaheads"]
+        try:
+            args.lookahead_list = [int(x) for x in args.lookaheads.split(",") if x.strip()]
+        except ValueError:
+            parser.error(f"--lookaheads must be comma-separated ints, got {args.lookaheads!r}")
+        bad = [a for a in args.lookahead_list if a not in trained]
+        if bad or not args.lookahead_list:
+            parser.error(f"--lookaheads: {bad or args.lookaheads!r} not among {args.capacity_model}'s trained "
+                         f"{','.join(map(str, trained))}")
     names = [n.strip() for n in args.sections.split(",") if n.strip()]
     unknown = [n for n in names if n not in SECTIONS]
     if unknown or not names:
@@ -68,7 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: small ops on a shared 2-core machine are noisy with more)")
     parser.add_argument("--latency-budget-ms", type=float, default=250.0,
-                        help="capacity section: the p99 chunk latency a number of live streams must hold")
+                        help="capacity and serve_load sections: the p99 chunk latency a number of live streams "
+                             "(or WebSocket clients) must hold")
+    parser.add_argument("--capacity-model", default="shipped",
+                        choices=["shipped", "nemotron-0.6b", "nemotron-tiny"],
+                        help="capacity section: the shipped model, or a Nemotron streaming transducer with random "
+                             "weights, rows per lookahead (nemotron-0.6b: the full-size configuration, for a GPU; "
+                             "nemotron-tiny: a small one)")
+    parser.add_argument("--lookaheads", default=None, metavar="A,B",
+                        help="capacity section with a Nemotron model: the lookaheads to measure (default: every one "
+                             "the configuration was trained with, 13,6,1,0 for nemotron-0.6b)")
+    parser.add_argument("--time-budget-s", type=float, default=None, metavar="S",
+                        help="capacity section with a Nemotron model: start no run that would end past S seconds "
+                             "and keep the rows so far (default: no limit)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="also write all rows as JSON to PATH; without PATH the JSON alone goes to stdout "
                              "and the tables to stderr (default: not written)")
@@ -98,7 +130,9 @@ def _run(args: argparse.Namespace, names: list[str]) -> list[dict]:
     for name in tqdm(names, desc="bench", unit="section", file=sys.stderr):
         module_name, function, takes_device = SECTIONS[name]
         section = getattr(importlib.import_module(module_name), function)
-        extra = {"latency_budget_ms": args.latency_budget_ms} if name == "capacity" else {}
+        extra = {"latency_budget_ms": args.latency_budget_ms} if name in ("capacity", "serve_load") else {}
+        if name == "capacity":
+            extra.update(model=args.capacity_model, lookaheads=args.lookahead_list, time_budget_s=args.time_budget_s)
         rows = section(args.quick, args.device, **extra) if takes_device else section(args.quick)
         rows = with_ratio(rows)
         all_rows += rows

@@ -80,11 +80,40 @@ def decode_chunk(head, enc: torch.Tensor, state: dict, num_frames=None, max_symb
     return (*_unpack(*out), new)
 
 
-class RnntGreedyGraphs:
-    """CUDA graphs of the decode loop, one per (cohort width, chunk frames); eager off the GPU.
+def graph_width(batch: int) -> int:
+    """The graph width a cohort of ``batch`` streams runs at: the next power of two (at most twice the rows, and
+    one graph per doubling instead of one per cohort size a live server meets)."""
+    if batch < 1:
+        raise ValueError(f"graph_width: a cohort has >= 1 stream, got {batch}")
+    return 1 << (batch - 1).bit_length()
 
-    ``run(enc, state, num_frames)`` equals :func:`decode_chunk`; on a CUDA device the first call of a shape
-    captures the loop on static buffers and later calls copy inputs in, replay and copy the state out.
+
+def pad_cohort(enc: torch.Tensor, state: dict, num_frames: list, width: int):
+    """``enc``, ``state`` and ``num_frames`` of ``B`` streams padded to ``width`` rows: zero frames, zero state and
+    0 frames to decode, so a padding row never emits and its state never changes (the real rows' results are
+    those of the unpadded call). ``ValueError`` for ``width < B``."""
+    batch = enc.shape[0]
+    if width < batch:
+        raise ValueError(f"pad_cohort: width {width} < the cohort's {batch} streams")
+    extra = width - batch
+    if not extra:
+        return enc, state, list(num_frames)
+    enc = torch.cat([enc, enc.new_zeros(extra, *enc.shape[1:])])
+    padded = {}
+    for name, value in state.items():
+        axis = 1 if name in ("rnnt_h", "rnnt_c") else 0  # (layers, B, H) and (B, 1)
+        shape = list(value.shape)
+        shape[axis] = extra
+        padded[name] = torch.cat([value, value.new_zeros(shape)], dim=axis)
+    return enc, padded, list(num_frames) + [0] * extra
+
+
+class RnntGreedyGraphs:
+    """CUDA graphs of the decode loop, one per (graph width, chunk frames); eager off the GPU.
+
+    ``run(enc, state, num_frames)`` equals :func:`decode_chunk`; on a CUDA device a cohort is padded to its
+    :func:`graph_width` (:func:`pad_cohort`), the first call of a shape captures the loop on static buffers and
+    later calls copy inputs in, replay and copy the state out (the padding rows dropped).
     """
 
     def __init__(self, head, max_symbols: int | None = None):
@@ -98,6 +127,8 @@ class RnntGreedyGraphs:
         num_frames, max_symbols = check_inputs(self.head, enc, state, num_frames, self.max_symbols)
         if enc.device.type != "cuda":
             return decode_chunk(self.head, enc, state, num_frames, max_symbols)
+        batch = enc.shape[0]
+        enc, state, num_frames = pad_cohort(enc, state, num_frames, graph_width(batch))
         key = (enc.shape[0], enc.shape[1], enc.dtype)
         if key not in self._graphs:
             self._graphs[key] = self._capture(enc, state, max_symbols)
@@ -107,8 +138,9 @@ class RnntGreedyGraphs:
         for name in ("rnnt_h", "rnnt_c", "rnnt_last"):
             io[name].copy_(state[name])
         graph.replay()
-        new = {name: io[name].clone() for name in ("rnnt_h", "rnnt_c", "rnnt_last")}
-        return (*_unpack(io["tok"], io["frame"]), new)
+        new = {"rnnt_h": io["rnnt_h"][:, :batch].clone(), "rnnt_c": io["rnnt_c"][:, :batch].clone(),
+               "rnnt_last": io["rnnt_last"][:batch].clone()}
+        return (*_unpack(io["tok"][:batch], io["frame"][:batch]), new)
 
     def _capture(self, enc, state, max_symbols):
         io = {"enc": enc.clone(), "lengths": torch.zeros(enc.shape[0], dtype=torch.int64, device=enc.device)}

@@ -51,6 +51,8 @@ class LiveResult:
     latencies: list = field(default_factory=list)  # seconds, one per delta of audio this session sent
     close_code: int | None = None
     connections: list = field(default_factory=list)  # (stream id, resumed, samples_received) of each connection
+    committed_at: float | None = None  # time.perf_counter when the commit was sent (the last connection's)
+    completed_at: float | None = None  # time.perf_counter when the completed event arrived
 
 
 def realtime_url(base_url: str, stream_id: str | None = None, audio_format: str = "pcm16") -> str:
@@ -95,6 +97,7 @@ async def stream_audio(base_url: str, pcm: np.ndarray, *, piece_ms: int = 40, re
                 sent_at.append((last, time.perf_counter()))
             if stop_at is None:
                 await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+                result.committed_at = time.perf_counter()
 
         async with connect(realtime_url(base_url, sid, audio_format), max_size=None) as ws:
             created = json.loads(await ws.recv())
@@ -121,7 +124,7 @@ async def stream_audio(base_url: str, pcm: np.ndarray, *, piece_ms: int = 40, re
                             closed_by_us = True
                             break
                     elif kind == "conversation.item.input_audio_transcription.completed":
-                        result.transcript = event["transcript"]
+                        result.transcript, result.completed_at = event["transcript"], now
                     elif kind == "transcription_session.suspended":
                         result.suspended = event["session"]["samples_received"]
                     elif kind == "error":
