@@ -191,7 +191,7 @@ class Recognizer:
         from oasr.vad import EndpointConfig
 
         self.turns = TurnTracker(config or EndpointConfig(), self.encoder.config.subsampling_rate,
-                                 self.cache_config.max_batch_size)
+                                 self.cache_config.max_batch_size, chunk_input_frames=self.engine.chunk_input_frames)
         self.engine.emit_speech_probs = True
 
     # ---- streaming -------------------------------------------------------------------------
@@ -234,9 +234,6 @@ class Recognizer:
         stream; arrival times do not travel (they are this process's clock)."""
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
-        if self.streams[stream_id].segments is not None:
-            raise ValueError("Recognizer.suspend: a stream with endpointing (turns) cannot be saved (its turn "
-                             "state is not serialized)")
         stream = self.streams[stream_id]
         if self.engine.status(stream_id) == "waiting" and not self.engine.admitted(stream_id):
             feats = self.engine.buffered_input(stream_id).float().contiguous()
@@ -244,9 +241,12 @@ class Recognizer:
             self.engine.cancel(stream_id)
         else:
             kind, payload, ended = "session", self.engine.suspend(stream_id), None  # raises for a finished one
+        blob = self._stream_blob(stream, kind, payload, ended)
         del self.streams[stream_id]
         self._buffered.discard(stream_id)
-        return self._stream_blob(stream, kind, payload, ended)
+        if stream.segments is not None:
+            self.turns.drop(stream_id)
+        return blob
 
     def checkpoint(self, stream_id) -> bytes:
         """The bytes ``suspend`` would return for a live stream, taken without suspending it.
@@ -258,9 +258,6 @@ class Recognizer:
         """
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
-        if self.streams[stream_id].segments is not None:
-            raise ValueError("Recognizer.checkpoint: a stream with endpointing (turns) cannot be saved (its turn "
-                             "state is not serialized)")
         stream = self.streams[stream_id]
         if self.engine.status(stream_id) == "waiting" and not self.engine.admitted(stream_id):
             feats = self.engine.buffered_input(stream_id).float().contiguous()
@@ -274,6 +271,8 @@ class Recognizer:
                 "frames_pushed": stream.frames_pushed, "frames_done": stream.frames_done, "text": stream.text,
                 "partials": [[t, text] for t, text in stream.partials], "fbank_finished": stream.input_finished,
                 "input_ended": ended, "model": self.engine.model_digest.hex()}
+        if stream.segments is not None:  # version 2 = version 1 and the turns: an older build refuses, never drops
+            meta["version"], meta["turns"] = 2, self.turns.state(stream, self.engine)
         body = json.dumps(meta).encode()
         tail = (b"" if stream.input_finished else stream.pcm.samples.astype(np.float32).tobytes())
         data = b"".join([STREAM_MAGIC, struct.pack("<I", len(body)), body, struct.pack("<Q", len(tail)), tail,
@@ -291,6 +290,9 @@ class Recognizer:
         meta, tail, payload = self._read_stream_blob(data)
         if not np.isfinite(tail).all():
             raise ValueError("Recognizer.resume: the stream's unconsumed audio holds NaN or infinite samples")
+        turns = meta.get("turns")
+        if turns is not None:  # a stream with turns: this recognizer must cut them as the one that saved it did
+            self._check_turns(turns)
         if meta["kind"] == "session":
             sid = self.engine.resume(payload, stream_id)
         else:
@@ -313,8 +315,27 @@ class Recognizer:
         stream.frames_done, stream.text = meta["frames_done"], meta["text"]
         stream.partials = [(t, text) for t, text in meta["partials"]]
         stream._arrivals = [(stream.samples, time.perf_counter())]
+        if turns is not None:
+            try:
+                self.turns.restore(stream, turns, self.engine, self.encoder.config.input_dim)
+            except ValueError:
+                self.engine.cancel(sid)
+                raise
         self.streams[sid] = stream
         return stream
+
+    def _check_turns(self, turns) -> None:
+        """A saved stream's turn state fits here (``ValueError`` otherwise, nothing changed); a recognizer
+        without endpointing enables it with the saved stream's knobs."""
+        from oasr.vad import EndpointConfig
+
+        try:
+            saved = EndpointConfig(**turns["knobs"]["endpoint"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"Recognizer.resume: the stream's endpointing config is malformed ({exc})") from None
+        if self.turns is None:
+            self.enable_endpointing(saved)  # ValueError with rescore / full context; its grid is the model's
+        self.turns.check_state(turns, self.encoder.config.input_dim)
 
     def _read_stream_blob(self, data) -> tuple[dict, np.ndarray, bytes]:
         data = bytes(data)
@@ -338,7 +359,8 @@ class Recognizer:
                 raise ValueError("lengths do not add up")
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
             raise ValueError(f"Recognizer.resume: malformed suspended stream ({exc})") from None
-        if meta.get("version") != 1 or meta.get("kind") not in ("session", "features"):
+        if meta.get("version") not in (1, 2) or meta.get("kind") not in ("session", "features") or \
+                (meta["version"] == 2) != isinstance(meta.get("turns"), dict):
             raise ValueError(f"Recognizer.resume: unknown suspended-stream version/kind "
                              f"({meta.get('version')!r}, {meta.get('kind')!r})")
         if meta["model"] != self.engine.model_digest.hex():

@@ -107,6 +107,10 @@ class StreamsMixin:
             return torch.zeros(0, self.input_dim, dtype=self.config.dtype)
         return torch.cat(s.pending).clone()
 
+    def num_buffered(self, stream_id) -> int:
+        """How many feature frames the stream has pushed that are not yet encoded (``buffered_input``'s length)."""
+        return self._stream(stream_id).num_pending
+
     def admitted(self, stream_id) -> bool:
         """Whether the stream holds cache state that ``suspend`` can save: it is active, or it was
         resumed and waits to be admitted again. A new stream still waiting for its first admission, and
