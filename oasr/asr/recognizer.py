@@ -235,13 +235,14 @@ class Recognizer:
         if stream_id not in self.streams:
             raise KeyError(f"unknown stream id {stream_id!r}")
         stream = self.streams[stream_id]
+        turns = self.turns.state(stream, self.engine) if stream.segments is not None else None
         if self.engine.status(stream_id) == "waiting" and not self.engine.admitted(stream_id):
             feats = self.engine.buffered_input(stream_id).float().contiguous()
             kind, payload, ended = "features", feats.numpy().tobytes(), self.engine.input_ended(stream_id)
             self.engine.cancel(stream_id)
         else:
             kind, payload, ended = "session", self.engine.suspend(stream_id), None  # raises for a finished one
-        blob = self._stream_blob(stream, kind, payload, ended)
+        blob = self._stream_blob(stream, kind, payload, ended, turns)
         del self.streams[stream_id]
         self._buffered.discard(stream_id)
         if stream.segments is not None:
@@ -264,15 +265,16 @@ class Recognizer:
             kind, payload, ended = "features", feats.numpy().tobytes(), self.engine.input_ended(stream_id)
         else:
             kind, payload, ended = "session", self.engine.checkpoint(stream_id), None
-        return self._stream_blob(stream, kind, payload, ended)
+        turns = self.turns.state(stream, self.engine) if stream.segments is not None else None
+        return self._stream_blob(stream, kind, payload, ended, turns)
 
-    def _stream_blob(self, stream: AudioStream, kind: str, payload: bytes, ended) -> bytes:
+    def _stream_blob(self, stream: AudioStream, kind: str, payload: bytes, ended, turns: dict | None = None) -> bytes:
         meta = {"version": 1, "kind": kind, "stream_id": stream.id, "samples": stream.samples,
                 "frames_pushed": stream.frames_pushed, "frames_done": stream.frames_done, "text": stream.text,
                 "partials": [[t, text] for t, text in stream.partials], "fbank_finished": stream.input_finished,
                 "input_ended": ended, "model": self.engine.model_digest.hex()}
-        if stream.segments is not None:  # version 2 = version 1 and the turns: an older build refuses, never drops
-            meta["version"], meta["turns"] = 2, self.turns.state(stream, self.engine)
+        if turns is not None:  # version 2 = version 1 and the turns: an older build refuses them, never drops them
+            meta["version"], meta["turns"] = 2, turns
         body = json.dumps(meta).encode()
         tail = (b"" if stream.input_finished else stream.pcm.samples.astype(np.float32).tobytes())
         data = b"".join([STREAM_MAGIC, struct.pack("<I", len(body)), body, struct.pack("<Q", len(tail)), tail,
