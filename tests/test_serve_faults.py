@@ -469,6 +469,79 @@ def test_a_live_stream_survives_sigkill_of_the_server(clips, tmp_path):
                 p.wait()
 
 
+def test_a_live_stream_with_turns_survives_sigkill_with_the_same_turn_events(clips, tmp_path):
+    """``?turn_detection=server_vad``: SIGKILL after the first turn completed (a checkpoint taken since); the
+    new process resumes the stream with its turn state, so every turn event sent after the resume (item ids
+    numbered on from the saved turns, times, texts) is the uninterrupted stream's, and the turns add up."""
+    from oasr.bench.serve import start_server
+    from oasr.vad import EndpointConfig
+
+    audio, _ = clips
+    gaps = [0.3, 1.5, 2.0]
+    pcm = np.concatenate([part for gap, x in zip(gaps, audio[:3], strict=True)
+                          for part in (np.zeros(int(gap * 16000), np.float32), x)] + [np.zeros(16000, np.float32)])
+    offline = Recognizer(max_streams=1, max_seconds=60.0, endpointing=EndpointConfig())
+    stream = offline.open_stream()
+    stream.accept(pcm)
+    stream.end()
+    done = []
+    while not done:
+        done = offline.step()
+    segments = done[0].segments
+    assert len(segments) == 3
+
+    def expected(sid):
+        events, turn = [], 0
+        for kind, value in stream.turn_events:
+            item = f"{sid}-turn{turn}"
+            if kind == "segment":
+                events.append(protocol.ws_turn_completed(item, value))
+                turn += 1
+            else:
+                events.append((protocol.ws_speech_started if kind == "speech_started" else
+                               protocol.ws_speech_stopped)(item, value))
+        return events
+
+    port = free_port()
+    args = ("--state-dir", str(tmp_path), "--checkpoint-every", "0.2", "--port", str(port))
+    proc, url = start_server(2, "cpu", 180, extra_args=args, env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    procs = [proc]
+    try:
+        async def run():
+            result = LiveResult()
+            task = asyncio.ensure_future(stream_audio(url, pcm, piece_ms=40, realtime=True, result=result,
+                                                      reconnect=180, timeout=360, turn_detection="server_vad"))
+            deadline = time.monotonic() + TIMEOUT
+            while time.monotonic() < deadline and not result.turns:
+                await asyncio.sleep(0.05)
+            first_turn = time.time()
+            path = tmp_path / f"{result.stream_id}.session"
+            while time.monotonic() < deadline and not (path.is_file() and path.stat().st_mtime > first_turn + 0.3):
+                await asyncio.sleep(0.05)
+            assert result.transcript is None and len(result.turns) < 3, "the stream ended before the kill"
+            proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(proc.wait, TIMEOUT)
+            procs.append((await asyncio.to_thread(start_server, 2, "cpu", 180, args, {"PYTHONPATH": str(ROOT)},
+                                                  ROOT))[0])
+            return await task
+
+        result = asyncio.run(asyncio.wait_for(run(), 420))
+        want = expected(result.stream_id)
+        assert result.transcript == " ".join(s.text for s in segments)
+        (first, *later) = result.connections
+        assert not first[1] and later and later[-1][1] and 0 < later[-1][2] < len(pcm)  # resumed mid-stream
+        before = [e for n, e in result.turn_events if n == 0]
+        after = [e for n, e in result.turn_events if n == len(result.connections) - 1]
+        assert before == want[: len(before)] and after == want[len(want) - len(after) :]
+        assert len(before) + len(after) >= len(want)  # nothing missing between the two
+        assert any(e["item_id"] != f"{result.stream_id}-turn0" for e in after)  # numbered on, not from 0 again
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_the_serving_docs_client_example_runs(clips, monkeypatch):
     """docs/serving.md's ``stream_audio`` example, pointed at a test server, prints the offline transcript."""
     import re

@@ -462,7 +462,9 @@ async def _read_audio(websocket: WebSocket, worker: EngineWorker, handle, rate: 
 async def _write_events(websocket: WebSocket, handle) -> str:
     """Worker -> client until the stream completes, is suspended or is gone; returns the outcome."""
     delta_text = p.DeltaText()
-    turn, turned = 0, False  # the current turn's number; whether the session has turns (server_vad)
+    # the current turn's number (a resumed stream's go on from its saved count); whether turns have been seen
+    turn = handle.turns or 0
+    turned = turn > 0
     while True:
         event = await handle.events.get()
         kind = event[0]

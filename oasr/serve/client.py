@@ -53,25 +53,34 @@ class LiveResult:
     connections: list = field(default_factory=list)  # (stream id, resumed, samples_received) of each connection
     committed_at: float | None = None  # time.perf_counter when the commit was sent (the last connection's)
     completed_at: float | None = None  # time.perf_counter when the completed event arrived
+    # turn_detection: (connection number, event) of every speech_started / speech_stopped / completed event, and
+    # the completed turns' texts by item id (a turn completed again after a resume replaces its first copy)
+    turn_events: list = field(default_factory=list)
+    turns: dict = field(default_factory=dict)
 
 
-def realtime_url(base_url: str, stream_id: str | None = None, audio_format: str = "pcm16") -> str:
-    """``ws://host:port/v1/realtime`` from the server's ``http://host:port`` (with ``?stream_id=`` and the format)."""
+def realtime_url(base_url: str, stream_id: str | None = None, audio_format: str = "pcm16",
+                 turn_detection: str | None = None) -> str:
+    """``ws://host:port/v1/realtime`` from the server's ``http://host:port`` (with ``?stream_id=``, the format
+    and ``turn_detection``)."""
     url = base_url.replace("http://", "ws://", 1).replace("https://", "wss://", 1).rstrip("/") + REALTIME_PATH
     query = ([f"stream_id={stream_id}"] if stream_id else []) + (
-        [f"input_audio_format={audio_format}"] if audio_format != "pcm16" else [])
+        [f"input_audio_format={audio_format}"] if audio_format != "pcm16" else []) + (
+        [f"turn_detection={turn_detection}"] if turn_detection else [])
     return url + ("?" + "&".join(query) if query else "")
 
 
 async def stream_audio(base_url: str, pcm: np.ndarray, *, piece_ms: int = 40, realtime: bool = False,
                        stream_id: str | None = None, stop_at: int | None = None, result: LiveResult | None = None,
                        close_after_delta: bool = False, timeout: float = 120.0, reconnect: float = 0.0,
-                       audio_format: str = "float32") -> LiveResult:
+                       audio_format: str = "float32", turn_detection: str | None = None) -> LiveResult:
     """Stream ``pcm`` (the whole utterance, 16 kHz float) to the server; see the module docstring.
 
     ``close_after_delta``: close the socket as soon as the first delta arrives (a client that goes
     away mid-stream). ``timeout`` bounds the whole call (``TimeoutError``); ``reconnect`` is the
-    longest it keeps retrying after one lost connection.
+    longest it keeps retrying after one lost connection. ``turn_detection="server_vad"``: the server cuts the
+    stream into turns; ``LiveResult.turn_events`` and ``turns`` collect them, and ``transcript`` is the turns'
+    texts joined once the server closes the session normally.
     """
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
@@ -99,7 +108,7 @@ async def stream_audio(base_url: str, pcm: np.ndarray, *, piece_ms: int = 40, re
                 await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
                 result.committed_at = time.perf_counter()
 
-        async with connect(realtime_url(base_url, sid, audio_format), max_size=None) as ws:
+        async with connect(realtime_url(base_url, sid, audio_format, turn_detection), max_size=None) as ws:
             created = json.loads(await ws.recv())
             if created.get("type") != "transcription_session.created":
                 raise RuntimeError(f"expected transcription_session.created, got {created}")
@@ -123,8 +132,13 @@ async def stream_audio(base_url: str, pcm: np.ndarray, *, piece_ms: int = 40, re
                         if close_after_delta:
                             closed_by_us = True
                             break
+                    elif kind == "conversation.item.input_audio_transcription.completed" and turn_detection:
+                        result.turn_events.append((len(result.connections) - 1, event))
+                        result.turns[event["item_id"]] = event["transcript"]
                     elif kind == "conversation.item.input_audio_transcription.completed":
                         result.transcript, result.completed_at = event["transcript"], now
+                    elif str(kind).startswith("input_audio_buffer.speech_"):
+                        result.turn_events.append((len(result.connections) - 1, event))
                     elif kind == "transcription_session.suspended":
                         result.suspended = event["session"]["samples_received"]
                     elif kind == "error":
@@ -134,6 +148,8 @@ async def stream_audio(base_url: str, pcm: np.ndarray, *, piece_ms: int = 40, re
             finally:
                 sender.cancel()
             result.close_code = ws.close_code
+            if turn_detection and result.close_code == CLOSE_NORMAL and stop_at is None:
+                result.transcript = " ".join(text for text in result.turns.values() if text)
         return closed_by_us or result.transcript is not None or result.close_code == CLOSE_NORMAL or (
             result.suspended is not None and stop_at is not None)
 

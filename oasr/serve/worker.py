@@ -124,6 +124,7 @@ class StreamHandle:
     events: asyncio.Queue
     samples: int = 0  # audio the worker holds for the stream (16 kHz samples), as of open
     resumed: bool = False
+    turns: int | None = None  # with turn detection: the turns it had completed as of open (None: no turns)
     loop: asyncio.AbstractEventLoop | None = None
 
     def post(self, event: tuple) -> None:
@@ -442,6 +443,7 @@ class EngineWorker:
                 self._command_failed(("open", request), exc)
                 continue
             handle.samples = stream.samples
+            handle.turns = None if stream.segments is None else len(stream.segments)  # (a resumed one's go on)
             self._handles[handle.id] = handle
             self._checkpointed[handle.id] = (time.monotonic(), stream.samples, stream.frames_done)
             _settle(request.future, handle)
@@ -510,11 +512,6 @@ class EngineWorker:
             if self.state_dir is None:
                 self._drop(sid)
                 handle.post(("gone", "the server shut down without a state directory: the stream was dropped"))
-                continue
-            if getattr(self.rec.streams[sid], "segments", None) is not None:  # turns are not saved
-                self._drop(sid)
-                handle.post(("gone", "the server shut down: a stream with turn detection cannot be saved; its "
-                                     "completed turns were sent, the open one is dropped"))
                 continue
             try:
                 blob = self.rec.suspend(sid)
