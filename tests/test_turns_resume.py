@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oasr.vad import EndpointConfig
 
@@ -194,3 +196,87 @@ def test_speech_starting_in_the_chunk_an_endpoint_fires_in_reaches_the_next_turn
     alone = [t.text for t in Recognizer(max_streams=2).transcribe(clips[3:5])]
     got = rec.transcribe([joined(clips[3:5], [0.3, 1.07])])[0]
     assert [s.text for s in got.segments] == alone
+
+
+# ---- the endpoint's cut, on synthetic frames (no model) ---------------------------------------------------------
+class _FakeEngine:
+    """What ``TurnTracker._on_event`` asks of an engine: the unencoded count, and ``new_turn``'s result."""
+
+    def __init__(self, sid, buffered: int, tokens, frames):
+        from oasr.ctc.config import CtcHypothesis
+        from oasr.engine.streaming.records import StreamResult
+
+        self.sid, self.buffered, self.given = sid, buffered, None
+        self.result = StreamResult(sid, list(tokens), 0, 0, "eos", None, 0, 0,
+                                   nbest=[CtcHypothesis(list(tokens), 0.0, list(frames))])
+        self.stream_ids = [sid]
+
+    def num_buffered(self, sid) -> int:
+        return self.buffered
+
+    def new_turn(self, sid, pending):
+        self.given = pending
+        return self.result
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_an_endpoint_gives_the_next_turn_every_frame_after_its_cut(data):
+    """For any turn (frames pushed, how many the engine holds unencoded, where the silence ended, which frames
+    are loud, which frames emitted tokens): the next turn gets exactly the frames from the cut on, less the
+    gate's silence; the ending turn keeps exactly its tokens before the cut; the stream's clock moves by the
+    frames before the cut plus those the gate dropped, and its encoded count by minus what is encoded again."""
+    import torch
+
+    from oasr.asr.turns import TurnTracker
+    from oasr.tokenizers.char import CharTokenizer
+    from oasr.vad import EndpointEvent
+
+    tracker = TurnTracker(EndpointConfig(), subsampling_rate=4, max_streams=1, chunk_input_frames=128)
+    msf = tracker.config.min_silence_frames
+    end_frame = data.draw(st.integers(1, 60))
+    cut = end_frame + msf
+    encoded_frames = data.draw(st.integers(cut, cut + 32))  # the endpoint fired in the last chunk encoded
+    buffered = data.draw(st.integers(0, 40))
+    pushed = encoded_frames * 4 + buffered
+    kept = min(pushed, tracker.keep_frames + buffered)
+    onset = data.draw(st.one_of(st.none(), st.integers(0, kept - 1)))  # the first loud frame kept, if any
+    loud = [onset is not None and i >= onset for i in range(kept)]
+    tok = CharTokenizer()
+    tokens = tok.encode("ab cd")
+    frames = sorted(data.draw(st.lists(st.integers(0, encoded_frames - 1), min_size=len(tokens),
+                                       max_size=len(tokens))))
+
+    class Stream:
+        id = "s"
+        turn_offset, frames_done, gated, gate_tail, turn_pushed, text = 1000, 0, False, None, pushed, "ab"
+        segments, turn_events = [], []
+
+    stream = Stream()
+    stream.frames_done = 1000 + encoded_frames * 4
+    stream.recent = torch.arange(kept, dtype=torch.float32)[:, None].repeat(1, 80) + (pushed - kept)
+    stream.recent_db = np.where(loud, -20.0, -np.inf)
+    tracker.slots["s"] = 0
+    engine = _FakeEngine("s", buffered, tokens, frames)
+
+    class Rec:
+        pass
+
+    rec = Rec()
+    rec.engine, rec.tokenizer, rec.streams = engine, tok, {"s": stream}
+    tracker._on_event(rec, stream, EndpointEvent("speech_stopped", 0, end_frame, "silence"), finished=False)
+
+    at = max(cut * 4, pushed - kept)  # the turn's frame where the next turn's audio starts (what is kept)
+    rest = loud[at - (pushed - kept):]
+    first_loud = next((i for i, x in enumerate(rest) if x), None)
+    dropped = len(rest) - min(len(rest), tracker.lead_frames) if first_loud is None else \
+        max(0, first_loud - tracker.lead_frames)
+    given = engine.given[:, 0].long().tolist()
+    assert given == list(range(at + dropped, pushed)) if first_loud is not None else given == []
+    n = sum(1 for f in frames if f < cut)
+    text = tok.decode(tokens[:n])
+    assert [s.text for s in stream.segments] == ([text] if text else [])  # an empty turn is no segment
+    assert all(len(s.words) == len(s.text.split()) for s in stream.segments)
+    assert stream.turn_offset == 1000 + at + dropped
+    assert stream.frames_done == 1000 + encoded_frames * 4 - max(0, encoded_frames * 4 - at) + dropped
+    assert stream.turn_pushed == len(given) and stream.text == ""
