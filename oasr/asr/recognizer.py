@@ -22,9 +22,11 @@ other streams are unaffected.
 
 A live stream can leave and come back: ``suspend(id)`` returns bytes that hold everything the
 stream is (the front end's unconsumed samples, its counters and partials, and the engine's session:
-caches, buffered frames, beam state), ``resume(bytes)`` on any recognizer of the same model and
-geometry continues it, to the transcript it would have had had it never left; ``cancel(id)`` drops
-a stream whose client went away. These are what a server's shutdown and a replica's migration use.
+caches, buffered frames, beam state; with turns, the turn state: ``oasr.asr.turns``), ``resume(bytes)`` on
+any recognizer of the same model and geometry continues it, to the transcript (and segments) it would have
+had had it never left; ``cancel(id)`` drops a stream whose client went away. These are what a server's
+shutdown and a replica's migration use. The blob's meta is version 1, or 2 for a stream with turns (version 1
+and the turn state: an older build refuses it rather than lose the turns); both are read.
 """
 
 from __future__ import annotations
@@ -288,7 +290,9 @@ class Recognizer:
         The bytes are verified whole (checksum, layout, model) before anything changes; corrupt,
         truncated or foreign bytes raise ``ValueError`` (``oasr.sessions.format.SessionError`` for the engine's
         part), an id in use ``ValueError``. Latencies start afresh (the resumed stream's first chunk is
-        timed from the resume)."""
+        timed from the resume). A stream with turns comes back with them: ``ValueError`` where this recognizer's
+        endpointing knobs differ or it cannot cut turns (rescoring, full context); a recognizer built without
+        endpointing enables it with the stream's knobs."""
         meta, tail, payload = self._read_stream_blob(data)
         if not np.isfinite(tail).all():
             raise ValueError("Recognizer.resume: the stream's unconsumed audio holds NaN or infinite samples")
