@@ -315,3 +315,28 @@ def test_fp8_no_device_sync_in_launches(device):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize(device)
+
+
+@pytest.mark.parametrize("pages", ["bf16", "fp8"])
+def test_driver_launch_path_equals_cuda_core_bit_for_bit(device, monkeypatch, pages):
+    """The prepacked cuLaunchKernel path (``CudaExecutor.prepare``, the default) and cuda.core's launch give the
+    same bytes, on random pages (fp8: two row tiles per warp at head_dim 64), each path's plan used twice."""
+    from oasr.bench.launcher import make_view
+    from oasr.fast.kernels import nvrtc
+
+    cache, q = make_view(device, pages)
+    torch.manual_seed(0)
+    for t in (cache.k_cache, cache.v_cache):
+        t.copy_(torch.randn(t.shape, device=device).to(t.dtype))
+    q.copy_(torch.randn(q.shape, device=device))
+    executor = executor_for(device)
+    outs = {}
+    for path in ("cuda_core", "driver"):
+        monkeypatch.setattr(nvrtc, "LAUNCH_PATH", path)
+        ops._PLANS.clear()
+        outs[path] = [ops.paged_attention(executor, q, cache, None, 0.125, True, version="v3") for _ in range(2)]
+        assert (ops._PLANS and next(iter(ops._PLANS.values())).prepared is not None) == (path == "driver")
+    torch.cuda.synchronize(device)
+    for a, b in zip(outs["cuda_core"], outs["driver"], strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert torch.isfinite(outs["driver"][0].float()).all()

@@ -414,3 +414,7 @@ def test_v3_split_count_fills_the_machine_first():
     assert ops.choose_num_splits_by_waves(512, 1040, 132 * 5) == 5
     assert ops.choose_num_splits_filled(512, 1040, 132 * 5, 132) == 1
     assert ops.choose_num_splits_filled(8, 1040, 132 * 5, 132) == ops.choose_num_splits_by_waves(8, 1040, 132 * 5) > 1
+    # between one and two waves (fp8 pages' 3 resident CTAs: 512 > 396 slots) the waves decide: 3 splits
+    assert ops.choose_num_splits_filled(512, 1040, 132 * 3, 132) == ops.choose_num_splits_by_waves(512, 1040, 396) == 3
+    assert ops.choose_num_splits_filled(512, 1040, 132 * 4, 132) == 1  # one wave
+    assert ops.choose_num_splits_filled(1024, 1040, 132 * 3, 132) == 1  # two full waves or more

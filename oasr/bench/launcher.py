@@ -11,9 +11,13 @@ fp8 pages, v3):
 
 * ``launcher (no-op launch)``: on the CPU (any device argument), the launcher driving a no-op executor
   (``kind = "cuda"``, 132 SMs, launch does nothing): everything the host does except the driver call.
-  Measurable anywhere, so a change to the launcher is measured before a GPU is lent.
+  Measurable anywhere, so a change to the launcher is measured before a GPU is lent. Two rows per page
+  kind: ``path cuda_core`` (every call hands its arguments to the executor's ``launch``, as cuda.core's
+  path does) and ``path driver`` (the plan's parameters packed once, ``oasr.fast.kernels.packed_params``;
+  a call writes its three pointers and calls a no-op in place of cuLaunchKernel).
 * ``launcher (cuda)``: on a CUDA device, the real executor (launches included, kernels queued and
-  never waited for within the timed loop; one synchronize after).
+  never waited for within the timed loop; one synchronize after), on the executor's launch path
+  (``path``: OASR_CUDA_LAUNCH, "driver" unless set to "cuda_core").
 
 Each row: ``us_per_call`` (median of ``repeats`` wall-clock runs of ``calls`` back-to-back calls) and
 ``best_us_per_call`` (their minimum).
@@ -33,13 +37,31 @@ STREAMS, KV_HEADS, GROUP, HEAD_DIM, BLOCK, HISTORY, FRAMES = 128, 4, 2, 64, 16, 
 
 
 class NoopExecutor:
-    """An executor that launches nothing: the host-side cost of the launcher alone."""
+    """An executor that launches nothing: the host-side cost of the launcher alone. ``prepared``: it also
+    prepares launches (packed parameters, a no-op in place of the driver call), as the CUDA executor's
+    "driver" path does."""
 
     kind = "cuda"
     sm_count = 132
 
-    def __init__(self):
+    def __init__(self, prepared: bool = False):
         self.launches = 0
+        if not prepared:
+            self.prepare = None  # (the launcher then hands every call's arguments to ``launch``)
+
+    def prepare(self, kernel, targs, grid, block, args, per_call):
+        """A ``PreparedLaunch`` whose driver call only counts."""
+        from oasr.fast.kernels.packed_params import PreparedLaunch
+
+        registry.check_grid(kernel, grid)
+        return PreparedLaunch([kind for _, kind in kernel.params], args, per_call, grid, block, self._count)
+
+    def _count(self, grid, block, stream, params_address) -> None:
+        self.launches += 1
+
+    def stream_handle(self) -> int:
+        """No device, no stream: 0 (the default stream's handle)."""
+        return 0
 
     def resident_ctas(self, kernel, targs, threads) -> int:
         """A fixed occupancy: the no-op path has no device to ask."""
@@ -95,12 +117,15 @@ def section(quick: bool, device="cpu") -> list[dict]:
     rows = []
     for pages in ("bf16", "fp8"):
         cache, q = make_view("cpu", pages)
-        noop = NoopExecutor()
-        us, best = time_calls(
-            lambda c=cache, q=q, e=noop: ops.paged_attention(e, q, c, None, 0.125, False, version="v3"), calls, repeats)
-        rows.append({"section": "launcher", "case": f"launcher (no-op launch), {pages} pages, v3, {STREAMS} streams",
-                     "us_per_call": us, "best_us_per_call": best,
-                     "launches_per_call": noop.launches / (calls * repeats + 1)})
+        for path in ("cuda_core", "driver"):
+            noop = NoopExecutor(prepared=path == "driver")
+            us, best = time_calls(
+                lambda c=cache, q=q, e=noop: ops.paged_attention(e, q, c, None, 0.125, False, version="v3"), calls,
+                repeats)
+            rows.append({"section": "launcher",
+                         "case": f"launcher (no-op launch), path {path}, {pages} pages, v3, {STREAMS} streams",
+                         "path": path, "us_per_call": us, "best_us_per_call": best,
+                         "launches_per_call": noop.launches / (calls * repeats + 1)})  # fmt: skip
         if device.type == "cuda":
             from oasr.fast.kernels.nvrtc import executor_for
 
@@ -112,6 +137,7 @@ def section(quick: bool, device="cpu") -> list[dict]:
 
             us, best = time_calls(call, calls, repeats)
             torch.cuda.synchronize(device)
-            rows.append({"section": "launcher", "case": f"launcher (cuda), {pages} pages, v3, {STREAMS} streams",
-                         "us_per_call": us, "best_us_per_call": best})
+            rows.append({"section": "launcher",
+                         "case": f"launcher (cuda), path {executor.launch_path}, {pages} pages, v3, {STREAMS} streams",
+                         "path": executor.launch_path, "us_per_call": us, "best_us_per_call": best})
     return rows

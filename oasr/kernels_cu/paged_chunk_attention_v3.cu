@@ -24,13 +24,29 @@
 //   so all four warps do attention work on the 32 live rows of the ASR shape
 //   (v2's 64-row CTA left warps 2-3 with padding only). Each warp keeps its
 //   own online-softmax state (m, l, O) over its slice; after the last tile
-//   the slice-1 warps hand theirs to the slice-0 warps through shared memory,
-//   which merge (m = max, rescale both by 2^(m_i - m)) and store. Why this and
-//   not a 2-warp CTA sized to the rows (same work per row, half the warps per
-//   SM) or producer warps (the gather is a handful of cp.async per thread, too
-//   little to give a warp): docs/kernels.md, "v3".
+//   the other slices hand theirs to warp r (which finalizes row tile r)
+//   through shared memory, which merges (m = max, rescale both by
+//   2^(m_i - m)) and stores. Why this and not a 2-warp CTA sized to the rows
+//   (same work per row, half the warps per SM) or producer warps (the gather
+//   is a handful of cp.async per thread, too little to give a warp):
+//   docs/kernels.md, "v3".
 //
-// Per tile of KT keys (32 on 16-bit pages, 64 on fp8 pages), warp (row tile r, slice s), KW = KT / 2:
+//   fp8 pages at D = 64 (kRT = 2 row tiles per warp): warp w takes BOTH row
+//   tiles and key slice w of every 64-key tile (keys 16 w .. +15):
+//
+//        keys of tile i:   0 .. 15 | 16 .. 31 | 32 .. 47 | 48 .. 63
+//        rows  0-31        warp 0  | warp 1   | warp 2   | warp 3
+//
+//   Each K/V fragment a warp widens (fp8 -> f16) feeds both row tiles' mma,
+//   so every K/V byte is widened once per CTA (it was twice: once per row
+//   tile), and each warp carries two independent online-softmax chains (rows
+//   0-15 and 16-31: their own m, l, O and unit), interleaved in one loop
+//   body, so one chain's mma and conversions overlap the other's row max,
+//   shuffles and exponentials. The price: O and Q of two row tiles in
+//   registers (D = 128 would not fit, so it keeps one row tile per warp) and
+//   four slices to merge after the last tile instead of two.
+//
+// Per tile of KT keys (32 on 16-bit pages, 64 on fp8 pages), warp (row tiles, slice s), KW = KT / slices:
 //   S (16 x KW) = Q_r (A fragments, registers, loaded from global once)
 //                 x K^T of its KW keys (ldmatrix), D/16 x KW/8 mma
 //   scores -> masked to -inf only on boundary tiles (the last tile of the
@@ -119,8 +135,8 @@
 //   (registers, no spills, the main loop's instruction mix and the calibrated
 //   model; tests/test_kernels_sass.py holds the loop under 360 instructions
 //   per warp per 32 keys for bf16 pages on sm_90, D 64, block 16, and 250 for
-//   fp8, and the model's fp8 tick at least 1.5x faster than bf16 at 4,096
-//   frames). Nothing here has run on a GPU yet.
+//   fp8). v3 with one row tile per warp ran on an H200 (docs/kernels.md); the
+//   two-row-tile fp8 mapping has not run on a GPU.
 //
 // Checked by: tests/test_kernels_emulated.py, tests/test_fp8_kernels.py and
 //   tests/test_attention_past_length.py (every case runs v1, v2 and v3 under the
@@ -152,7 +168,6 @@ struct Same<A, A> {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
 constexpr int kRowTiles = 2;                        // 16-row MMA tiles per CTA
-constexpr int kSlices = kWarps / kRowTiles;         // key slices per tile
 constexpr int kRowsPerCta = kRowTiles * 16;         // 32
 // Keys per tile: 32 on 16-bit pages, 64 on fp8 pages (half the bytes per key: the same bytes per stage,
 // and the per-tile work -- barrier, row max, rescale of O -- spread over twice the keys).
@@ -160,10 +175,18 @@ template <bool kFp8>
 constexpr int kTileKeys = kFp8 ? 64 : 32;
 constexpr int kRingBudget = 40 * 1024;              // static shared memory for the ring
 __host__ __device__ constexpr int clamp_stages(int n) { return n < 2 ? 2 : (n > 6 ? 6 : n); }
+// Row tiles per warp: both on fp8 pages at D = 64 without the relative-position term (see the header,
+// "Mapping"), else one (the term's table offsets would not fit the registers of two row tiles).
+template <typename Page, int D, bool kRel>
+constexpr int kRowTilesPerWarp = Codec<Page>::kScaled && D == 64 && !kRel ? kRowTiles : 1;
+// Launch bounds: with both row tiles a thread holds O and Q of 32 rows; 3 CTAs per SM (at most 168 registers)
+// keeps 12 warps per SM, which ptxas would otherwise trade for registers (2 CTAs at about 210).
+template <typename Page, int D, bool kRel>
+constexpr int kMinCtas = kRowTilesPerWarp<Page, D, kRel> == 2 ? 3 : 0;
 }  // namespace attn3
 
 template <typename T, typename Page, int D, int BS, bool kRel = false>
-__global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kernel(
+__global__ void __launch_bounds__(attn3::kThreads, (attn3::kMinCtas<Page, D, kRel>)) paged_chunk_attention_v3_kernel(
     const T* __restrict__ q, const Page* __restrict__ k_cache, const Page* __restrict__ v_cache,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, const int* __restrict__ block_table,
     int table_stride, const int* __restrict__ cache_seqlens, const int* __restrict__ cache_seqstarts,
@@ -184,7 +207,12 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     static_assert(kFp8 || sizeof(Page) == 2, "pages in the model dtype or fp8");
     using MM = typename Pick<kFp8, __half, T>::type;  // both mma types: f16 on fp8 pages (see the header)
     constexpr int KT = kTileKeys<kFp8>;  // keys per tile
-    constexpr int KW = KT / kSlices;     // keys per warp per tile
+    // Row tiles per warp (see the header, "Mapping"): 1, or on fp8 pages at D = 64 both (two independent
+    // softmax chains over one key slice, and each K/V byte widened by one warp of the CTA).
+    constexpr int kRT = kRowTilesPerWarp<Page, D, kRel>;
+    constexpr int kSl = kWarps * kRT / kRowTiles;  // key slices per tile: 2, or 4 with both row tiles
+    constexpr int KW = KT / kSl;         // keys per warp per tile
+    static_assert(KW % 16 == 0, "whole 16-key k-steps per warp");
     constexpr int NP = KW / 16;          // 16-key k-steps of P V per warp per tile (1 or 2)
     constexpr int NN = KW / 8;           // 8-key n-tiles of S per warp per tile
     constexpr int PB = kFp8 ? D + 16 : 2 * (D + 8);  // page tile row stride in bytes (16 B of padding)
@@ -199,22 +227,28 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     constexpr int DK = D / 16;                       // 16-dim k-steps of Q K^T (and fp8 slabs)
     constexpr int DT = D / 8;                        // 8-dim n-tiles of O
     constexpr int kMergeFloats = DT * 4 + 4;         // per lane: O fragment, m[2], l[2]
-    constexpr int kMergeBytes = kRowTiles * kWarp * kMergeFloats * 4;
+    constexpr int kMergeSlots = kRT == 1 ? kRowTiles : kSl * kRowTiles;  // (slice, row tile) states handed over
+    constexpr int kMergeBytes = kMergeSlots * kWarp * kMergeFloats * 4;
     constexpr int kSmemBytes = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
     static_assert(kStageBytes % 16 == 0 && PB % 16 == 0, "16-byte aligned stages and rows");
 
     __shared__ __align__(16) unsigned char smem[kSmemBytes];
+    // Two row tiles per warp: Q's A fragments (the same in every warp) wait in shared memory, each lane reading
+    // back its own 16 bytes per 16-dim k-step at each tile (32 registers of Q would not fit beside two O)
+    constexpr int kQSmem = kRT == 2 ? kRT * DK * kWarp : 1;
+    __shared__ __align__(16) uint4 q_smem[kQSmem];
 
     const int tid = threadIdx.x;
     const int warp_id = tid / kWarp;
     const int lane = tid % kWarp;
     const int g = lane / 4, qd = lane % 4;
-    const int row_tile = warp_id % kRowTiles, slice = warp_id / kRowTiles;
+    const int rt0 = kRT == 1 ? warp_id % kRowTiles : 0;  // the warp's row tiles rt0 .. rt0 + kRT - 1
+    const int slice = kRT == 1 ? warp_id / kRowTiles : warp_id;
     const AttentionCta cta = attention_cta<kRowsPerCta>(cache_seqlens, cache_seqstarts, chunk_lens, n_head,
                                                          n_kv_head, num_frames, num_splits, split_len, causal);
     const int b = cta.b, kvh = cta.kvh, split = cta.split, group = cta.group, seqlen = cta.seqlen;
     const int rows_total = cta.rows_total, rows_valid = cta.rows_valid, lo = cta.lo, hi = cta.hi;
-    const int warp_row0 = cta.row0 + row_tile * 16;
+    const int warp_row0 = cta.row0 + rt0 * 16;  // the warp's first row
     const bool active = warp_row0 < rows_valid;  // the warp has a query to answer
     const int n_tiles = hi > lo ? (hi - lo + KT - 1) / KT : 0;
 
@@ -282,10 +316,12 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     // Q's A fragments straight from global memory: rows g and g + 8 of the warp's tile (zero past the
     // valid rows). a[h] holds k 2q, 2q+1 and a[2 + h] k 2q+8, 2q+9 of row g + 8h; on fp8 pages the
     // k order is permuted to match K's fragments (dims 4q .. 4q+3, see warp_mma.cuh).
-    unsigned qf[DK][4];
+    unsigned qf[kRT][DK][4];
+#pragma unroll
+    for (int r = 0; r < kRT; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = warp_row0 + g + 8 * h;
+        const int row = warp_row0 + 16 * r + g + 8 * h;
         const bool valid = row < rows_valid;
         const T* q_row = q + ((static_cast<long long>(b) * n_head + kvh * group + (valid ? row % group : 0)) *
                                   num_frames + (valid ? row / group : 0)) * D;  // fmt: skip
@@ -294,11 +330,11 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             if constexpr (kFp8) {  // (still T here; converted to f16 below)
                 uint2 x = {0u, 0u};
                 if (valid) x = *reinterpret_cast<const uint2*>(q_row + kk * 16 + 4 * qd);
-                qf[kk][h] = x.x;
-                qf[kk][2 + h] = x.y;
+                qf[r][kk][h] = x.x;
+                qf[r][kk][2 + h] = x.y;
             } else {
-                qf[kk][h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 2 * qd) : 0u;
-                qf[kk][2 + h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 8 + 2 * qd) : 0u;
+                qf[r][kk][h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 2 * qd) : 0u;
+                qf[r][kk][2 + h] = valid ? *reinterpret_cast<const unsigned*>(q_row + kk * 16 + 8 + 2 * qd) : 0u;
             }
         }
     }
@@ -307,8 +343,12 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     // row of Q is multiplied by a power of two 2^a that puts its largest magnitude into [2^15, 2^16)
     // (a <= 64), then rounded to f16 (exact for every element within 2^-32 of that largest, see the
     // header), and c_row undoes 2^a.
-    float c_row[2] = {scale_log2, scale_log2};
+    float c_row[kRT][2];
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) c_row[r][0] = c_row[r][1] = scale_log2;
     if constexpr (kFp8 && !Same<T, __half>::value) {
+#pragma unroll
+        for (int r = 0; r < kRT; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float amax = 0.f;
@@ -316,57 +356,98 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             for (int kk = 0; kk < DK; ++kk)
 #pragma unroll
                 for (int i = h; i < 4; i += 2) {  // a bf16 pair: its two fp32 values are the halves' bits
-                    amax = fmaxf(amax, fmaxf(fabsf(__int_as_float(qf[kk][i] << 16)),
-                                             fabsf(__int_as_float(qf[kk][i] & 0xffff0000u))));
+                    amax = fmaxf(amax, fmaxf(fabsf(__int_as_float(qf[r][kk][i] << 16)),
+                                             fabsf(__int_as_float(qf[r][kk][i] & 0xffff0000u))));
                 }
             amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));  // the row's four lanes
             amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
             const int a = imin(142 - ((__float_as_int(amax) >> 23) & 0xff), 64);  // biased exponent 127 + 15
             const float up = __int_as_float((127 + a) << 23), down = __int_as_float((127 - a) << 23);
-            c_row[h] = scale_log2 * down;
+            c_row[r][h] = scale_log2 * down;
 #pragma unroll
             for (int kk = 0; kk < DK; ++kk)
 #pragma unroll
                 for (int i = h; i < 4; i += 2)
-                    qf[kk][i] = pack2<__half>(__int_as_float(qf[kk][i] << 16) * up,
-                                              __int_as_float(qf[kk][i] & 0xffff0000u) * up);
+                    qf[r][kk][i] = pack2<__half>(__int_as_float(qf[r][kk][i] << 16) * up,
+                                                 __int_as_float(qf[r][kk][i] & 0xffff0000u) * up);
         }
     }
 
+    if constexpr (kRT == 2) {  // one copy (every warp holds the same); read after the main loop's first barrier
+        if (warp_id == 0) {
+#pragma unroll
+            for (int r = 0; r < kRT; ++r)
+#pragma unroll
+                for (int kk = 0; kk < DK; ++kk) {
+                    uint4 v;
+                    v.x = qf[r][kk][0];
+                    v.y = qf[r][kk][1];
+                    v.z = qf[r][kk][2];
+                    v.w = qf[r][kk][3];
+                    q_smem[(r * DK + kk) * kWarp + lane] = v;
+                }
+        }
+    }
+    // Q's A fragment of row tile r, k-step kk: from registers, or (two row tiles) from shared memory
+    auto q_frag = [&](int r, int kk, unsigned (&a)[4]) {
+        if constexpr (kRT == 2) {
+            const uint4 v = q_smem[(r * DK + kk) * kWarp + lane];
+            a[0] = v.x;
+            a[1] = v.y;
+            a[2] = v.z;
+            a[3] = v.w;
+        } else {
+            a[0] = qf[r][kk][0];
+            a[1] = qf[r][kk][1];
+            a[2] = qf[r][kk][2];
+            a[3] = qf[r][kk][3];
+        }
+    };
+
     // -- running state of rows g and g + 8 over the warp's key slice
-    float o[DT][4];
+    float o[kRT][DT][4];
+    float m_run[kRT][2], l_run[kRT][2];  // m in scaled (log2) units; l: this lane's share (its own key columns)
+    int key_limits[kRT][2];  // a row sees keys pos < its limit (hi, cut by causality; lo for rows past the length)
 #pragma unroll
-    for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m_run[2] = {neg_inf(), neg_inf()};  // in scaled (log2) units
-    float l_run[2] = {0.f, 0.f};              // this lane's share (its own key columns)
-    const int my_row[2] = {warp_row0 + g, warp_row0 + g + 8};
-    int key_limit[2];  // a row sees keys pos < key_limit (hi, cut by causality; lo for rows past the length)
+    for (int r = 0; r < kRT; ++r) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = my_row[h];
-        key_limit[h] = r < rows_valid ? (causal ? imin(hi, seqlen + r / group + 1) : hi) : lo;
+        for (int n = 0; n < DT; ++n) o[r][n][0] = o[r][n][1] = o[r][n][2] = o[r][n][3] = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            m_run[r][h] = neg_inf();
+            l_run[r][h] = 0.f;
+            const int row = warp_row0 + 16 * r + g + 8 * h;
+            key_limits[r][h] = row < rows_valid ? (causal ? imin(hi, seqlen + row / group + 1) : hi) : lo;
+        }
     }
     // kRel: rows g and g + 8's tables of the relative-position term; their scores go to log2 units with
     // the term added (s * c_row + bias * log2(e)) before the mask, and the softmax below then takes c = 1.
     const float* rel_cta = nullptr;
-    int rel_top[2], rel_at[2];
-    float c_use[2] = {c_row[0], c_row[1]};
+    int rel_top[kRT][2], rel_at[kRT][2];
+    float c_use[kRT][2];
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) c_use[r][0] = c_row[r][0], c_use[r][1] = c_row[r][1];
     if constexpr (kRel) {
         rel_cta = rel_table_of_cta(rel_bias, rel_len, cta, n_head, num_frames);
 #pragma unroll
+        for (int r = 0; r < kRT; ++r)
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const RelRowOffset o = rel_row_offset(rel_len, cta, my_row[h], num_frames);
-            rel_top[h] = o.top;
-            rel_at[h] = o.at;
-            c_use[h] = 1.f;
+            const RelRowOffset ro = rel_row_offset(rel_len, cta, warp_row0 + 16 * r + g + 8 * h, num_frames);
+            rel_top[r][h] = ro.top;
+            rel_at[r][h] = ro.at;
+            c_use[r][h] = 1.f;
         }
     }
+    auto key_limit = [&](int r, int h) { return key_limits[r][h]; };
     // Keys from here on need the per-row test (warp-uniform): the range's end, or the causal limit of the
     // warp's first row. Rows past the length are not masked on interior tiles: they are never stored.
     const int mask_from = causal ? imin(hi, seqlen + warp_row0 / group + 1) : hi;
     // fp8 pages: row h of O is kept in units of w_ref[h], a power of two (at least 2^-126) near the
     // row's largest p * v_scale, so that P' = p * v_scale / w_ref < 2 fits f16 (see the header).
-    float w_ref[2] = {__int_as_float(1 << 23), __int_as_float(1 << 23)};
+    float w_ref[kRT][2];
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) w_ref[r][0] = w_ref[r][1] = __int_as_float(1 << 23);
 
     for (int it = 0; it < n_tiles; ++it) {
         warp::cp_async_wait_group<kStages - 2>();  // tile it has landed (this thread's copies)
@@ -378,11 +459,14 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 
         const unsigned char* stage = smem + (it % kStages) * kStageBytes;
         const int key0 = slice * KW;  // the warp's first key in the tile
-        float sc[NN][4];
+        float sc[kRT][NN][4];
 #pragma unroll
-        for (int n = 0; n < NN; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+        for (int r = 0; r < kRT; ++r)
+#pragma unroll
+            for (int n = 0; n < NN; ++n) sc[r][n][0] = sc[r][n][1] = sc[r][n][2] = sc[r][n][3] = 0.f;
 
-        // S = Q K^T over the warp's KW keys: n-tile n = keys key0 + 8n .. + 7
+        // S = Q K^T over the warp's KW keys: n-tile n = keys key0 + 8n .. + 7; each K fragment serves every
+        // row tile of the warp (widened once on fp8 pages)
 #pragma unroll
         for (int np = 0; np < NP; ++np) {
             const int k16 = key0 + 16 * np;
@@ -391,11 +475,19 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                 for (int j = 0; j < DK / 2; ++j) {  // matrices: keys 0-7 / 8-15 x slabs 2j / 2j + 1
                     unsigned kf[4];
                     ldmatrix_x4(kf, stage + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * PB + (2 * j + lane / 16) * 16);
+                    unsigned qa[kRT][2][4];
+#pragma unroll
+                    for (int r = 0; r < kRT; ++r) {
+                        q_frag(r, 2 * j, qa[r][0]);
+                        q_frag(r, 2 * j + 1, qa[r][1]);
+                    }
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         unsigned bfrag[2];
                         warp::fp8x4_to<MM>(kf[i], bfrag);
-                        mma_m16n8k16<MM>(sc[2 * np + i % 2], qf[2 * j + i / 2], bfrag, sc[2 * np + i % 2]);
+#pragma unroll
+                        for (int r = 0; r < kRT; ++r)
+                            mma_m16n8k16<MM>(sc[r][2 * np + i % 2], qa[r][i / 2], bfrag, sc[r][2 * np + i % 2]);
                     }
                 }
             } else {
@@ -405,8 +497,11 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                     unsigned kf[4];
                     ldmatrix_x4(kf, k_tile + (k16 + (lane / 16) * 8 + lane % 8) * TS + kk * 16 + ((lane / 8) % 2) * 8);
                     const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-                    mma_m16n8k16<T>(sc[2 * np], qf[kk], b0, sc[2 * np]);
-                    mma_m16n8k16<T>(sc[2 * np + 1], qf[kk], b1, sc[2 * np + 1]);
+#pragma unroll
+                    for (int r = 0; r < kRT; ++r) {
+                        mma_m16n8k16<T>(sc[r][2 * np], qf[r][kk], b0, sc[r][2 * np]);
+                        mma_m16n8k16<T>(sc[r][2 * np + 1], qf[r][kk], b1, sc[r][2 * np + 1]);
+                    }
                 }
             }
         }
@@ -417,114 +512,133 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 #pragma unroll
             for (int n = 0; n < NN; ++n) {
                 const float2 ks = *reinterpret_cast<const float2*>(scales + key0 + 8 * n + 2 * qd);
-                sc[n][0] *= ks.x;
-                sc[n][1] *= ks.y;
-                sc[n][2] *= ks.x;
-                sc[n][3] *= ks.y;
+#pragma unroll
+                for (int r = 0; r < kRT; ++r) {
+                    sc[r][n][0] *= ks.x;
+                    sc[r][n][1] *= ks.y;
+                    sc[r][n][2] *= ks.x;
+                    sc[r][n][3] *= ks.y;
+                }
             }
         }
         const int slice_lo = lo + it * KT + key0;
         if constexpr (kRel) {  // keys a row sees (below its key_limit): s * c_row + rel_bias[..] * log2(e)
 #pragma unroll
+            for (int r = 0; r < kRT; ++r)
+#pragma unroll
             for (int n = 0; n < NN; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int pos = slice_lo + 8 * n + 2 * qd + e % 2, h = e / 2;
-                    if (pos < key_limit[h])
-                        sc[n][e] = fmaf(sc[n][e], c_row[h], rel_term_log2(rel_cta, rel_top[h], rel_at[h], pos, rel_len));
+                    if (pos < key_limit(r, h))
+                        sc[r][n][e] = fmaf(sc[r][n][e], c_row[r][h],
+                                           rel_term_log2(rel_cta, rel_top[r][h], rel_at[r][h], pos, rel_len));
                 }
         }
         if (slice_lo + KW > mask_from) {  // a boundary tile: keys past a row's limit (or the range) -> -inf
-            if constexpr (kFp8) {  // the same test against limits relative to the lane's first key column
-                const int lim[2] = {key_limit[0] - slice_lo - 2 * qd, key_limit[1] - slice_lo - 2 * qd};
 #pragma unroll
-                for (int n = 0; n < NN; ++n)
+            for (int r = 0; r < kRT; ++r) {
+                if constexpr (kFp8) {  // the same test against limits relative to the lane's first key column
+                    const int lim[2] = {key_limit(r, 0) - slice_lo - 2 * qd, key_limit(r, 1) - slice_lo - 2 * qd};
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (8 * n + e % 2 >= lim[e / 2]) sc[n][e] = neg_inf();
-            } else {
+                    for (int n = 0; n < NN; ++n)
 #pragma unroll
-                for (int n = 0; n < NN; ++n)
+                        for (int e = 0; e < 4; ++e)
+                            if (8 * n + e % 2 >= lim[e / 2]) sc[r][n][e] = neg_inf();
+                } else {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (slice_lo + 8 * n + 2 * qd + e % 2 >= key_limit[e / 2]) sc[n][e] = neg_inf();
-            }
-        }
-        float tile_max[2] = {fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[0][2], sc[0][3])};
+                    for (int n = 0; n < NN; ++n)
 #pragma unroll
-        for (int n = 1; n < NN; ++n) {
-            tile_max[0] = fmaxf(tile_max[0], fmaxf(sc[n][0], sc[n][1]));
-            tile_max[1] = fmaxf(tile_max[1], fmaxf(sc[n][2], sc[n][3]));
-        }
-        float alpha[2], m_use[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 1));
-            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 2));
-            const float m_new = fmaxf(m_run[h], tile_max[h] * c_use[h]);  // c_use > 0: the max of the scaled
-            m_use[h] = m_new == neg_inf() ? 0.f : m_new;               // no key yet: every weight is 0
-            alpha[h] = ex2_approx_ftz(m_run[h] - m_use[h]);           // 0 when m_run was -inf
-            m_run[h] = m_new;
-            l_run[h] *= alpha[h];
-        }
-        float vs[NN][2];
-#pragma unroll
-        for (int n = 0; n < NN; ++n) vs[n][0] = vs[n][1] = 1.f;
-        if constexpr (kFp8) {
-#pragma unroll
-            for (int n = 0; n < NN; ++n) {
-                const float2 v2s = *reinterpret_cast<const float2*>(scales + KT + key0 + 8 * n + 2 * qd);
-                vs[n][0] = v2s.x;
-                vs[n][1] = v2s.y;
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < NN; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = ex2_approx_ftz(fmaf(sc[n][e], c_use[e / 2], -m_use[e / 2]));  // -inf scores -> 0
-                l_run[e / 2] += p;
-                sc[n][e] = kFp8 ? p * vs[n][e % 2] : p;
-            }
-        float alpha_o[2] = {alpha[0], alpha[1]};  // O's rescale (fp8: also to the row's new unit)
-        if constexpr (kFp8) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float w = fmaxf(sc[0][2 * h], sc[0][2 * h + 1]);  // the row's largest p * v_scale
-#pragma unroll
-                for (int n = 1; n < NN; ++n) w = fmaxf(w, fmaxf(sc[n][2 * h], sc[n][2 * h + 1]));
-                w = fmaxf(w, __shfl_xor_sync(kFullMask, w, 1));  // the quad holds all KW keys
-                w = fmaxf(w, __shfl_xor_sync(kFullMask, w, 2));
-                // ... or the old unit as O decays by alpha, at least 2^-126; rounded down to a power of two
-                w = fmaxf(fmaxf(w, w_ref[h] * alpha[h]), __int_as_float(1 << 23));
-                const float w_new = __int_as_float(__float_as_int(w) & 0x7f800000);
-                // 1 / w_new exactly: a power of two in [2^-126, 2^127), its reciprocal's biased exponent is
-                // 254 - its own
-                const float w_inv = __int_as_float(0x7f000000 - __float_as_int(w_new));
-                alpha_o[h] *= w_ref[h] * w_inv;  // O to the new unit
-                w_ref[h] = w_new;
-#pragma unroll
-                for (int n = 0; n < NN; ++n) {
-                    sc[n][2 * h] *= w_inv;
-                    sc[n][2 * h + 1] *= w_inv;
+                        for (int e = 0; e < 4; ++e)
+                            if (slice_lo + 8 * n + 2 * qd + e % 2 >= key_limit(r, e / 2)) sc[r][n][e] = neg_inf();
                 }
             }
         }
+        // The online softmax of each row tile: independent chains (with two row tiles, interleaved)
 #pragma unroll
-        for (int n = 0; n < DT; ++n) {
-            o[n][0] *= alpha_o[0];
-            o[n][1] *= alpha_o[0];
-            o[n][2] *= alpha_o[1];
-            o[n][3] *= alpha_o[1];
+        for (int r = 0; r < kRT; ++r) {
+            float tile_max[2] = {fmaxf(sc[r][0][0], sc[r][0][1]), fmaxf(sc[r][0][2], sc[r][0][3])};
+#pragma unroll
+            for (int n = 1; n < NN; ++n) {
+                tile_max[0] = fmaxf(tile_max[0], fmaxf(sc[r][n][0], sc[r][n][1]));
+                tile_max[1] = fmaxf(tile_max[1], fmaxf(sc[r][n][2], sc[r][n][3]));
+            }
+            float alpha[2], m_use[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 1));
+                tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(kFullMask, tile_max[h], 2));
+                const float m_new = fmaxf(m_run[r][h], tile_max[h] * c_use[r][h]);  // c_use > 0: the max of the scaled
+                m_use[h] = m_new == neg_inf() ? 0.f : m_new;                      // no key yet: every weight is 0
+                alpha[h] = ex2_approx_ftz(m_run[r][h] - m_use[h]);               // 0 when m_run was -inf
+                m_run[r][h] = m_new;
+                l_run[r][h] *= alpha[h];
+            }
+            float vs[NN][2];  // (read here, per row tile: fewer registers live across the row max)
+#pragma unroll
+            for (int n = 0; n < NN; ++n) vs[n][0] = vs[n][1] = 1.f;
+            if constexpr (kFp8) {
+#pragma unroll
+                for (int n = 0; n < NN; ++n) {
+                    const float2 v2s = *reinterpret_cast<const float2*>(scales + KT + key0 + 8 * n + 2 * qd);
+                    vs[n][0] = v2s.x;
+                    vs[n][1] = v2s.y;
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < NN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = ex2_approx_ftz(fmaf(sc[r][n][e], c_use[r][e / 2], -m_use[e / 2]));  // -inf -> 0
+                    l_run[r][e / 2] += p;
+                    sc[r][n][e] = kFp8 ? p * vs[n][e % 2] : p;
+                }
+            float alpha_o[2] = {alpha[0], alpha[1]};  // O's rescale (fp8: also to the row's new unit)
+            if constexpr (kFp8) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float w = fmaxf(sc[r][0][2 * h], sc[r][0][2 * h + 1]);  // the row's largest p * v_scale
+#pragma unroll
+                    for (int n = 1; n < NN; ++n) w = fmaxf(w, fmaxf(sc[r][n][2 * h], sc[r][n][2 * h + 1]));
+                    w = fmaxf(w, __shfl_xor_sync(kFullMask, w, 1));  // the quad holds all KW keys
+                    w = fmaxf(w, __shfl_xor_sync(kFullMask, w, 2));
+                    // ... or the old unit as O decays by alpha, at least 2^-126; rounded down to a power of two
+                    w = fmaxf(fmaxf(w, w_ref[r][h] * alpha[h]), __int_as_float(1 << 23));
+                    const float w_new = __int_as_float(__float_as_int(w) & 0x7f800000);
+                    // 1 / w_new exactly: a power of two in [2^-126, 2^127), its reciprocal's biased exponent is
+                    // 254 - its own
+                    const float w_inv = __int_as_float(0x7f000000 - __float_as_int(w_new));
+                    alpha_o[h] *= w_ref[r][h] * w_inv;  // O to the new unit
+                    w_ref[r][h] = w_new;
+#pragma unroll
+                    for (int n = 0; n < NN; ++n) {
+                        sc[r][n][2 * h] *= w_inv;
+                        sc[r][n][2 * h + 1] *= w_inv;
+                    }
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < DT; ++n) {
+                o[r][n][0] *= alpha_o[0];
+                o[r][n][1] *= alpha_o[0];
+                o[r][n][2] *= alpha_o[1];
+                o[r][n][3] *= alpha_o[1];
+            }
         }
 
-        // O += P V: P's A fragments straight from S's C fragments, one per 16-key k-step.
+        // O += P V: P's A fragments straight from S's C fragments, one per 16-key k-step; each V fragment
+        // serves every row tile of the warp (widened once on fp8 pages)
 #pragma unroll
         for (int np = 0; np < NP; ++np) {
             const int k16 = key0 + 16 * np;
-            const unsigned pa[4] = {pack2<MM>(sc[2 * np][0], sc[2 * np][1]), pack2<MM>(sc[2 * np][2], sc[2 * np][3]),
-                                    pack2<MM>(sc[2 * np + 1][0], sc[2 * np + 1][1]),
-                                    pack2<MM>(sc[2 * np + 1][2], sc[2 * np + 1][3])};
+            unsigned pa[kRT][4];
+#pragma unroll
+            for (int r = 0; r < kRT; ++r) {
+                pa[r][0] = pack2<MM>(sc[r][2 * np][0], sc[r][2 * np][1]);
+                pa[r][1] = pack2<MM>(sc[r][2 * np][2], sc[r][2 * np][3]);
+                pa[r][2] = pack2<MM>(sc[r][2 * np + 1][0], sc[r][2 * np + 1][1]);
+                pa[r][3] = pack2<MM>(sc[r][2 * np + 1][2], sc[r][2 * np + 1][3]);
+            }
             if constexpr (kFp8) {
                 const unsigned char* v_tile = stage + KT * PB;
 #pragma unroll
@@ -538,8 +652,11 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                         warp::fp8x4_to_interleaved<MM>(vf[2 * sl + 1], hi_keys);
                         const unsigned even[2] = {lo_keys[0], hi_keys[0]}, odd[2] = {lo_keys[1], hi_keys[1]};
                         const int n = 2 * (2 * j + sl);
-                        mma_m16n8k16<MM>(o[n], pa, even, o[n]);
-                        mma_m16n8k16<MM>(o[n + 1], pa, odd, o[n + 1]);
+#pragma unroll
+                        for (int r = 0; r < kRT; ++r) {
+                            mma_m16n8k16<MM>(o[r][n], pa[r], even, o[r][n]);
+                            mma_m16n8k16<MM>(o[r][n + 1], pa[r], odd, o[r][n + 1]);
+                        }
                     }
                 }
             } else {
@@ -549,8 +666,11 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
                     unsigned vf[4];
                     ldmatrix_x4_trans(vf, v_tile + (k16 + ((lane / 8) % 2) * 8 + lane % 8) * TS + dp * 16 + (lane / 16) * 8);
                     const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-                    mma_m16n8k16<MM>(o[2 * dp], pa, b0, o[2 * dp]);
-                    mma_m16n8k16<MM>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+#pragma unroll
+                    for (int r = 0; r < kRT; ++r) {
+                        mma_m16n8k16<MM>(o[r][2 * dp], pa[r], b0, o[r][2 * dp]);
+                        mma_m16n8k16<MM>(o[r][2 * dp + 1], pa[r], b1, o[r][2 * dp + 1]);
+                    }
                 }
             }
         }
@@ -558,40 +678,74 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 
     if constexpr (kFp8) {  // O back to its own units
 #pragma unroll
-        for (int n = 0; n < DT; ++n)
+        for (int r = 0; r < kRT; ++r)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o[n][e] *= w_ref[e / 2];
+            for (int n = 0; n < DT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[r][n][e] *= w_ref[r][e / 2];
     }
 
-    // -- merge the two key slices of each row tile: slice 1 hands (O, m, l) to slice 0 in shared memory
+    // -- merge the key slices of each row tile: warp R finalizes row tile R (its own state of it, slice 0 or
+    // R), every other (slice, row tile) state is handed to it through shared memory
     warp::cp_async_wait_group<0>();  // (only empty groups remain; the ring is about to be reused)
     __syncthreads();
-    float* merge = reinterpret_cast<float*>(smem) + (row_tile * kWarp + lane) * kMergeFloats;
-    if (slice == 1 && active) {
+    auto merge_slot = [&](int sl, int row_tile) {
+        return reinterpret_cast<float*>(smem) + ((kRT == 1 ? row_tile : sl * kRowTiles + row_tile) * kWarp + lane) *
+                                                    kMergeFloats;  // fmt: skip
+    };
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+        const int tile_r = rt0 + r;
+        if (warp_id == tile_r || warp_row0 + 16 * r >= rows_valid) continue;  // finalized here / no query
+        float* merge = merge_slot(slice, tile_r);
 #pragma unroll
         for (int n = 0; n < DT; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) merge[4 * n + e] = o[n][e];
-        merge[4 * DT] = m_run[0];
-        merge[4 * DT + 1] = m_run[1];
-        merge[4 * DT + 2] = l_run[0];
-        merge[4 * DT + 3] = l_run[1];
+            for (int e = 0; e < 4; ++e) merge[4 * n + e] = o[r][n][e];
+        merge[4 * DT] = m_run[r][0];
+        merge[4 * DT + 1] = m_run[r][1];
+        merge[4 * DT + 2] = l_run[r][0];
+        merge[4 * DT + 3] = l_run[r][1];
     }
     __syncthreads();
-    if (slice == 1) return;  // (no barrier below)
-    if (active) {
+    if (warp_id >= kRowTiles) return;  // (no barrier below)
+    // this warp's state of row tile R = warp_id (a select between its row tiles when it holds both)
+    const int R = warp_id;
+    const int own_slice = kRT == 1 ? 0 : R;  // (a constant with one row tile per warp: no code for it below)
+    float fo[DT][4], fm[2], fl[2];
+    const int fin_row0 = warp_row0 + (kRT == 1 ? 0 : 16 * R);  // (warp_row0 is row tile rt0's, = R's or 0's)
+    const int frow[2] = {fin_row0 + g, fin_row0 + g + 8};
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+        const bool mine = kRT == 1 || rt0 + r == R;
+#pragma unroll
+        for (int n = 0; n < DT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fo[n][e] = r == 0 || mine ? o[r][n][e] : fo[n][e];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float m_other = merge[4 * DT + h];
-            const float m = fmaxf(m_run[h], m_other);
-            const float m_ref = m == neg_inf() ? 0.f : m;
-            const float a_mine = ex2_approx_ftz(m_run[h] - m_ref), a_other = ex2_approx_ftz(m_other - m_ref);
-            m_run[h] = m;
-            l_run[h] = a_mine * l_run[h] + a_other * merge[4 * DT + 2 + h];
+            fm[h] = r == 0 || mine ? m_run[r][h] : fm[h];
+            fl[h] = r == 0 || mine ? l_run[r][h] : fl[h];
+        }
+    }
+    if (fin_row0 < rows_valid) {
 #pragma unroll
-            for (int n = 0; n < DT; ++n) {
-                o[n][2 * h] = a_mine * o[n][2 * h] + a_other * merge[4 * n + 2 * h];
-                o[n][2 * h + 1] = a_mine * o[n][2 * h + 1] + a_other * merge[4 * n + 2 * h + 1];
+        for (int sl = 0; sl < kSl; ++sl) {
+            if (sl == own_slice) continue;  // its own
+            const float* merge = merge_slot(sl, R);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float m_other = merge[4 * DT + h];
+                const float m = fmaxf(fm[h], m_other);
+                const float m_ref = m == neg_inf() ? 0.f : m;
+                const float a_mine = ex2_approx_ftz(fm[h] - m_ref), a_other = ex2_approx_ftz(m_other - m_ref);
+                fm[h] = m;
+                fl[h] = a_mine * fl[h] + a_other * merge[4 * DT + 2 + h];
+#pragma unroll
+                for (int n = 0; n < DT; ++n) {
+                    fo[n][2 * h] = a_mine * fo[n][2 * h] + a_other * merge[4 * n + 2 * h];
+                    fo[n][2 * h + 1] = a_mine * fo[n][2 * h + 1] + a_other * merge[4 * n + 2 * h + 1];
+                }
             }
         }
     }
@@ -599,28 +753,28 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
     // -- row sums across the quad, then store: rows < rows_total; zeros where no key was seen
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        l_run[h] += __shfl_xor_sync(kFullMask, l_run[h], 1);
-        l_run[h] += __shfl_xor_sync(kFullMask, l_run[h], 2);
+        fl[h] += __shfl_xor_sync(kFullMask, fl[h], 1);
+        fl[h] += __shfl_xor_sync(kFullMask, fl[h], 2);
     }
     // Output dims of fragment element (n, 2h + c): 16-bit pages 8n + 2qd + c; fp8 pages (n-tiles of even /
     // odd dims per 16-dim slab) 16 (n / 2) + 4qd + 2c + n % 2.
     auto dim_of = [&](int n, int c) { return kFp8 ? 16 * (n / 2) + 4 * qd + 2 * c + n % 2 : 8 * n + 2 * qd + c; };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = my_row[h];
+        const int row = frow[h];
         if (row >= rows_total) continue;
         // kRel: a NaN sum (a column past rel_len, see attention_window.cuh) is stored, not taken for "no key"
-        const bool seen = row < rows_valid && (kRel ? !(l_run[h] <= 0.f) : l_run[h] > 0.f);
+        const bool seen = row < rows_valid && (kRel ? !(fl[h] <= 0.f) : fl[h] > 0.f);
         const int t = row / group, hq = kvh * group + row % group;
         const long long out_row = (static_cast<long long>(b) * n_head + hq) * num_frames + t;
         if (num_splits == 1) {
-            const float inv = seen ? 1.f / l_run[h] : 0.f;
+            const float inv = seen ? 1.f / fl[h] : 0.f;
             T* dst = out + out_row * D;
             if constexpr (kFp8) {  // dims 16 sl + 4 qd + 0..3 = (even c0, odd c0, even c1, odd c1)
 #pragma unroll
                 for (int sl = 0; sl < DK; ++sl) {
-                    const float* ev = o[2 * sl];
-                    const float* od = o[2 * sl + 1];
+                    const float* ev = fo[2 * sl];
+                    const float* od = fo[2 * sl + 1];
                     uint2 x;
                     x.x = pack2<T>(seen ? ev[2 * h] * inv : 0.f, seen ? od[2 * h] * inv : 0.f);
                     x.y = pack2<T>(seen ? ev[2 * h + 1] * inv : 0.f, seen ? od[2 * h + 1] * inv : 0.f);
@@ -629,8 +783,8 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
             } else {
 #pragma unroll
                 for (int n = 0; n < DT; ++n) {
-                    const float x0 = seen ? o[n][2 * h] * inv : 0.f;  // a select: NaN * 0 never reaches out
-                    const float x1 = seen ? o[n][2 * h + 1] * inv : 0.f;
+                    const float x0 = seen ? fo[n][2 * h] * inv : 0.f;  // a select: NaN * 0 never reaches out
+                    const float x1 = seen ? fo[n][2 * h + 1] * inv : 0.f;
                     *reinterpret_cast<unsigned*>(dst + 8 * n + 2 * qd) = pack2<T>(x0, x1);
                 }
             }
@@ -639,10 +793,10 @@ __global__ void __launch_bounds__(attn3::kThreads) paged_chunk_attention_v3_kern
 #pragma unroll
             for (int n = 0; n < DT; ++n)
 #pragma unroll
-                for (int c = 0; c < 2; ++c) part_acc[part_row * D + dim_of(n, c)] = seen ? o[n][2 * h + c] : 0.f;
+                for (int c = 0; c < 2; ++c) part_acc[part_row * D + dim_of(n, c)] = seen ? fo[n][2 * h + c] : 0.f;
             if (qd == 0) {
-                part_ml[part_row * 2] = seen ? m_run[h] : neg_inf();
-                part_ml[part_row * 2 + 1] = seen ? l_run[h] : 0.f;
+                part_ml[part_row * 2] = seen ? fm[h] : neg_inf();
+                part_ml[part_row * 2 + 1] = seen ? fl[h] : 0.f;
             }
         }
     }

@@ -280,6 +280,15 @@ def device_current(index: int, *, current=None, make_current=None, restore=None)
             restore(previous)
 
 
+# How a plan's launch reaches the driver (``CudaExecutor.prepare``): "driver" packs its parameters once and calls
+# cuLaunchKernel (cuda.bindings) at each call; "cuda_core" (OASR_CUDA_LAUNCH=cuda_core) goes through cuda.core's
+# launch at every call, the path the H200 measured. "driver" has not yet run on a GPU.
+LAUNCH_PATHS = ("driver", "cuda_core")
+LAUNCH_PATH = os.environ.get("OASR_CUDA_LAUNCH", "driver")
+if LAUNCH_PATH not in LAUNCH_PATHS:
+    raise ValueError(f"OASR_CUDA_LAUNCH must be one of {LAUNCH_PATHS}, got {LAUNCH_PATH!r}")
+
+
 class CudaExecutor:
     """Launches the NVRTC-compiled kernels on one CUDA device."""
 
@@ -362,6 +371,57 @@ class CudaExecutor:
                 self._configs.clear()
             config = self._configs[shape] = _cuda_core().LaunchConfig(grid=shape[0], block=shape[1])
         _cuda_core().launch(stream, config, compiled, *params)
+
+    @property
+    def launch_path(self) -> str:
+        """"driver" (``prepare`` packs a plan's parameters for cuLaunchKernel) or "cuda_core" (every call through
+        ``launch``): ``LAUNCH_PATH``, from OASR_CUDA_LAUNCH."""
+        return LAUNCH_PATH
+
+    def prepare(self, kernel: registry.Kernel, targs: tuple[str, ...], grid, block, args, per_call):
+        """A ``packed_params.PreparedLaunch`` of one instantiation (``args`` by ``kernel.params``; the positions in
+        ``per_call`` are supplied at each call), or None on the "cuda_core" path (then callers use ``launch``).
+
+        The packed layout is checked once against the driver's own (cuda.core's ``arguments_info``: offset and
+        size of each parameter); a mismatch raises RuntimeError naming the parameter. NOT YET RUN ON A GPU.
+        """
+        if self.launch_path != "driver":
+            return None
+        from cuda.bindings import driver
+
+        from oasr.fast.kernels.packed_params import PreparedLaunch
+
+        registry.check_grid(kernel, grid)
+        expr = kernel.name_expression(targs)
+        if expr not in self._kernels:
+            self._require_not_capturing(expr)
+            self._load_family(kernel.family, [expr])
+        compiled = self._kernels[expr]
+        kinds = [kind for _, kind in kernel.params]
+        function = driver.CUfunction(int(compiled.handle))  # a CUkernel, which cuLaunchKernel takes as a function
+        index = self.device.index
+
+        def driver_launch(grid, block, stream, params_address):
+            if torch.cuda.current_device() != index:
+                with torch.cuda.device(index):
+                    return driver_launch(grid, block, stream, params_address)
+            (err,) = driver.cuLaunchKernel(function, *grid, *block, 0, driver.CUstream(stream), params_address, 0)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuLaunchKernel({expr}) failed: {err}")
+
+        prepared = PreparedLaunch(kinds, args, per_call, grid, block, driver_launch)
+        info = [(int(a.offset), int(a.size)) for a in compiled.arguments_info]
+        mine = list(zip(prepared.params.layout.offsets, prepared.params.layout.sizes, strict=True))
+        if info != mine:
+            n = max(len(info), len(mine))
+            bad = next(i for i in range(n) if i >= min(len(info), len(mine)) or info[i] != mine[i])
+            raise RuntimeError(f"{expr}: packed parameters (offset, size) {mine} differ from the driver's {info}, "
+                               f"first at parameter {bad}")
+        return prepared
+
+    def stream_handle(self) -> int:
+        """torch's current stream on this device, as the driver's handle."""
+        return torch.cuda.current_stream(self.device).cuda_stream
 
 
 def _cuda_core():

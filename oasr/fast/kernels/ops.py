@@ -253,11 +253,14 @@ def choose_num_splits_by_waves(ctas: int, max_keys: int, slots: int) -> int:
 
 
 def choose_num_splits_filled(ctas: int, max_keys: int, slots: int, sm_count: int) -> int:
-    """Attention v3's split count: 1 when the grid already gives every SM two CTAs or more (a memory-bound
-    kernel gains nothing from a smaller last wave, and each split adds fp32 partials and the combine
-    launch), else ``choose_num_splits_by_waves``. E.g. 128 streams x 4 KV heads (512 CTAs) on 132 SMs:
-    1 split whatever the residency; 2 streams x 4 KV heads: split by waves."""
-    if ctas >= 2 * sm_count:
+    """Attention v3's split count: 1 when the grid gives every SM two CTAs or more and runs in one wave, or in
+    two full waves or more (a memory-bound kernel gains nothing from a smaller last wave, and each split adds
+    fp32 partials and the combine launch); else ``choose_num_splits_by_waves``: a grid under two CTAs per SM,
+    or one between one and two waves of ``slots``, whose second wave would leave most SMs idle while the
+    busiest runs a whole tile range alone. E.g. 128 streams x 4 KV heads (512 CTAs) on 132 SMs: 1 split at
+    4 or 5 resident CTAs (one wave); 3 splits at 3 resident (fp8 pages with two row tiles per warp: 4 waves
+    of a third, 1.33, against 2 whole waves); 2 streams x 4 KV heads: split by waves."""
+    if ctas >= 2 * sm_count and not slots < ctas < 2 * slots:
         return 1
     return choose_num_splits_by_waves(ctas, max_keys, slots)
 
@@ -353,7 +356,7 @@ def paged_attention(
         if plan.reusable:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
-            _PLANS[key] = plan.kept()
+            plan = _PLANS[key] = _prepared(executor, plan.kept())
     out = torch.empty(q.shape, dtype=plan.dtype, device=q.device)
     if plan.kernel is None:
         return out
@@ -364,8 +367,11 @@ def paged_attention(
         ml = torch.empty((*shape[:-1], 2), dtype=torch.float32, device=q.device)
         part_acc, part_ml = acc.data_ptr(), ml.data_ptr()
     out_ptr = out.data_ptr()
-    executor.launch(plan.kernel, plan.kernel_targs, plan.grid, (THREADS, 1, 1),
-                    (*plan.head, out_ptr, part_acc, part_ml, *plan.tail))
+    if plan.prepared is not None:  # parameters packed once per plan: the call sets its three pointers
+        plan.prepared.launch(executor.stream_handle(), out_ptr, part_acc, part_ml)
+    else:
+        executor.launch(plan.kernel, plan.kernel_targs, plan.grid, (THREADS, 1, 1),
+                        (*plan.head, out_ptr, part_acc, part_ml, *plan.tail))
     del plan  # a converted rel_bias table it held was needed until the launch was queued
     if part_acc:
         rows = q.shape[0] * q.shape[1] * q.shape[2]
@@ -377,6 +383,18 @@ def paged_attention(
 
 _MAX_PLANS = 512
 _PLANS: dict = {}
+
+
+def _prepared(executor, plan: _AttentionPlan) -> _AttentionPlan:
+    """``plan`` with its launch prepared by the executor (``prepare``: the parameters packed once, ``out`` and the
+    two partials' pointers supplied per call), where the executor has one and its launch path uses it."""
+    prepare = getattr(executor, "prepare", None)
+    if plan.kernel is None or prepare is None:
+        return plan
+    args = (*plan.head, 0, 0, 0, *plan.tail)
+    per_call = (len(plan.head), len(plan.head) + 1, len(plan.head) + 2)  # out, part_acc, part_ml
+    return dataclasses.replace(plan, prepared=prepare(plan.kernel, plan.kernel_targs, plan.grid, (THREADS, 1, 1),
+                                                      args, per_call))
 
 
 def _combine_targs(dtype: torch.dtype, head_dim: int) -> tuple:
@@ -398,6 +416,7 @@ class _AttentionPlan:
     combine_targs: tuple = ()
     reusable: bool = False
     rel_table: object = None  # a contiguous copy of rel_bias made for this call (never in a kept plan)
+    prepared: object = None  # the executor's prepared launch (``_prepared``; kept plans only), or None
 
     def kept(self) -> _AttentionPlan:
         """The plan as ``_PLANS`` keeps it: no tensor (a reusable plan's table is the caller's own)."""

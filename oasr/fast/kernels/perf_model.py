@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from oasr.fast.kernels import ops
 from oasr.fast.kernels.sass import LoopCounts
@@ -140,6 +140,19 @@ MEASURED_V3 = {
     ("bf16", 256): (13.49, 13.70), ("bf16", 1024): (42.44, 42.48), ("bf16", 4096): (147.28, 148.45),
     ("fp8", 256): (14.39, 14.44), ("fp8", 1024): (37.21, 37.50), ("fp8", 4096): (123.88, 124.11),
 }  # fmt: skip
+# The v3 fp8 build the H200 measured (3e89bf9: one 16-row tile per warp, 128 registers), read off its SASS
+# (sm_90, bf16 queries, D 64, block 16; NVRTC 13): the calibration prices the measured fp8 points with this
+# loop and mapping, whatever the kernel has become since. The 16-bit pages' loop is the measured one (236
+# instructions then, 235 now).
+MEASURED_V3_FP8_BUILD = {
+    "registers": 128, "shared_bytes": 32256, "mio_bytes": 8960.0, "mio_bytes_low": 7936.0,
+    "classes": {"other": 340, "BAR": 1, "IMAD": 42, "LDS/LDSM": 19, "LDGSTS/LDG": 7, "HMMA": 32, "SHFL": 8, "FFMA": 18,
+                "MUFU": 18},
+    "roots": {"VIADD": 9, "DEPBAR": 1, "ISETP": 27, "WARPSYNC": 2, "BSSY": 3, "BAR": 1, "BRA": 5, "IMAD": 42, "UMOV": 1,
+              "SHF": 4, "SEL": 1, "LOP3": 5, "LEA": 6, "IADD3": 12, "LDS": 11, "LDGSTS": 5, "BSYNC": 3, "LDGDEPBAR": 1,
+              "LDC": 4, "LDG": 2, "LDSM": 8, "F2FP": 72, "HMMA": 32, "FMUL": 88, "FSEL": 18, "FMNMX": 42, "SHFL": 8,
+              "FSETP": 2, "FFMA": 18, "FADD": 16, "MUFU": 18, "PRMT": 16, "UIADD3": 2},
+}  # fmt: skip
 # host: the v2 fit's intercept (87.6 us) less v2's fixed term with the refitted launch (3.24 + 4 x 0.8)
 CALIBRATION = Calibration(issue_efficiency=0.81, host_us=81.2, launch_us=3.24, stream_bandwidth_tbs=3.82)
 HISTORIES = (256, 1024, 4096)
@@ -196,18 +209,45 @@ class Tiling:
     stages: tuple[int, int] = (1, 1)  # cp.async ring stages at head_dim 64: (16-bit pages, fp8 pages)
     prologue_trips: int = 1  # dependent memory trips before the first tile's math
     fp8_keys_per_iteration: int | None = None  # when fp8 pages use another tile
-    # FITTED (kernel-only H200 points): cycles of one warp's dependent chain per 32 keys (load -> mma -> softmax
-    # -> mma), which the few warps of a sub-partition cannot hide; None: not measured, not priced
+    # FITTED (kernel-only H200 points): cycles of one warp's dependent chain per 32 keys of a tile split over two
+    # warps, i.e. per 16 keys of one warp's slice of one 16-row tile (load -> mma -> softmax -> mma), which the
+    # few warps of a sub-partition cannot hide; None: not measured, not priced
     chain_cycles_32: float | None = None
+    # fp8 pages with another warp mapping (v3 at head_dim 64: a warp takes both 16-row tiles over a quarter of
+    # the tile's keys); None: the 16-bit mapping
+    fp8_rows_per_warp: int | None = None
+    fp8_warps_per_row_tile: int | None = None
+    # ASSUMED, not measured: how much of a second independent chain in the same warp (another 16-row tile over
+    # the same keys) hides behind the first: 1 = entirely (the step pays one chain, as for two warps' chains),
+    # 0 = nothing (the warp pays both in turn). The recalibrated points all ran one chain per warp.
+    chain_overlap: float = 1.0
 
     def keys(self, page: str) -> int:
         """Keys one main-loop iteration consumes for ``page`` (``"bf16"`` or ``"fp8"``)."""
         return self.fp8_keys_per_iteration if page == "fp8" and self.fp8_keys_per_iteration else self.keys_per_iteration
 
-    def live_warps(self, shape: AttentionShape) -> int:
+    def mapping(self, page: str) -> tuple[int, int]:
+        """(query rows per warp, warps sharing one row tile) for ``page``."""
+        if page == "fp8" and self.fp8_rows_per_warp:
+            return self.fp8_rows_per_warp, self.fp8_warps_per_row_tile or self.warps_per_row_tile
+        return self.rows_per_warp, self.warps_per_row_tile
+
+    def live_warps(self, shape: AttentionShape, page: str = "bf16") -> int:
         """Warps of a CTA with query rows at ``shape`` (the others issue only their share of the gather)."""
+        rows_per_warp, per_row_tile = self.mapping(page)
         rows = min(self.rows_per_cta, shape.group * shape.chunk)
-        return math.ceil(rows / self.rows_per_warp) * self.warps_per_row_tile
+        return math.ceil(rows / rows_per_warp) * per_row_tile
+
+    def chain_cycles(self, page: str) -> float:
+        """Cycles of the dependent chain per tile step (0 when not priced): the fitted chain per 16 keys of one
+        warp's slice of one row tile, times the slice's keys / 16, with each further row tile of the warp (an
+        independent chain over the same keys) adding ``1 - chain_overlap`` of it."""
+        if self.chain_cycles_32 is None:
+            return 0.0
+        rows_per_warp, per_row_tile = self.mapping(page)
+        chains = max(1, rows_per_warp // 16)
+        slice_keys = self.keys(page) / per_row_tile
+        return self.chain_cycles_32 * slice_keys / 16 * (1 + (chains - 1) * (1 - self.chain_overlap))
 
 
 # By registry short name, from the launcher's and the kernels' own constants. A registered attention
@@ -222,7 +262,8 @@ TILINGS = {
                                               prologue_trips=4),
     "paged_chunk_attention_v3_kernel": Tiling(ops.TILE_KEYS, ops.V3_ROWS_PER_CTA, "filled", warps_per_row_tile=2,
                                               stages=(4, 3), prologue_trips=3, fp8_keys_per_iteration=64,
-                                              chain_cycles_32=1805.0),
+                                              chain_cycles_32=1805.0, fp8_rows_per_warp=32,
+                                              fp8_warps_per_row_tile=4),
 }  # fmt: skip
 
 # -- occupancy and the time model ---------------------------------------------------------------
@@ -300,7 +341,7 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
     keys_per_tile = tiling.keys(page)
     tiles = math.ceil(math.ceil(shape.keys / splits) / keys_per_tile)
     warps = math.ceil(threads / 32)
-    live = min(warps, tiling.live_warps(shape))
+    live = min(warps, tiling.live_warps(shape, page))
     ctas_sm = math.ceil(ctas / machine.sms)  # the busiest SM
     concurrent = min(ctas_sm, resident)
     waves = math.ceil(ctas_sm / concurrent)
@@ -320,7 +361,7 @@ def model_attention(counts: LoopCounts, registers: int, shared_bytes: int, threa
         for w in range(min(warps, live)):
             xu_load[(c * warps + w) % machine.sub_partitions] += xu_per_warp
     xu_step = max(xu_load) / cal.pipe_efficiency
-    chain = 0.0 if tiling.chain_cycles_32 is None else tiling.chain_cycles_32 * keys_per_tile / 32
+    chain = tiling.chain_cycles(page)
     mio = [(mb / machine.mio_bytes_per_clk + counts.roots["SHFL"] * machine.shfl_mio_cycles) * live * concurrent
            for mb in (counts.mio_bytes_low, counts.mio_bytes)]  # fmt: skip
     step = [max(smsp_cycles, xu_step, chain, m) for m in mio]
@@ -431,13 +472,33 @@ def fit_calibration(rep: dict, cal: Calibration = CALIBRATION, machine: Machine 
     return 1 / slope, my - slope * mx - fixed
 
 
+def measured_v3_fp8_rows(shape: AttentionShape = ASR_SHAPE, cal: Calibration = CALIBRATION) -> list[dict]:
+    """The model's rows of the v3 fp8 build the H200 measured (``MEASURED_V3_FP8_BUILD``: its loop counts and
+    its mapping, one 16-row tile per warp), at ``HISTORIES``: what the calibration prices the fp8 points with."""
+    b = MEASURED_V3_FP8_BUILD
+    counts = LoopCounts(classes=Counter(b["classes"]), roots=Counter(b["roots"]), mio_bytes=b["mio_bytes"],
+                        mio_bytes_low=b["mio_bytes_low"])  # fmt: skip
+    tiling = replace(TILINGS["paged_chunk_attention_v3_kernel"], fp8_rows_per_warp=None, fp8_warps_per_row_tile=None)
+    return [{"kernel": "measured build (3e89bf9)", "version": "v3", "arch": "sm_90",
+             **model_attention(counts, b["registers"], b["shared_bytes"], 128, "sm_90", tiling, "fp8",
+                               replace(shape, keys=h + shape.chunk), cal=cal)}
+            for h in HISTORIES]  # fmt: skip
+
+
+def _measured_v3_rows(rep: dict) -> list[dict]:
+    """``rep``'s v3 sm_90 bf16 rows (the 16-bit loop is the one measured) and the measured fp8 build's rows."""
+    bf16 = [r for r in rep["attention_model"] if r["version"] == "v3" and r["arch"] == "sm_90" and r["page"] == "bf16"]
+    return bf16 + (measured_v3_fp8_rows() if bf16 else [])
+
+
 def calibration_check_v3(rep: dict) -> list[dict]:
     """The model's kernel-only v3 (sm_90) against ``MEASURED_V3`` (graph replay, two runs), and for each
-    history the modelled fp8 speed-up over bf16 against the measured one (``ratio_error``: relative)."""
+    history the modelled fp8 speed-up over bf16 against the measured one (``ratio_error``: relative). The fp8
+    points are priced with the build that was measured (``measured_v3_fp8_rows``)."""
     rows, by = [], {}
-    for r in rep["attention_model"]:
+    for r in _measured_v3_rows(rep):
         key = (r["page"], r["history"])
-        if r["version"] != "v3" or r["arch"] != "sm_90" or key not in MEASURED_V3:
+        if key not in MEASURED_V3:
             continue
         low, high = MEASURED_V3[key]
         model = r["kernel_us"][0]
@@ -461,9 +522,9 @@ def fit_kernel_calibration(rep: dict, cal: Calibration = CALIBRATION, machine: M
     import numpy as np
 
     rows_a, ys, trips = [], [], None
-    for r in rep["attention_model"]:
+    for r in _measured_v3_rows(rep):
         key = (r["page"], r["history"])
-        if r["version"] != "v3" or r["arch"] != "sm_90" or key not in MEASURED_V3:
+        if key not in MEASURED_V3:
             continue
         trips = round((r["fixed_us"] - cal.launch_us) / cal.memory_trip_us)
         if r["bound"] == "memory":
@@ -476,3 +537,35 @@ def fit_kernel_calibration(rep: dict, cal: Calibration = CALIBRATION, machine: M
     (fixed, us_per_mb, chain), *_ = np.linalg.lstsq(np.array(rows_a), np.array(ys), rcond=None)
     return {"launch_us": float(fixed - trips * cal.memory_trip_us), "stream_bandwidth_tbs": float(1 / us_per_mb),
             "chain_cycles_32": float(chain)}
+
+
+def v3_predictions(rep: dict, copy_tbs: float = 4.223) -> list[dict]:
+    """The model's kernel-only v3 (sm_90) for the current build beside ``MEASURED_V3``: per measured point the
+    measured and modelled microseconds, the fraction of ``copy_tbs`` (the measured run's device-to-device copy,
+    4,223 GB/s) and, for fp8, the speed-up over bf16. fp8 is priced twice, as ``Tiling.chain_overlap`` allows:
+    ``model`` with the stored overlap (a warp's second chain hidden behind its first) and ``no_overlap`` with 0
+    (the warp pays its two chains in turn). A MODEL of a build that has not run on a GPU."""
+    rows = {(r["page"], r["history"]): r for r in rep["attention_model"]
+            if r["version"] == "v3" and r["arch"] == "sm_90" and (r["page"], r["history"]) in MEASURED_V3}
+    tiling = TILINGS["paged_chunk_attention_v3_kernel"]
+    out = []
+    for (page, history), r in sorted(rows.items()):
+        terms, step = r["step_terms"], r["step_cycles"][0]
+        chain_none = replace(tiling, chain_overlap=0.0).chain_cycles(page)
+        step_none = max(terms["issue"], terms["xu"], chain_none, terms["mio"][0])
+        none_us = r["fixed_us"] + max(r["issue_us"][0] * step_none / step, r["memory_us"])
+        low, high = MEASURED_V3[page, history]
+        moved = r["mbytes_moved"] * 1e6
+        out.append({"page": page, "history": history, "measured_us": (low + high) / 2, "model_us": r["kernel_us"][0],
+                    "no_overlap_us": round(none_us, 1), "bound": r["bound"], "ctas_per_sm": r["ctas_per_sm"],
+                    "step_terms": terms,
+                    "measured_of_copy": round(moved / ((low + high) / 2 * 1e6) / copy_tbs, 3),
+                    "model_of_copy": round(moved / (r["kernel_us"][0] * 1e6) / copy_tbs, 3)})  # fmt: skip
+    by = {(x["page"], x["history"]): x for x in out}
+    for x in out:
+        if x["page"] == "fp8" and ("bf16", x["history"]) in by:
+            b = by["bf16", x["history"]]
+            x["measured_ratio"] = round(b["measured_us"] / x["measured_us"], 2)
+            x["model_ratio"] = round(b["model_us"] / x["model_us"], 2)
+            x["no_overlap_ratio"] = round(b["model_us"] / x["no_overlap_us"], 2)
+    return out
