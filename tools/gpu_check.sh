@@ -16,7 +16,7 @@
 #   2. `python -m oasr bench --quick --device cuda --sections attention[,launcher]` (v1, v2, v3, SDPA,
 #      FlexAttention at 128 streams x {256, 1024, 4096} frames, bf16 and fp8; kernel-only by graph replay,
 #      per call with the launcher, host time)                    -> bench.json, bench.log, kernels-md-append.md
-#      then the launcher rows again on cuda.core's path (OASR_CUDA_LAUNCH=cuda_core) -> bench-launcher-cuda-core.json
+#      then the launcher rows again on the driver path (OASR_CUDA_LAUNCH=driver) -> bench-launcher-driver.json
 #   3. all `cuda` tests in ONE process (the acceptance needs both)  -> pytest-cuda-all.log, junit-cuda-all.xml
 #   4. the real model on the GPU: `python -m oasr eval --device cuda` (timeout 60 s)   -> eval.json, eval.log
 #   5. the capacity row, when `python -m oasr bench` has a `capacity` section (timeout 150 s, --quick)
@@ -200,12 +200,12 @@ if $PY -c "import sys; from oasr.commands.bench import SECTIONS; sys.exit(0 if '
 fi
 step "bench ($SECTIONS)" 120 150 "$DIR/bench.log" \
     $PY -m oasr bench --quick --device cuda --sections "$SECTIONS" --json "$DIR/bench.json"
-# the launcher on the cuda.core path too (the bench above ran the default, OASR_CUDA_LAUNCH=driver: parameters packed
-# once per plan, cuLaunchKernel), so both per-call host times come back from one visit
+# the launcher on the driver path too (the bench above ran the default, OASR_CUDA_LAUNCH=cuda_core; driver: parameters
+# packed once per plan, cuLaunchKernel), so both per-call host times come back from one visit
 if [ "$SECTIONS" = "attention,launcher" ]; then
-    step "launcher (OASR_CUDA_LAUNCH=cuda_core)" 40 120 "$DIR/bench-launcher-cuda-core.log" \
-        env OASR_CUDA_LAUNCH=cuda_core $PY -m oasr bench --quick --device cuda --sections launcher \
-        --json "$DIR/bench-launcher-cuda-core.json"
+    step "launcher (OASR_CUDA_LAUNCH=driver)" 40 120 "$DIR/bench-launcher-driver.log" \
+        env OASR_CUDA_LAUNCH=driver $PY -m oasr bench --quick --device cuda --sections launcher \
+        --json "$DIR/bench-launcher-driver.json"
 fi
 DEVICE_NAME=$($PY -c "import torch; print(torch.cuda.get_device_name())" 2>/dev/null || echo "a CUDA device")
 if [ -s "$DIR/bench.json" ] && $PY tools/gpu_report.py "$DIR/bench.json" --device "$DEVICE_NAME" \

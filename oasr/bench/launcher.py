@@ -17,7 +17,7 @@ fp8 pages, v3):
   a call writes its three pointers and calls a no-op in place of cuLaunchKernel).
 * ``launcher (cuda)``: on a CUDA device, the real executor (launches included, kernels queued and
   never waited for within the timed loop; one synchronize after), on the executor's launch path
-  (``path``: OASR_CUDA_LAUNCH, "driver" unless set to "cuda_core").
+  (``path``: OASR_CUDA_LAUNCH, "cuda_core" unless set to "driver").
 
 Each row: ``us_per_call`` (median of ``repeats`` wall-clock runs of ``calls`` back-to-back calls) and
 ``best_us_per_call`` (their minimum).
