@@ -66,6 +66,7 @@ class TransducerAudioStream:
         self.text = ""
         self.partials: list = []
         self.latencies: list = []
+        self.segments = None  # no turns: the transducer does not cut them (the server asks every stream)
         self._last_accept: float | None = None
         self._arrivals: deque = deque()  # (samples received after a piece, when it was sent), not yet timed
 
