@@ -276,6 +276,8 @@ class StreamingEngine(StreamsMixin, AdmissionMixin, TickMixin, ResultsMixin, Ses
                                        self.chunk_input_frames // self.rate, vocab)
             self.ctc_execution = f"graphed on {self.config.device} (one graph per cohort width bucket and chunk)"
         else:
-            self.ctc_execution = f"{self.twin} twin on the host ({self.ctc.decoder.__module__})"
+            path = getattr(self.ctc.decoder, "execution", None)  # the fast twin's: native (C++), or by size
+            self.ctc_execution = (f"{self.twin} twin on the host ({self.ctc.decoder.__module__}"
+                                  + (f", {path})" if path else ")"))
         self.execution_note += f"; CTC search: {self.ctc_execution}"
         logger.info("StreamingEngine CTC search: %s", self.ctc_execution)
