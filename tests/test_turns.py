@@ -136,6 +136,26 @@ def test_word_times_group_tokens_into_words():
         word_times(tok, tokens, frames[:4], 0.04)
 
 
+def test_word_times_one_pass_equals_the_decode_rule_on_random_tokens():
+    """CharTokenizer.word_index (one pass) gives the same words and times as the generic rule (a decode per
+    prefix), on random ids with blanks, sos/eos, spaces and apostrophes anywhere."""
+    import random
+    from types import SimpleNamespace
+
+    from oasr.asr.words import word_times
+    from oasr.tokenizers.char import CharTokenizer
+
+    tok = CharTokenizer()
+    generic = SimpleNamespace(decode=tok.decode)  # no word_index: the decode-per-prefix rule
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice([0, 1, 1, 2, tok.sos_eos_id] + list(range(3, 8))) for _ in range(rng.randrange(0, 25))]
+        frames = sorted(rng.sample(range(200), len(ids)))
+        assert word_times(tok, ids, frames, 0.04, 0.5) == word_times(generic, ids, frames, 0.04, 0.5)
+    with pytest.raises(ValueError, match="outside"):
+        tok.word_index([1, 99])
+
+
 def test_engine_new_turn_refusals_change_nothing(clips_and_alone):
     import torch
 

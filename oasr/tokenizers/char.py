@@ -52,6 +52,26 @@ class CharTokenizer:
             raise ValueError(f"CharTokenizer.encode: characters outside the alphabet {self.alphabet!r}: {bad}")
         return [self._ids[c] for c in text]
 
+    def word_index(self, ids) -> list:
+        """Per token of ``ids``, the index of its word in ``decode(ids).split()``, None for a blank, sos/eos or
+        space token (the rule of ``oasr.asr.words.word_times``, in one pass): decoding only joins the characters
+        and trims spaces, so a prefix's words are its runs of non-space characters. ``ValueError`` as ``decode``."""
+        out, k, in_word = [], -1, False
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(self.symbols):
+                raise ValueError(f"CharTokenizer.decode: id {i} outside [0, {len(self.symbols)})")
+            if not 0 < i < self.sos_eos_id:
+                out.append(None)
+            elif self.alphabet[i - 1].isspace():
+                in_word = False
+                out.append(None)
+            else:
+                k += not in_word
+                in_word = True
+                out.append(k)
+        return out
+
     def decode(self, ids) -> str:
         """Token ids (blank and sos/eos are skipped) to text, whitespace normalized."""
         chars = []
