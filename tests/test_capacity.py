@@ -52,6 +52,20 @@ def test_pcm_buffer_in_pieces_gives_the_whole_clips_frames(clips):
     torch.testing.assert_close(torch.cat(got), whole, rtol=0, atol=1e-5)
 
 
+def test_fbank_frames_equals_the_plain_formulation_bit_for_bit():
+    """fbank_frames writes pre-emphasis and window into the padded FFT input in place; the plain ops (a cat, a
+    product, a pad, a sum of squares) give the same float32 bits."""
+    from oasr.asr.batched_fbank import _BANKS, _EPS, _WINDOW, PADDED, PREEMPHASIS
+
+    windows = np.random.default_rng(1).standard_normal((300, 400)).astype(np.float32) * 0.05
+    x = torch.as_tensor(windows * np.float32(32768.0))
+    x = x - x.mean(1, keepdim=True)
+    x = torch.cat([x[:, :1] * (1 - PREEMPHASIS), x[:, 1:] - PREEMPHASIS * x[:, :-1]], 1)
+    padded = torch.nn.functional.pad(x * _WINDOW, (0, PADDED - 400))
+    power = torch.view_as_real(torch.fft.rfft(padded)[:, : PADDED // 2]).square().sum(-1)
+    assert torch.equal(fbank_frames(windows), (power @ _BANKS).clamp_(min=_EPS).log_())
+
+
 def test_frame_windows_refuses_too_few_samples():
     with pytest.raises(ValueError, match="3 frames need 720 samples, got 719"):
         frame_windows(np.zeros(719, np.float32), 3)
