@@ -343,3 +343,22 @@ def test_one_decoder_call_per_tick_with_mixed_chunk_lengths(twin):
     engine.run()
     assert mixed and len(calls) == len(set(calls))  # mixed lengths happened, never two calls in a tick
     check_against_offline(model, engine, feats)
+
+
+def test_blocks_held_by_sums_blocks_held(twin):
+    """The admission's count of the blocks every active stream holds (one read on the fast twin) equals the
+    per-stream sum, as streams grow, slide their windows and leave."""
+    model = make_model(num_left_chunks=2)
+    engine = make_engine(model, twin, max_batch_size=4, max_blocks_per_seq=16)
+    g = torch.Generator().manual_seed(3)
+    ids = [engine.add_stream() for _ in range(3)]
+    for tick in range(12):
+        for k, sid in enumerate(ids):
+            if engine.status(sid) != "finished" and tick < 4 + 3 * k:
+                engine.push(sid, torch.randn(model.config.chunk_size * 4, model.config.input_dim, generator=g))
+            elif engine.status(sid) != "finished" and not engine._streams[sid].ended:
+                engine.end_stream(sid)
+        engine.step()
+        active = list(engine._active)
+        assert engine.backend.blocks_held_by(active) == sum(engine.backend.blocks_held(s) for s in active)
+    assert engine.backend.blocks_held_by([]) == 0

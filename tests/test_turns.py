@@ -156,6 +156,32 @@ def test_word_times_one_pass_equals_the_decode_rule_on_random_tokens():
         tok.word_index([1, 99])
 
 
+def test_char_tokenizer_decode_equals_the_per_character_rule():
+    """decode (a table lookup per id) equals the rule spelled out per character, on random ids, and names
+    the first id outside the vocabulary."""
+    import random
+    import re
+
+    import torch
+
+    from oasr.tokenizers.char import CharTokenizer
+
+    tok = CharTokenizer()
+
+    def by_character(ids):
+        chars = [tok.alphabet[i - 1] for i in ids if 0 < i < tok.sos_eos_id]
+        return re.sub(" +", " ", "".join(chars)).strip()
+
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 30))]
+        assert tok.decode(ids) == by_character(ids) == tok.decode(torch.tensor(ids, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"id -1 outside \[0, 30\)"):
+        tok.decode([3, -1, 99])
+    with pytest.raises(ValueError, match=r"id 99 outside"):
+        tok.decode([3, 99, -1])
+
+
 def test_engine_new_turn_refusals_change_nothing(clips_and_alone):
     import torch
 

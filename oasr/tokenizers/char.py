@@ -28,6 +28,7 @@ class CharTokenizer:
         self.alphabet = alphabet
         self.symbols = [BLANK, *alphabet, SOS_EOS]
         self._ids = {c: i + 1 for i, c in enumerate(alphabet)}
+        self._text = ["", *alphabet, ""]
 
     @property
     def vocab_size(self) -> int:
@@ -74,11 +75,10 @@ class CharTokenizer:
 
     def decode(self, ids) -> str:
         """Token ids (blank and sos/eos are skipped) to text, whitespace normalized."""
-        chars = []
-        for i in ids:
-            i = int(i)
-            if not 0 <= i < len(self.symbols):
-                raise ValueError(f"CharTokenizer.decode: id {i} outside [0, {len(self.symbols)})")
-            if 0 < i < self.sos_eos_id:
-                chars.append(self.alphabet[i - 1])
-        return re.sub(" +", " ", "".join(chars)).strip()
+        ids = list(map(int, ids))
+        n = len(self.symbols)
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            bad = next(i for i in ids if not 0 <= i < n)
+            raise ValueError(f"CharTokenizer.decode: id {bad} outside [0, {n})")
+        table = self._text  # id -> its text: "" for blank and sos/eos
+        return re.sub(" +", " ", "".join(map(table.__getitem__, ids))).strip()
