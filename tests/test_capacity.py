@@ -142,11 +142,13 @@ def test_bench_refuses_a_bad_latency_budget(capsys):
 # ---- the tick's host work ---------------------------------------------------------------------
 
 # Python-level calls (functions and C functions, as sys.setprofile sees them) one tick spends per stream
-# of its cohort, past the tick's fixed part. Measured: ~210 (the attention's CPU row loop, ~60; the CTC
-# states' slices and commits, ~40; the engine's per-stream outputs). A per-token or per-frame loop per
-# stream (the partial-prefix comparison this issue replaced cost ~3 calls per token) breaks the bound
-# below as the streams' hypotheses grow.
-PER_STREAM_CALLS = 260
+# of its cohort, past the tick's fixed part. Measured: ~154 (the attention's CPU row loop, ~90 over the five
+# layers; the native CTC search's pointer lists, peek and commits, ~15; admission and the engine's
+# per-stream outputs); ~210 before the CTC search went native. A per-token or per-frame loop per stream
+# (the partial-prefix comparison replaced earlier cost ~3 calls per token) breaks the bound below as the
+# streams' hypotheses grow.
+PER_STREAM_CALLS = 180
+PER_STREAM_CALLS_TORCH_SEARCH = 260  # where no C++ compiler builds the native search (the torch search's ~40 more)
 
 
 def _tick_calls(engine, feats, cohort: int, chunks_before: int) -> int:
@@ -181,7 +183,10 @@ def test_tick_host_calls_per_stream_are_a_small_constant(clips):
     for chunks_before in (1, 8):
         small, large = (_tick_calls(rec.engine, feats, n, chunks_before) for n in (8, 32))
         slopes[chunks_before] = (large - small) / 24
-    assert all(slope <= PER_STREAM_CALLS for slope in slopes.values()), slopes
+    from oasr.fast.ctc_native import unavailable_reason
+
+    bound = PER_STREAM_CALLS if unavailable_reason() is None else PER_STREAM_CALLS_TORCH_SEARCH
+    assert all(slope <= bound for slope in slopes.values()), slopes
     # longer histories and hypotheses add no per-stream calls (beyond a few percent of noise)
     assert slopes[8] <= slopes[1] * 1.1 + 5, slopes
 
