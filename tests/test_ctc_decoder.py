@@ -755,3 +755,23 @@ def test_native_search_reads_and_python_calls_do_not_grow_with_frames():
     with pytest.raises(ValueError, match="native must be True, False or 'auto'"):
         fast_mod.StreamingCtcDecoder(CtcDecoderConfig(), native="yes")
     assert not fast_mod.StreamingCtcDecoder(CtcDecoderConfig(), native=False).native
+
+
+def test_native_search_on_a_deep_copied_state_writes_the_copy():
+    """The native path caches each state's buffer addresses; a deep copy (new buffers) decodes into itself
+    and leaves the original as it was."""
+    import copy
+
+    _native_skip()
+    config = CtcDecoderConfig(beam_size=4, nbest=2)
+    dec, ref = TWINS["fast_native"](config), TWINS["reference"](config)
+    state, want = dec.create_state(2, 7), ref.create_state(2, 7)
+    first, second = random_log_probs(2, 9, 7, seed=1), random_log_probs(2, 6, 7, seed=2)
+    dec.decode_chunk(state, first)
+    ref.decode_chunk(want, first)
+    before = dec.finalize_stream(state)
+    twin = copy.deepcopy(state)
+    dec.decode_chunk(twin, second)
+    ref.decode_chunk(want, second)
+    assert dec.finalize_stream(state) == before
+    assert_same_nbest(dec.finalize_stream(twin), ref.finalize_stream(want))

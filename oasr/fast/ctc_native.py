@@ -95,17 +95,16 @@ _FIELDS = 8  # tokens, frames, lengths, keys, parent_keys, last, log_pb, log_pnb
 
 def _state_pointers(state) -> list:
     """Per row of ``state``, its 8 buffer addresses (cached on the state until its buffers change)."""
-    cached = state.native_ptrs
-    if cached is not None and cached[0] is state.buffers:
-        return cached[1]
-    bufs = state.buffers
+    cached, bufs = state.native_ptrs, state.buffers
+    if cached is not None and cached[0] is bufs and cached[1] == bufs.tokens.data_ptr():  # (a deep copy moves it)
+        return cached[2]
     for buf in bufs:
         if buf.device.type != "cpu" or not buf.is_contiguous():
             raise ValueError(f"native CTC search: state buffers must be contiguous CPU tensors, got {buf.device}")
     bases = [buf.data_ptr() for buf in bufs]
     steps = [buf.stride(0) * buf.element_size() for buf in bufs]
     rows = [[base + b * step for base, step in zip(bases, steps, strict=True)] for b in range(state.capacity)]
-    state.native_ptrs = (bufs, rows)
+    state.native_ptrs = (bufs, bases[0], rows)
     return rows
 
 
