@@ -140,6 +140,9 @@ class FastModelTick:
         self._plans: dict[int, list] = {}  # width -> this tick's pinned views (over the graph's addresses)
         for w in [] if self.lazy else self.widths:
             self._batch(w)
+        for w in self.widths:  # build the slot caches' index stagers now, not inside a tick
+            self.states.views([], pad_to=w)
+            self.cnn.state.view(self.cnn.SPEC_NAME, [], pad_to=w)
         self.runner = None
         self.graph_refusal = None  # why graphs were asked for and every width runs eager (a preflight reason)
         if graphs:
@@ -152,7 +155,7 @@ class FastModelTick:
             self.runner, self.graph_refusal = capture_or_eager(runner)
 
     def _batch(self, w: int) -> _StaticBatch:
-        """Width ``w``'s static batch (allocated, with the slot caches' index stagers, at its first use)."""
+        """Width ``w``'s static batch (allocated at its first use; on a CPU no graph holds its address)."""
         batch = self._batches.get(w)
         if batch is None:
             config, dtype, device = self.config, self._dtype, self._device
@@ -163,8 +166,6 @@ class FastModelTick:
                 cnn=torch.zeros((config.num_layers, w, config.cnn_cache_frames, config.hidden_dim), dtype=dtype,
                                 device=device),
             )
-            self.states.views([], pad_to=w)
-            self.cnn.state.view(self.cnn.SPEC_NAME, [], pad_to=w)
         return batch
 
     @property
