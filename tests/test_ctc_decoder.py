@@ -33,19 +33,31 @@ from oasr.fast import ctc_decoder as fast_mod
 from oasr.fast import ctc_search as fast_search
 from oasr.reference import ctc_decoder as ref_mod
 
-# "fast" dispatches by size (small CPU cohorts take its host loop); "fast_batched" forces the
-# tensor search at every size, so each test body checks both paths of the fast twin.
+# "fast" dispatches by size (small CPU cohorts take its Python host loop); "fast_batched" forces the
+# tensor search at every size; "fast_native" runs the C++ search (oasr.fast.ctc_native, skipped without a
+# compiler), so each test body checks every path of the fast twin.
 TWINS = {
     "reference": ref_mod.StreamingCtcDecoder,
-    "fast": fast_mod.StreamingCtcDecoder,
-    "fast_batched": functools.partial(fast_mod.StreamingCtcDecoder, host_loop_max_work=0),
+    "fast": functools.partial(fast_mod.StreamingCtcDecoder, native=False),
+    "fast_batched": functools.partial(fast_mod.StreamingCtcDecoder, host_loop_max_work=0, native=False),
+    "fast_native": functools.partial(fast_mod.StreamingCtcDecoder, native=True),
 }
-FAST_PATHS = ["fast", "fast_batched"]
+FAST_PATHS = ["fast", "fast_batched", "fast_native"]
 SCORE_TOL = 1e-9
+
+
+def _native_skip():
+    from oasr.fast.ctc_native import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"native CTC search unavailable: {reason}")
 
 
 @pytest.fixture(params=list(TWINS))
 def Decoder(request):
+    if request.param == "fast_native":
+        _native_skip()
     return TWINS[request.param]
 
 
@@ -705,3 +717,61 @@ def test_cuda_decoder_syncs_a_constant_number_of_times():
         for state, lp in zip(states, lps, strict=True):
             assert_same_nbest(dec.finalize_stream(state), decode(TWINS["reference"], config, lp))
     assert syncs[2] == syncs[40] >= 1
+
+
+def test_native_search_matches_the_host_loop_bit_for_bit_on_engine_sized_cohorts():
+    """The engine's shape (beam 8, 30 tokens, every token a candidate), many rows, mixed chunk lengths and
+    a blank-skip threshold: the C++ search equals the Python host loop exactly (tokens, frames, scores) and
+    the reference within the score tolerance."""
+    _native_skip()
+    for config in (CtcDecoderConfig(beam_size=8, nbest=8), CtcDecoderConfig(beam_size=8, nbest=4, token_topk=5,
+                                                                            blank_skip_threshold=0.95)):
+        decoders = {name: TWINS[name](config) for name in ("reference", "fast", "fast_native")}
+        decoders["fast"].host_loop_max_work = 10**9  # the Python host loop at every size
+        states = {name: [dec.create_state(1, 30) for _ in range(9)] for name, dec in decoders.items()}
+        for chunk in range(4):
+            lps = [random_log_probs(1, 32 - (s % 3) * 11, 30, seed=100 * chunk + s, scale=3.0) for s in range(9)]
+            for name, dec in decoders.items():
+                dec.decode_chunks(states[name], lps)
+        out = {name: [dec.finalize_stream(s) for s in states[name]] for name, dec in decoders.items()}
+        assert out["fast_native"] == out["fast"]
+        for a, b in zip(out["fast_native"], out["reference"], strict=True):
+            assert_same_nbest(a, b)
+
+
+def test_native_search_reads_and_python_calls_do_not_grow_with_frames():
+    _native_skip()
+    dec = TWINS["fast_native"](CtcDecoderConfig(beam_size=8))
+    assert dec.execution == "native (C++)"
+    counts = {}
+    for T in (2, 40):
+        states = [dec.create_state(1, 30) for _ in range(4)]
+        lps = [random_log_probs(1, T, 30, seed=s) for s in range(4)]
+        dec.decode_chunks(states, lps)
+        with _HostReads() as spy:
+            dec.decode_chunks(states, lps)
+        counts[T] = spy.reads
+    assert counts[2] == counts[40]
+    with pytest.raises(ValueError, match="native must be True, False or 'auto'"):
+        fast_mod.StreamingCtcDecoder(CtcDecoderConfig(), native="yes")
+    assert not fast_mod.StreamingCtcDecoder(CtcDecoderConfig(), native=False).native
+
+
+def test_native_search_on_a_deep_copied_state_writes_the_copy():
+    """The native path caches each state's buffer addresses; a deep copy (new buffers) decodes into itself
+    and leaves the original as it was."""
+    import copy
+
+    _native_skip()
+    config = CtcDecoderConfig(beam_size=4, nbest=2)
+    dec, ref = TWINS["fast_native"](config), TWINS["reference"](config)
+    state, want = dec.create_state(2, 7), ref.create_state(2, 7)
+    first, second = random_log_probs(2, 9, 7, seed=1), random_log_probs(2, 6, 7, seed=2)
+    dec.decode_chunk(state, first)
+    ref.decode_chunk(want, first)
+    before = dec.finalize_stream(state)
+    twin = copy.deepcopy(state)
+    dec.decode_chunk(twin, second)
+    ref.decode_chunk(want, second)
+    assert dec.finalize_stream(state) == before
+    assert_same_nbest(dec.finalize_stream(twin), ref.finalize_stream(want))

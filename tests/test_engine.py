@@ -96,13 +96,21 @@ def test_many_streams_equal_offline(twin, num_left_chunks, prefill, decoder):
         assert replay_edits(outputs, sid) == r.tokens
         assert sum(o[sid].num_frames for o in outputs if sid in o) == r.num_frames
     assert engine.pool.num_used_blocks == 0 and engine.num_active == 0
-    widths = {s.width for s in engine.stats}
-    assert widths <= {0, 1, 2, 4} and max(s.cohort for s in engine.stats) > 1
+    # a CPU engine's cohorts run unpadded up to 8 streams (the finer CPU ladder)
+    assert all(s.width == s.cohort for s in engine.stats) and max(s.cohort for s in engine.stats) > 1
 
 
-def test_cohort_width_powers_of_two_capped(twin):
+def test_cohort_width_ladders(twin):
+    from oasr.engine.tick import engine_widths
+
     engine = make_engine(make_model(), twin, max_batch_size=6, max_blocks_per_seq=16)
-    assert [engine.cohort_width(n) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    assert [engine.cohort_width(n) for n in range(1, 7)] == [1, 2, 3, 4, 5, 6]  # CPU, eager: every width to 8
+    assert engine_widths(6) == [1, 2, 4, 6]  # powers of two, capped: a CUDA engine's (graph) widths
+    assert engine_widths(40, 4) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40]
+    big = make_engine(make_model(), twin, max_batch_size=40, max_blocks_per_seq=16)
+    assert [big.cohort_width(n) for n in (9, 11, 17, 29, 33, 40)] == [10, 12, 20, 32, 40, 40]
+    with pytest.raises(ValueError, match="per_octave must be a power of two"):
+        engine_widths(8, 3)
 
 
 def test_admission_waits_for_a_slot(twin):
@@ -335,3 +343,22 @@ def test_one_decoder_call_per_tick_with_mixed_chunk_lengths(twin):
     engine.run()
     assert mixed and len(calls) == len(set(calls))  # mixed lengths happened, never two calls in a tick
     check_against_offline(model, engine, feats)
+
+
+def test_blocks_held_by_sums_blocks_held(twin):
+    """The admission's count of the blocks every active stream holds (one read on the fast twin) equals the
+    per-stream sum, as streams grow, slide their windows and leave."""
+    model = make_model(num_left_chunks=2)
+    engine = make_engine(model, twin, max_batch_size=4, max_blocks_per_seq=16)
+    g = torch.Generator().manual_seed(3)
+    ids = [engine.add_stream() for _ in range(3)]
+    for tick in range(12):
+        for k, sid in enumerate(ids):
+            if engine.status(sid) != "finished" and tick < 4 + 3 * k:
+                engine.push(sid, torch.randn(model.config.chunk_size * 4, model.config.input_dim, generator=g))
+            elif engine.status(sid) != "finished" and not engine._streams[sid].ended:
+                engine.end_stream(sid)
+        engine.step()
+        active = list(engine._active)
+        assert engine.backend.blocks_held_by(active) == sum(engine.backend.blocks_held(s) for s in active)
+    assert engine.backend.blocks_held_by([]) == 0

@@ -174,10 +174,16 @@ def test_engine_refuses_graphs_on_cpu_and_for_the_reference_twin():
 
 @pytest.mark.parametrize("max_batch_size,widths", [(8, [1, 2, 4, 8]), (6, [1, 2, 4, 6]), (1, [1])])
 def test_engine_widths_are_the_cohort_widths(max_batch_size, widths):
+    """A graphed engine's cohort widths are the captured ones; an eager CPU engine's are the model step's finer
+    ladder (every width up to 8)."""
     model = make_model()
-    engine = StreamingEngine(model, model.config.cache_config(max_batch_size=max_batch_size), twin="fast")
+    cfg = model.config.cache_config(max_batch_size=max_batch_size)
     assert engine_widths(max_batch_size) == widths
-    assert sorted({engine.cohort_width(n) for n in range(1, max_batch_size + 1)}) == widths
+    graphed = StreamingEngine(model, cfg, twin="fast", cuda_graphs=True, graph_capture=StandInCapture())
+    assert sorted({graphed.cohort_width(n) for n in range(1, max_batch_size + 1)}) == widths
+    eager = StreamingEngine(model, cfg, twin="fast")
+    assert [eager.cohort_width(n) for n in range(1, max_batch_size + 1)] == list(range(1, max_batch_size + 1))
+    assert eager.model_tick.widths == list(range(1, max_batch_size + 1))
 
 
 def drive_streams(engine, seed=0):

@@ -134,6 +134,52 @@ def test_word_times_group_tokens_into_words():
         word_times(tok, tokens, frames[:4], 0.04)
 
 
+def test_word_times_one_pass_equals_the_decode_rule_on_random_tokens():
+    """CharTokenizer.word_index (one pass) gives the same words and times as the generic rule (a decode per
+    prefix), on random ids with blanks, sos/eos, spaces and apostrophes anywhere."""
+    import random
+    from types import SimpleNamespace
+
+    from oasr.asr.words import word_times
+    from oasr.tokenizers.char import CharTokenizer
+
+    tok = CharTokenizer()
+    generic = SimpleNamespace(decode=tok.decode)  # no word_index: the decode-per-prefix rule
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice([0, 1, 1, 2, tok.sos_eos_id] + list(range(3, 8))) for _ in range(rng.randrange(0, 25))]
+        frames = sorted(rng.sample(range(200), len(ids)))
+        assert word_times(tok, ids, frames, 0.04, 0.5) == word_times(generic, ids, frames, 0.04, 0.5)
+    with pytest.raises(ValueError, match="outside"):
+        tok.word_index([1, 99])
+
+
+def test_char_tokenizer_decode_equals_the_per_character_rule():
+    """decode (a table lookup per id) equals the rule spelled out per character, on random ids, and names
+    the first id outside the vocabulary."""
+    import random
+    import re
+
+    import torch
+
+    from oasr.tokenizers.char import CharTokenizer
+
+    tok = CharTokenizer()
+
+    def by_character(ids):
+        chars = [tok.alphabet[i - 1] for i in ids if 0 < i < tok.sos_eos_id]
+        return re.sub(" +", " ", "".join(chars)).strip()
+
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 30))]
+        assert tok.decode(ids) == by_character(ids) == tok.decode(torch.tensor(ids, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"id -1 outside \[0, 30\)"):
+        tok.decode([3, -1, 99])
+    with pytest.raises(ValueError, match=r"id 99 outside"):
+        tok.decode([3, 99, -1])
+
+
 def test_engine_new_turn_refusals_change_nothing(clips_and_alone):
     import torch
 

@@ -31,10 +31,13 @@ def word_times(tokenizer, tokens, frames, frame_seconds: float, offset_seconds: 
     if len(tokens) != len(frames):
         raise ValueError(f"word_times: {len(tokens)} tokens but {len(frames)} frames")
     spans: list = []  # [first frame, last frame] per word
-    for i, (token, frame) in enumerate(zip(tokens, frames, strict=True)):
-        if not tokenizer.decode([token]).strip():
+    index = getattr(tokenizer, "word_index", None)  # a tokenizer's one-pass form of the rule (CharTokenizer's)
+    ks = index(tokens) if index is not None else [
+        len(tokenizer.decode(tokens[: i + 1]).split()) - 1 if tokenizer.decode([token]).strip() else None
+        for i, token in enumerate(tokens)]
+    for k, frame in zip(ks, frames, strict=True):
+        if k is None:
             continue
-        k = len(tokenizer.decode(tokens[: i + 1]).split()) - 1
         if k >= len(spans):
             spans.append([frame, frame])
         else:

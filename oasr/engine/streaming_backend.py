@@ -25,7 +25,7 @@ twin)`` of the declared kind's class, and asks every runtime the same few questi
     pool, att, cnn     the paged caches (None for a fixed-extent runtime)
     states             allocate_stream / free_stream per stream (a slot cache, or the runtime)
     blocks_per_stream  pool blocks a stream may come to hold (0: nothing grows)
-    blocks_held(sid)   pool blocks it holds now
+    blocks_held(sid)   pool blocks it holds now (blocks_held_by(ids): summed over streams)
     history_frames(sid), at_capacity(sid, frames)
     forward_step(ids, xs, input_lens)      the model step of a fixed-extent runtime
     refusal(model, feature)                why the engine cannot offer ``feature`` with this
@@ -154,6 +154,10 @@ class StreamingEncoderBackend:
         """Pool blocks ``stream_id`` holds now (0 for fixed-extent state)."""
         return 0
 
+    def blocks_held_by(self, stream_ids) -> int:
+        """``sum(blocks_held(s) for s in stream_ids)`` (a backend may answer it in one read)."""
+        return sum(self.blocks_held(sid) for sid in stream_ids)
+
     def history_frames(self, stream_id) -> int:
         """Frames of K/V history the stream's next chunk reads (its widest layer; 0 without K/V)."""
         return 0
@@ -234,6 +238,14 @@ class PagedStreamingBackend(StreamingEncoderBackend):
         if self.layered:
             return sum(self.att.blocks_held(stream_id))
         return len(self.att.describe(stream_id).blocks)
+
+    def blocks_held_by(self, stream_ids) -> int:
+        """``sum(blocks_held(s) for s in stream_ids)``: one vectorised read where the manager has one (the fast
+        twin's ``blocks_held_total``), else a call per stream."""
+        total = getattr(self.att, "blocks_held_total", None)
+        if total is not None and not self.layered:
+            return total(stream_ids)
+        return super().blocks_held_by(stream_ids)
 
     def history_frames(self, stream_id) -> int:
         """Frames of history the stream's next chunk reads: its widest layer's."""

@@ -81,12 +81,24 @@ def pinned_span(config) -> int:
     return config.blocks_per_stream * config.block_size_frames
 
 
-def engine_widths(max_batch_size: int) -> list[int]:
-    """The cohort widths an engine can run: powers of two below ``max_batch_size``, and ``max_batch_size``."""
+# Widths per octave of an eager CPU engine's cohorts (``engine_widths(per_octave=)``): no graph to capture per
+# width, and a padded row costs as much as a stream's (every GEMM runs over it), so a finer ladder pads less.
+CPU_WIDTHS_PER_OCTAVE = 4
+
+
+def engine_widths(max_batch_size: int, per_octave: int = 1) -> list[int]:
+    """The cohort widths an engine can run, ascending, ending at ``max_batch_size``.
+
+    ``per_octave=1``: powers of two below ``max_batch_size``, then ``max_batch_size`` (the few shapes a CUDA
+    graph capture needs). ``per_octave=k`` (a power of two): every width up to ``2k``, then ``k`` evenly spaced
+    widths per octave (k=4: 1..8, 10, 12, 14, 16, 20, ..., 28, 32, 40, ...), so a cohort is padded by at
+    most a ``1/k`` of its octave (an eager CPU engine's: ``CPU_WIDTHS_PER_OCTAVE``)."""
+    if per_octave < 1 or per_octave & (per_octave - 1):
+        raise ValueError(f"engine_widths: per_octave must be a power of two >= 1, got {per_octave!r}")
     widths, w = [], 1
     while w < max_batch_size:
         widths.append(w)
-        w *= 2
+        w += max(1, (1 << (w.bit_length() - 1)) // per_octave)  # per_octave=1: doubling
     return widths + [max_batch_size]
 
 
@@ -103,9 +115,11 @@ class FastModelTick:
         self.with_hidden = bool(hidden)
         self.model, self.att, self.cnn, self.states, self.ops = model, att, cnn, states, ops
         self.config = config
-        self.widths = engine_widths(config.max_batch_size)
         device = torch.device(config.device)
         on_cuda = device.type == "cuda"
+        # eager on a CPU: the finer width ladder, each width's static batch allocated at its first use
+        self.lazy = not graphs and not on_cuda
+        self.widths = engine_widths(config.max_batch_size, CPU_WIDTHS_PER_OCTAVE if self.lazy else 1)
         rows = max(self.widths)
         self.input_frames, input_dim, self.output_frames, output_dim = tick_io(model)
         self.specs = tuple(model.streaming_state_specs)
@@ -121,16 +135,11 @@ class FastModelTick:
                                             pin_memory=on_cuda)
         self._uploaded = torch.cuda.Event() if on_cuda else None
         self._read_back = torch.cuda.Event() if on_cuda else None
+        self._input_dim, self._dtype, self._device = input_dim, dtype, device
         self._batches = {}
-        for w in self.widths:
-            self._batches[w] = _StaticBatch(
-                xs=torch.zeros((w, self.input_frames, input_dim), dtype=dtype, device=device),
-                meta=torch.zeros((w, 2), dtype=torch.int64, device=device),
-                tails=[torch.zeros(s.batch_shape(w), dtype=s.dtype or dtype, device=device) for s in self.specs],
-                cnn=torch.zeros((config.num_layers, w, config.cnn_cache_frames, config.hidden_dim), dtype=dtype,
-                                device=device),
-            )
         self._plans: dict[int, list] = {}  # width -> this tick's pinned views (over the graph's addresses)
+        for w in [] if self.lazy else self.widths:
+            self._batch(w)
         for w in self.widths:  # build the slot caches' index stagers now, not inside a tick
             self.states.views([], pad_to=w)
             self.cnn.state.view(self.cnn.SPEC_NAME, [], pad_to=w)
@@ -144,6 +153,20 @@ class FastModelTick:
                 self._plan(self.att.get_paged_caches([], pad_to=w), w)
             runner = GraphRunner(self._step, self.widths, capture)  # its preflight loads what a width launches
             self.runner, self.graph_refusal = capture_or_eager(runner)
+
+    def _batch(self, w: int) -> _StaticBatch:
+        """Width ``w``'s static batch (allocated at its first use; on a CPU no graph holds its address)."""
+        batch = self._batches.get(w)
+        if batch is None:
+            config, dtype, device = self.config, self._dtype, self._device
+            batch = self._batches[w] = _StaticBatch(
+                xs=torch.zeros((w, self.input_frames, self._input_dim), dtype=dtype, device=device),
+                meta=torch.zeros((w, 2), dtype=torch.int64, device=device),
+                tails=[torch.zeros(s.batch_shape(w), dtype=s.dtype or dtype, device=device) for s in self.specs],
+                cnn=torch.zeros((config.num_layers, w, config.cnn_cache_frames, config.hidden_dim), dtype=dtype,
+                                device=device),
+            )
+        return batch
 
     @property
     def graphed(self) -> bool:
@@ -162,7 +185,7 @@ class FastModelTick:
 
     def static_buffers(self, width: int) -> list[torch.Tensor]:
         """Every device tensor a step at ``width`` reads besides the pool and the table buffers."""
-        b = self._batches[width]
+        b = self._batch(width)
         return [b.xs, b.meta, *b.tails, b.cnn]
 
     # ---- host side ----------------------------------------------------------------------------
@@ -205,14 +228,14 @@ class FastModelTick:
     def _step(self, width: int):
         """The capture-safe step at ``width``: static batch in, ``(output, chunk_lens, new_cnn, new_tails)``
         and with ``hidden`` the encoder output as a fifth item."""
-        b = self._batches[width]
+        b = self._batch(width)
         return self.model.paged_chunk_core(b.xs, b.meta[:, 0], b.meta[:, 1], self._plans[width], b.cnn, b.tails,
                                            self.ops, **({"with_hidden": True} if self.with_hidden else {}))
 
     def run(self, cohort: list, width: int) -> None:
         """One model step for ``cohort`` padded to ``width`` (host inputs filled); issues the readback."""
         self._plan(self.att.get_paged_caches(cohort, pad_to=width), width)
-        b = self._batches[width]
+        b = self._batch(width)
         b.meta.copy_(self._host_meta[:width], non_blocking=True)
         b.xs.copy_(self._host_xs[:width], non_blocking=True)
         if self._uploaded is not None:

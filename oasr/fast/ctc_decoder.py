@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -135,6 +135,7 @@ class CtcBeamState:
     buffers: _Beams
     longest: int = 0
     committed: list = None
+    native_ptrs: tuple = field(default=None, repr=False, compare=False)  # oasr.fast.ctc_native's cache
 
     @property
     def capacity(self) -> int:
@@ -176,6 +177,7 @@ class StreamingCtcDecoder:
         host_loop_max_work: int = HOST_LOOP_MAX_WORK,
         cuda_graphs: bool = False,
         graph_capture=None,
+        native: bool | str = "auto",
     ):
         self.config = config if config is not None else CtcDecoderConfig()
         if not isinstance(self.config, CtcDecoderConfig):
@@ -195,8 +197,20 @@ class StreamingCtcDecoder:
             from oasr.fast.ctc_graph import ChunkSearchGraphs
 
             self.graphs = ChunkSearchGraphs(self, graph_capture)
+        if native not in (True, False, "auto"):
+            raise ValueError(f"StreamingCtcDecoder: native must be True, False or 'auto', got {native!r}")
+        self.native = False
+        if native is not False and self.device.type == "cpu" and not cuda_graphs:
+            from oasr.fast import ctc_native
+
+            reason = ctc_native.unavailable_reason()
+            if reason is not None and native is True:
+                raise RuntimeError(f"StreamingCtcDecoder(native=True): {reason}")
+            self.native = reason is None
+        elif native is True:
+            raise ValueError(f"StreamingCtcDecoder: native=True runs CPU states only, got {self.device}")
         self.execution = ("graphed" if cuda_graphs else "batched" if self.device.type == "cuda"
-                          else "host loop or batched, by size")
+                          else "native (C++)" if self.native else "host loop or batched, by size")
         if ("graphs", str(self.device)) not in _reported and cuda_graphs:
             _reported.add(("graphs", str(self.device)))
             _logger.info("oasr.fast: CTC decoder on %s: each chunk's search replays one CUDA graph per (width "
@@ -346,6 +360,8 @@ class StreamingCtcDecoder:
         row_lengths = [n for state, n in zip(states, lengths, strict=True) for _ in range(state.batch)]
         if self.graphs is not None:
             self.graphs.decode(states, lp, row_lengths, where)
+        elif self.native and device.type == "cpu":
+            self._decode_native(states, lp, row_lengths, where)
         elif self.uses_host_loop(lp.shape[0], lp.shape[2], device):
             self._decode_host(states, lp, row_lengths, where)
         else:
@@ -390,6 +406,15 @@ class StreamingCtcDecoder:
                 buf.copy_(new[start : start + state.batch])
             state.longest = max(header[2 + start : 2 + start + state.batch])
             start += state.batch
+
+    def _decode_native(self, states, lp: torch.Tensor, row_lengths: list[int], where: str) -> None:
+        """The native path (CPU states): candidates by torch, then one C call for every row and frame."""
+        from oasr.fast import ctc_native
+
+        if not bool(lp.amax() < math.inf):
+            raise values_error(where)
+        if not ctc_native.decode_rows(states, lp, row_lengths, self._candidates(lp), self.config):
+            raise self._prefix_len_error()
 
     def _decode_host(self, states, lp: torch.Tensor, row_lengths: list[int], where: str) -> None:
         """The host loop (CPU states): candidates by torch, then Python per row and frame, then commit."""

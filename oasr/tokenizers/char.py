@@ -28,6 +28,7 @@ class CharTokenizer:
         self.alphabet = alphabet
         self.symbols = [BLANK, *alphabet, SOS_EOS]
         self._ids = {c: i + 1 for i, c in enumerate(alphabet)}
+        self._text = ["", *alphabet, ""]
 
     @property
     def vocab_size(self) -> int:
@@ -52,13 +53,32 @@ class CharTokenizer:
             raise ValueError(f"CharTokenizer.encode: characters outside the alphabet {self.alphabet!r}: {bad}")
         return [self._ids[c] for c in text]
 
-    def decode(self, ids) -> str:
-        """Token ids (blank and sos/eos are skipped) to text, whitespace normalized."""
-        chars = []
+    def word_index(self, ids) -> list:
+        """Per token of ``ids``, the index of its word in ``decode(ids).split()``, None for a blank, sos/eos or
+        space token (the rule of ``oasr.asr.words.word_times``, in one pass): decoding only joins the characters
+        and trims spaces, so a prefix's words are its runs of non-space characters. ``ValueError`` as ``decode``."""
+        out, k, in_word = [], -1, False
         for i in ids:
             i = int(i)
             if not 0 <= i < len(self.symbols):
                 raise ValueError(f"CharTokenizer.decode: id {i} outside [0, {len(self.symbols)})")
-            if 0 < i < self.sos_eos_id:
-                chars.append(self.alphabet[i - 1])
-        return re.sub(" +", " ", "".join(chars)).strip()
+            if not 0 < i < self.sos_eos_id:
+                out.append(None)
+            elif self.alphabet[i - 1].isspace():
+                in_word = False
+                out.append(None)
+            else:
+                k += not in_word
+                in_word = True
+                out.append(k)
+        return out
+
+    def decode(self, ids) -> str:
+        """Token ids (blank and sos/eos are skipped) to text, whitespace normalized."""
+        ids = list(map(int, ids))
+        n = len(self.symbols)
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            bad = next(i for i in ids if not 0 <= i < n)
+            raise ValueError(f"CharTokenizer.decode: id {bad} outside [0, {n})")
+        table = self._text  # id -> its text: "" for blank and sos/eos
+        return re.sub(" +", " ", "".join(map(table.__getitem__, ids))).strip()

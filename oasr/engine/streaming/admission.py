@@ -26,7 +26,7 @@ class AdmissionMixin:
         if self.pool is None:  # fixed-extent state: a slot is all a stream needs
             return True
         per_stream = self.backend.blocks_per_stream  # every band's ceiling with per-layer windows
-        held = sum(self.backend.blocks_held(sid) for sid in self._active)
+        held = self.backend.blocks_held_by(self._active)
         still_claimable = len(self._active) * per_stream - held
         return self.pool.num_free_blocks - still_claimable >= per_stream
 

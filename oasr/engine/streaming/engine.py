@@ -37,7 +37,10 @@ Policies (see docs/engine.md):
   with an engine that owns its pool the slot count is what usually binds.
 * Cohort width is the next power of two of the ready streams, capped at
   ``max_batch_size`` (a non-power-of-two ``max_batch_size`` is then one more
-  width). A later CUDA-graph capture needs only those few shapes.
+  width). A later CUDA-graph capture needs only those few shapes. On a CPU
+  (no graphs) the ladder is finer (``oasr.engine.tick.engine_widths``: every
+  width up to 8, then four per octave), since every padded row costs a
+  stream's GEMM rows there.
 * A resumed stream (``resume``) is admitted before every new arrival and as soon as there
   is room, input or not: it held a slot when it was suspended, so a suspension and resume
   between two ticks gives it its slot back before any other stream can take it.
@@ -69,7 +72,7 @@ from oasr.engine.streaming.sessions import SessionsMixin
 from oasr.engine.streaming.streams import StreamsMixin
 from oasr.engine.streaming.ticks import TickMixin
 from oasr.engine.streaming_backend import STREAMING_BACKENDS, check_streamable
-from oasr.engine.tick import FastModelTick, engine_widths
+from oasr.engine.tick import CPU_WIDTHS_PER_OCTAVE, FastModelTick, engine_widths
 from oasr.models.twins import twin_module, twin_name
 
 logger = logging.getLogger("oasr.engine")
@@ -211,6 +214,9 @@ class StreamingEngine(StreamsMixin, AdmissionMixin, TickMixin, ResultsMixin, Ses
         owner = self.model_tick if self.model_tick is not None else self.backend
         refusal = getattr(owner, "graph_refusal", None) if graphs else None
         graphs = graphs and refusal is None  # the preflight left every width eager: the engine runs eager
+        # the cohort widths: the model step's (powers of two where graphs may be captured; the CPU's finer ladder)
+        self.cohort_widths = (self.model_tick.widths if self.model_tick is not None else
+                              engine_widths(self.config.max_batch_size, CPU_WIDTHS_PER_OCTAVE if not on_cuda else 1))
         self.execution = "graphed" if graphs else "eager"
         if graphs:
             stats = self.model_tick.graph_stats if self.model_tick is not None else self.backend.runner.stats
@@ -276,6 +282,8 @@ class StreamingEngine(StreamsMixin, AdmissionMixin, TickMixin, ResultsMixin, Ses
                                        self.chunk_input_frames // self.rate, vocab)
             self.ctc_execution = f"graphed on {self.config.device} (one graph per cohort width bucket and chunk)"
         else:
-            self.ctc_execution = f"{self.twin} twin on the host ({self.ctc.decoder.__module__})"
+            path = getattr(self.ctc.decoder, "execution", None)  # the fast twin's: native (C++), or by size
+            self.ctc_execution = (f"{self.twin} twin on the host ({self.ctc.decoder.__module__}"
+                                  + (f", {path})" if path else ")"))
         self.execution_note += f"; CTC search: {self.ctc_execution}"
         logger.info("StreamingEngine CTC search: %s", self.ctc_execution)

@@ -26,11 +26,9 @@ class TickMixin:
     """A part of ``StreamingEngine``: its tick; no state of its own."""
 
     def cohort_width(self, num_streams: int) -> int:
-        """Rows of the forward for ``num_streams`` ready streams: next power of two, capped."""
-        width = 1
-        while width < num_streams:
-            width *= 2
-        return min(width, self.config.max_batch_size)
+        """Rows of the forward for ``num_streams`` ready streams: the smallest of ``cohort_widths`` that holds
+        them (next power of two, capped at ``max_batch_size``; on a CPU engine the finer ladder)."""
+        return next((w for w in self.cohort_widths if w >= num_streams), self.config.max_batch_size)
 
     def step(self) -> dict:
         """Run one tick; returns ``{stream_id: StepOutput}`` for every stream that produced or finished."""

@@ -255,6 +255,10 @@ class AttentionCacheManager(ChunksMixin, ViewsMixin, DenseMixin):
         """The slot (block-table row) of ``stream_id`` (``KeyError`` for an unknown id)."""
         return self.slots.slot_of(stream_id)
 
+    def blocks_held_total(self, stream_ids) -> int:
+        """``sum(len(describe(s).blocks) for s in stream_ids)`` in one host read (``KeyError`` for an unknown id)."""
+        return int(self._num_blocks[self.slots.slot_array(list(stream_ids))].sum())
+
     def describe(self, stream_id) -> StreamKVInfo:
         """``StreamKVInfo``: the stream's slot, block ids, seqlen, seqstart and total frames."""
         slot = self.slots.slot_of(stream_id)
