@@ -79,6 +79,33 @@ def openai_row(url: str, clips: list, offline: list) -> dict:
             "mismatches": sum(a != b for a, b in zip(served, offline, strict=True)), "wall_s": wall}
 
 
+async def while_watching_peak(url: str, work, every: float = 0.05):
+    """Await ``work`` (an awaitable) while polling ``url``'s ``/health`` every ``every`` seconds; returns
+    ``(work's result, the most streams_active seen)``. A poll that fails is skipped (a busy or restarting
+    server), never fatal to the run."""
+    import httpx
+
+    peak, done = 0, False
+
+    async def watch():
+        nonlocal peak
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            while not done:
+                try:
+                    peak = max(peak, (await http.get("/health")).json()["streams_active"])
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(every)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        result = await work
+    finally:
+        done = True
+        await watcher
+    return result, peak
+
+
 def live_row(url: str, audio: list, offline: list) -> dict:
     """``len(audio)`` WebSocket clients streaming in real time; latency percentiles, peak streams, mismatches."""
     import httpx
@@ -86,23 +113,8 @@ def live_row(url: str, audio: list, offline: list) -> dict:
     from oasr.serve.client import stream_audio
 
     async def run():
-        peak, done = 0, False
-
-        async def watch():
-            nonlocal peak
-            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-                while not done:
-                    peak = max(peak, (await http.get("/health")).json()["streams_active"])
-                    await asyncio.sleep(0.05)
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            results = await asyncio.gather(*(stream_audio(url, pcm, piece_ms=40, realtime=True, timeout=1800)
-                                             for pcm in audio))
-        finally:
-            done = True
-            await watcher
-        return results, peak
+        return await while_watching_peak(url, asyncio.gather(
+            *(stream_audio(url, pcm, piece_ms=40, realtime=True, timeout=1800) for pcm in audio)))
 
     t0 = time.perf_counter()
     results, peak = asyncio.run(run())

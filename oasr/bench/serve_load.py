@@ -109,27 +109,13 @@ def run_clients(url: str, audio: list, lanes: list, timeout: float) -> LoadRun:
     ``timeout`` seconds passed (streams still open then are errors); see the module docstring."""
     import httpx
 
+    from oasr.bench.serve import while_watching_peak
+
     async def run():
-        peak, done = 0, False
-
-        async def watch():
-            nonlocal peak
-            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-                while not done:
-                    try:
-                        peak = max(peak, (await http.get("/health")).json()["streams_active"])
-                    except httpx.HTTPError:
-                        pass
-                    await asyncio.sleep(0.25)
-
         attempts: list = []
         deadline = time.perf_counter() + timeout
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await asyncio.gather(*(_lane(url, audio, i, lane, deadline, attempts) for i, lane in enumerate(lanes)))
-        finally:
-            done = True
-            await watcher
+        lanes_done = asyncio.gather(*(_lane(url, audio, i, lane, deadline, attempts) for i, lane in enumerate(lanes)))
+        _, peak = await while_watching_peak(url, lanes_done, every=0.25)
         return attempts, peak
 
     cpu, t0 = time.process_time(), time.perf_counter()
