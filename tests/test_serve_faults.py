@@ -426,17 +426,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def checkpointing_server(state_dir, port: int):
+    """``(process, url)``: ``python -m oasr serve`` (2 streams, CPU) on ``port``, checkpointing every live stream
+    to ``state_dir`` every 0.2 s; a second call with the same arguments is the restarted server."""
+    from oasr.bench.serve import start_server
+
+    args = ("--state-dir", str(state_dir), "--checkpoint-every", "0.2", "--port", str(port))
+    return start_server(2, "cpu", 180, extra_args=args, env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
+
+
 def test_a_live_stream_survives_sigkill_of_the_server(clips, tmp_path):
     """SIGKILL mid-stream; a new process on the same port and state directory; the shipped client
     reconnects by itself, resends from the checkpoint's offset, and the transcript is the uninterrupted one."""
-    from oasr.bench.serve import start_server
-
     audio, _ = clips
     pcm = np.concatenate(audio[:3])
     expected = Recognizer(max_streams=1, max_seconds=60.0).transcribe([pcm])[0].text
     port = free_port()
-    args = ("--state-dir", str(tmp_path), "--checkpoint-every", "0.2", "--port", str(port))
-    proc, url = start_server(2, "cpu", 180, extra_args=args, env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    proc, url = checkpointing_server(tmp_path, port)
     procs = [proc]
     try:
         async def run():
@@ -450,8 +456,7 @@ def test_a_live_stream_survives_sigkill_of_the_server(clips, tmp_path):
             assert result.transcript is None, "the stream ended before the kill"
             proc.send_signal(signal.SIGKILL)
             await asyncio.to_thread(proc.wait, TIMEOUT)
-            procs.append((await asyncio.to_thread(start_server, 2, "cpu", 180, args, {"PYTHONPATH": str(ROOT)},
-                                                  ROOT))[0])
+            procs.append((await asyncio.to_thread(checkpointing_server, tmp_path, port))[0])  # same port and state
             return await task
 
         result = asyncio.run(asyncio.wait_for(run(), 420))
@@ -473,7 +478,6 @@ def test_a_live_stream_with_turns_survives_sigkill_with_the_same_turn_events(cli
     """``?turn_detection=server_vad``: SIGKILL after the first turn completed (a checkpoint taken since); the
     new process resumes the stream with its turn state, so every turn event sent after the resume (item ids
     numbered on from the saved turns, times, texts) is the uninterrupted stream's, and the turns add up."""
-    from oasr.bench.serve import start_server
     from oasr.vad import EndpointConfig
 
     audio, _ = clips
@@ -503,8 +507,7 @@ def test_a_live_stream_with_turns_survives_sigkill_with_the_same_turn_events(cli
         return events
 
     port = free_port()
-    args = ("--state-dir", str(tmp_path), "--checkpoint-every", "0.2", "--port", str(port))
-    proc, url = start_server(2, "cpu", 180, extra_args=args, env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    proc, url = checkpointing_server(tmp_path, port)
     procs = [proc]
     try:
         async def run():
@@ -521,8 +524,7 @@ def test_a_live_stream_with_turns_survives_sigkill_with_the_same_turn_events(cli
             assert result.transcript is None and len(result.turns) < 3, "the stream ended before the kill"
             proc.send_signal(signal.SIGKILL)
             await asyncio.to_thread(proc.wait, TIMEOUT)
-            procs.append((await asyncio.to_thread(start_server, 2, "cpu", 180, args, {"PYTHONPATH": str(ROOT)},
-                                                  ROOT))[0])
+            procs.append((await asyncio.to_thread(checkpointing_server, tmp_path, port))[0])  # same port and state
             return await task
 
         result = asyncio.run(asyncio.wait_for(run(), 420))

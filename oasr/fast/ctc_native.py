@@ -43,10 +43,11 @@ def _compiler() -> str:
 
 
 def _build() -> ctypes.CDLL:
+    from oasr.fast.kernels.emulation import compiler_version
     from oasr.fast.kernels.nvrtc import _atomic_write, cache_dir
 
     cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.split("\n")[0]
+    version = compiler_version(cxx)
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(CXX_FLAGS).encode() + version.encode()).hexdigest()[:20]
     path = cache_dir() / "ctc" / f"ctc_native_{digest}.so"

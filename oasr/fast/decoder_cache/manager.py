@@ -41,15 +41,9 @@ A beam (at most ``sizes.FEW_ROWS`` rows) takes element-wise paths with the
 same results (``oasr.fast.decoder_cache.sizes`` says which and why).
 
 The class is assembled from one part per idea, each a mixin in its own module of
-this package (the parts hold no state; this module draws it above and owns
-``__init__``, block ownership, the device mirror and the counts):
-
-    admission.py   admit, finish, restore (rows coming and going)
-    views.py       the paged views of both regions, the dense gathers
-    writes.py      fill_cross, prefill, extend, rewind, trim
-    steps.py       one decode step: prepare, open_step (``HostStep``), commit, append
-    prefix.py      prefix caching: admit_prompt, retire, evict, abandon, reset
-    beams.py       select: keep, drop, fork onto shared pages
+this package (the package docstring lists them; the parts hold no state: this
+module draws it above and owns ``__init__``, block ownership, the device mirror
+and the counts).
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ def _shim(include: str, kernels) -> str:
     return "\n".join(lines)
 
 
-def _compiler_version(cxx: str) -> str:
+def compiler_version(cxx: str) -> str:
+    """The first line of ``cxx --version`` (part of every build cache key: a new compiler rebuilds)."""
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.split("\n")[0]
 
 
@@ -155,7 +156,7 @@ def _cached_path(stem: str, shim: str, sources: dict[str, str], cxx: str, includ
     h = hashlib.sha256()
     for name, text in sorted(sources.items()):
         h.update(name.encode() + b"\0" + text.encode() + b"\0")
-    h.update(repr((shim, CXX_FLAGS, _compiler_version(cxx), include)).encode())
+    h.update(repr((shim, CXX_FLAGS, compiler_version(cxx), include)).encode())
     return cache_dir() / "emu" / f"{stem}-{h.hexdigest()[:20]}.so", shim
 
 
