@@ -146,6 +146,11 @@ def test_open_recipe_smoke(tmp_path, capsys):
             "--steps", "2", "--dev-size", "2", "--workers", "1", "--threads", "1", "--max-frames", "1000"]
     assert train_main(argv) == 0
     assert (tmp_path / "w" / "model.safetensors").exists()
+    from oasr.asr.checkpoint import load_checkpoint
+    from oasr.asr.language import LanguageSpec, spec_from_info
+
+    # the export names the word search's language model: text of the training generator, the run's seed and share
+    assert spec_from_info(load_checkpoint(tmp_path / "w" / "model.safetensors")[4]) == LanguageSpec(2026, 0.6)
     assert json.loads((tmp_path / "w" / "data.json").read_text())["open_share"] == 0.6
     assert train_main(argv) == 0 and "resumed at step 2" in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -1,8 +1,9 @@
 """The recognizer's language model: the word bigram of the recipe's own training text, rebuilt on demand.
 
-A model trained by ``python -m oasr train`` heard the sentences of ``MixedSentenceGenerator(seed, open_share)``
-(``oasr.asr.opentext``). ``recipe_lm(LanguageSpec(...))`` counts ``sentences`` of that same generator (the
-training side of the held-out split: no sentence of a shipped test set is ever among them) into an
+A model trained by ``python -m oasr train`` heard sentences of ``MixedSentenceGenerator`` (``oasr.asr.opentext``:
+templates and open text, ``open_share`` of it open), each shard from its own seed. ``recipe_lm(LanguageSpec(...))``
+counts ``sentences`` drawn from that generator under ``seed`` (so the same distribution as the training text,
+and the training side of the held-out split: no sentence of a shipped test set is ever among them) into an
 ``oasr.ctc.words.WordLM`` whose lexicon is the shipped open vocabulary and names plus every word the text
 used. The text is a pure function of the spec, so nothing is shipped: the model is rebuilt in a few
 seconds and kept for the process (``lru_cache``).

@@ -25,8 +25,9 @@ stream is (the front end's unconsumed samples, its counters and partials, and th
 caches, buffered frames, beam state; with turns, the turn state: ``oasr.asr.turns``), ``resume(bytes)`` on
 any recognizer of the same model and geometry continues it, to the transcript (and segments) it would have
 had had it never left; ``cancel(id)`` drops a stream whose client went away. These are what a server's
-shutdown and a replica's migration use. The blob's meta is version 1, or 2 for a stream with turns (version 1
-and the turn state: an older build refuses it rather than lose the turns); both are read.
+shutdown and a replica's migration use. The blob's meta is version 1, 2 for a stream with turns (version 1
+and the turn state: an older build refuses it rather than lose the turns), or 3 for a stream decoded by the
+word search (its state, ``oasr.asr.word_pass``, and the turns if any); all three are read.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ class Recognizer:
     def __init__(self, model_path=None, *, twin: str = "fast", device: str = "cpu", kv_cache_dtype=None,
                  chunk_size: int | None = None, num_left_chunks: int | None = None, rescore: bool = False,
                  full_context: bool = False, beam_size: int = 8, max_streams: int = 16, cuda_graphs=None,
-                 max_seconds: float = 60.0, matmul_dtype: str | None = None, endpointing=None):
+                 max_seconds: float = 60.0, matmul_dtype: str | None = None, endpointing=None,
+                 language_model="auto", word_config=None):
         if matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"Recognizer: matmul_dtype must be one of {sorted(MATMUL_DTYPES, key=str)}, "
                              f"got {matmul_dtype!r}")
@@ -171,6 +173,7 @@ class Recognizer:
                                       ctc_config=self.ctc_config, rescore=self.rescore and not self.full_context,
                                       rescorer=self.decoder if self.rescore else None,
                                       ctc_weight=self.spec.ctc_weight, cuda_graphs=cuda_graphs)
+        self.word_pass = self._word_pass(language_model, word_config)  # oasr.asr.word_pass, or None
         self.turns = None  # with endpointing: oasr.asr.turns.TurnTracker
         self.turns_by_default = endpointing is not None  # open_stream(turns=None) follows this
         if endpointing is not None:
@@ -179,6 +182,36 @@ class Recognizer:
         self._buffered: set = set()  # ids of streams holding audio the front end has not turned into frames
         self.stage_clock = self.engine.stage_clock  # the engine's stages, and ingest, front end, delivery here
         self.busy_seconds = 0.0  # time spent in feature extraction and engine ticks
+
+    def _word_pass(self, language_model, word_config):
+        """The word pass ``language_model`` asks for: ``"auto"`` (the checkpoint's, if it names one and the
+        recognizer streams its first pass), None (none), or an ``oasr.asr.language.LanguageSpec``."""
+        from oasr.asr.language import LanguageSpec, recipe_lm, spec_from_info
+
+        if language_model == "auto":
+            spec = spec_from_info(self.info) if not self.rescore else None
+        elif language_model is None or isinstance(language_model, LanguageSpec):
+            spec = language_model
+        else:
+            raise ValueError(f"Recognizer: language_model must be 'auto', None or an oasr.asr.language.LanguageSpec, "
+                             f"got {language_model!r}")
+        if spec is None:
+            if word_config is not None and language_model is None:
+                raise ValueError("Recognizer: word_config needs a language model (language_model=None was given)")
+            return None  # ("auto" for a model that names none: word_config is what a word search would use)
+        if self.rescore:
+            raise ValueError("Recognizer: the word search and rescore=True are two different second passes; "
+                             "choose one (language_model=None to rescore)")
+        from oasr.asr.word_pass import WordPass
+        from oasr.ctc.words import WordSearchConfig
+
+        if word_config is not None and not isinstance(word_config, WordSearchConfig):
+            raise ValueError(f"Recognizer: word_config must be an oasr.ctc.words.WordSearchConfig, got {word_config!r}")
+        frame_seconds = self.encoder.config.subsampling_rate * FRAME_SHIFT / SAMPLE_RATE
+        word_pass = WordPass(spec, recipe_lm(spec, self.tokenizer.alphabet), self.tokenizer.symbols, word_config,
+                             self.twin, frame_seconds)
+        self.engine.emit_log_probs = True
+        return word_pass
 
     def enable_endpointing(self, config=None) -> None:
         """Make live turns available (``config``: an ``oasr.vad.EndpointConfig``, default its defaults) to
@@ -209,6 +242,8 @@ class Recognizer:
             self.enable_endpointing()
         sid = self.engine.add_stream(stream_id)
         stream = self.streams[sid] = AudioStream(self, sid)
+        if self.word_pass is not None:
+            self.word_pass.open(sid)
         if turns:
             self.turns.open(stream)
         return stream
@@ -223,6 +258,8 @@ class Recognizer:
         self._buffered.discard(stream_id)
         if self.turns is not None:
             self.turns.drop(stream_id)
+        if self.word_pass is not None:
+            self.word_pass.drop(stream_id)
 
     def suspend(self, stream_id) -> bytes:
         """Take a live stream out of the recognizer as self-contained bytes (see ``resume``).
@@ -244,11 +281,13 @@ class Recognizer:
             self.engine.cancel(stream_id)
         else:
             kind, payload, ended = "session", self.engine.suspend(stream_id), None  # raises for a finished one
-        blob = self._stream_blob(stream, kind, payload, ended, turns)
+        blob = self._stream_blob(stream, kind, payload, ended, turns, self._word_snapshot(stream_id))
         del self.streams[stream_id]
         self._buffered.discard(stream_id)
         if stream.segments is not None:
             self.turns.drop(stream_id)
+        if self.word_pass is not None:
+            self.word_pass.drop(stream_id)
         return blob
 
     def checkpoint(self, stream_id) -> bytes:
@@ -268,15 +307,21 @@ class Recognizer:
         else:
             kind, payload, ended = "session", self.engine.checkpoint(stream_id), None
         turns = self.turns.state(stream, self.engine) if stream.segments is not None else None
-        return self._stream_blob(stream, kind, payload, ended, turns)
+        return self._stream_blob(stream, kind, payload, ended, turns, self._word_snapshot(stream_id))
 
-    def _stream_blob(self, stream: AudioStream, kind: str, payload: bytes, ended, turns: dict | None = None) -> bytes:
+    def _word_snapshot(self, stream_id) -> dict | None:
+        return self.word_pass.snapshot(stream_id) if self.word_pass is not None else None
+
+    def _stream_blob(self, stream: AudioStream, kind: str, payload: bytes, ended, turns: dict | None = None,
+                     words: dict | None = None) -> bytes:
         meta = {"version": 1, "kind": kind, "stream_id": stream.id, "samples": stream.samples,
                 "frames_pushed": stream.frames_pushed, "frames_done": stream.frames_done, "text": stream.text,
                 "partials": [[t, text] for t, text in stream.partials], "fbank_finished": stream.input_finished,
                 "input_ended": ended, "model": self.engine.model_digest.hex()}
         if turns is not None:  # version 2 = version 1 and the turns: an older build refuses them, never drops them
             meta["version"], meta["turns"] = 2, turns
+        if words is not None:  # version 3: the word search's state (and the turns, if any)
+            meta["version"], meta["words"] = 3, words
         body = json.dumps(meta).encode()
         tail = (b"" if stream.input_finished else stream.pcm.samples.astype(np.float32).tobytes())
         data = b"".join([STREAM_MAGIC, struct.pack("<I", len(body)), body, struct.pack("<Q", len(tail)), tail,
@@ -299,6 +344,7 @@ class Recognizer:
         turns = meta.get("turns")
         if turns is not None:  # a stream with turns: this recognizer must cut them as the one that saved it did
             self._check_turns(turns)
+        words = self._check_words(meta.get("words"))
         if meta["kind"] == "session":
             sid = self.engine.resume(payload, stream_id)
         else:
@@ -327,8 +373,19 @@ class Recognizer:
             except ValueError:
                 self.engine.cancel(sid)
                 raise
+        if words is not None:
+            self.word_pass.install(sid, words)
         self.streams[sid] = stream
         return stream
+
+    def _check_words(self, snapshot):
+        """The saved word-search state, checked against this recognizer (``ValueError``: nothing changed)."""
+        if (snapshot is None) != (self.word_pass is None):
+            have = "has a word search" if self.word_pass is not None else "has no word search (language_model=None)"
+            saved = "without" if snapshot is None else "with"
+            raise ValueError(f"Recognizer.resume: the stream was decoded {saved} a word search and this recognizer "
+                             f"{have}; resume it on one built like the one that suspended it")
+        return None if snapshot is None else self.word_pass.check(snapshot)
 
     def _check_turns(self, turns) -> None:
         """A saved stream's turn state fits here (``ValueError`` otherwise, nothing changed); a recognizer
@@ -365,8 +422,11 @@ class Recognizer:
                 raise ValueError("lengths do not add up")
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
             raise ValueError(f"Recognizer.resume: malformed suspended stream ({exc})") from None
-        if meta.get("version") not in (1, 2) or meta.get("kind") not in ("session", "features") or \
-                (meta["version"] == 2) != isinstance(meta.get("turns"), dict):
+        version = meta.get("version")
+        if version not in (1, 2, 3) or meta.get("kind") not in ("session", "features") or \
+                (version == 2 and not isinstance(meta.get("turns"), dict)) or (version == 1 and "turns" in meta) or \
+                (version == 3) != isinstance(meta.get("words"), dict) or \
+                (version == 3 and not isinstance(meta.get("turns", {}), dict)):
             raise ValueError(f"Recognizer.resume: unknown suspended-stream version/kind "
                              f"({meta.get('version')!r}, {meta.get('kind')!r})")
         if meta["model"] != self.engine.model_digest.hex():
@@ -402,7 +462,7 @@ class Recognizer:
             try:
                 stream = self.streams[sid]
                 stream._advance(out.num_frames, now)
-                if out.partial is not None and out.num_frames:
+                if out.partial is not None and out.num_frames and self.word_pass is None:
                     text = self.tokenizer.decode(out.partial)
                     if text != stream.text:
                         stream.text = text
@@ -411,6 +471,8 @@ class Recognizer:
                 if on_error is None:
                     raise
                 on_error(sid, exc)
+        if self.word_pass is not None:
+            self._advance_words(outputs, now, on_error)
         if self.turns is not None:  # endpoints end turns (new engine streams) before finished streams are read
             self.turns.advance(self, outputs)
         for sid, out in outputs.items():
@@ -425,6 +487,24 @@ class Recognizer:
         self.stage_clock.add("delivery", delivered - now)
         self.busy_seconds += delivered - t0
         return done
+
+    def _advance_words(self, outputs: dict, now: float, on_error) -> None:
+        """The word pass over this tick's chunks (one call), then each stream's live text from it."""
+        live = {sid: out for sid, out in outputs.items() if sid in self.streams}
+        try:
+            ids = self.word_pass.advance(live)
+        except Exception as exc:
+            if on_error is None:
+                raise
+            for sid in live:  # the batched call names no stream: every stream it held failed
+                on_error(sid, exc)
+            return
+        for sid in ids:
+            stream = self.streams[sid]
+            text = self.word_pass.text(sid)
+            if text != stream.text:
+                stream.text = text
+                stream.partials.append((stream.frames_done * FRAME_SHIFT / SAMPLE_RATE, text))
 
     def _front_end(self, on_error=None) -> None:
         """Turn buffered audio into pushed frames, batched, for every stream whose audio completes a chunk.
@@ -475,16 +555,22 @@ class Recognizer:
         stream = self.streams.pop(sid)
         self._buffered.discard(sid)
         result = self.engine.result(sid)
-        text = self.tokenizer.decode(result.tokens)
-        first = self.tokenizer.decode(result.first_pass) if result.first_pass is not None else text
+        if self.word_pass is not None:
+            offset = stream.turn_offset * FRAME_SHIFT / SAMPLE_RATE if stream.segments is not None else 0.0
+            text, word_list = self.word_pass.finish(sid, offset)
+            first = text
+        else:
+            text = self.tokenizer.decode(result.tokens)
+            first = self.tokenizer.decode(result.first_pass) if result.first_pass is not None else text
+            word_list = None
         segments = []
         if stream.segments is not None:  # the last turn becomes the last segment; the text is every turn's
-            self.turns.close(stream, text, self.turns.words(self, stream, result))
+            self.turns.close(stream, text, self.turns.words(self, stream, result) if word_list is None else word_list)
             segments = stream.segments
             text = first = self.turns.joined(stream)
             words = [w for seg in segments for w in seg.words]
         else:
-            words = self._words(result, 0.0)
+            words = self._words(result, 0.0) if word_list is None else word_list
         if stream.partials and stream.partials[-1][1] != text:
             stream.partials.append((stream.samples / SAMPLE_RATE, text))
         return Transcript(sid, text, first, stream.samples / SAMPLE_RATE, stream.partials, stream.latencies,
@@ -553,6 +639,12 @@ class Recognizer:
         nbest = decoder.finalize_stream(state)[0]
         tokens = list(nbest[0].tokens) if nbest else []
         first = self.tokenizer.decode(tokens)
+        if self.word_pass is not None:  # the whole utterance's log-probs through the word search
+            self.word_pass.open(clip_id)
+            self.word_pass.search.decode([self.word_pass.states[clip_id]], [log_probs[0]])
+            text, words = self.word_pass.finish(clip_id, 0.0)
+            self.busy_seconds += time.perf_counter() - t0
+            return Transcript(clip_id, text, text, len(pcm) / SAMPLE_RATE, words=words)
         if self.rescore and nbest:
             tokens, _ = attention_rescore(self.decoder, hidden[0], nbest, self.spec.ctc_weight)
         self.busy_seconds += time.perf_counter() - t0

@@ -187,8 +187,12 @@ class TurnTracker:
         except Exception:
             stream.turn_offset, stream.frames_done, (stream.gated, stream.gate_tail) = offset, done, gate
             raise
-        tokens, words = self._turn_words(recognizer, result, cut, offset)
-        self._add_segment(stream, start, end, recognizer.tokenizer.decode(tokens), words)
+        if recognizer.word_pass is not None:  # the word search's words that began before the cut
+            text, words = recognizer.word_pass.cut(stream.id, cut, offset * FRAME_SHIFT / SAMPLE_RATE)
+        else:
+            tokens, words = self._turn_words(recognizer, result, cut, offset)
+            text = recognizer.tokenizer.decode(tokens)
+        self._add_segment(stream, start, end, text, words)
         stream.turn_offset += at
         stream.frames_done -= encoded_after  # encoded in the ending turn and again in the next
         stream.recent, stream.recent_db, stream.turn_pushed = stream.recent[:0], stream.recent_db[:0], 0

@@ -43,6 +43,11 @@ def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16
     parser.add_argument("--full-context", action="store_true",
                         help="no streaming: encode each utterance whole with unrestricted attention")
     parser.add_argument("--beam", type=int, default=8, help="CTC prefix beam size")
+    parser.add_argument("--language-model", choices=("auto", "none"), default="auto",
+                        help="the word search (a lexicon and a word bigram of the training text steer the CTC search): "
+                             "auto uses the one the model names (none for the rescoring pass), none the token search "
+                             "alone")
+    parser.add_argument("--word-beam", type=int, default=None, help="the word search's beam (default: 32)")
     parser.add_argument("--max-streams", type=int, default=streams_default, help="concurrent streams")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
@@ -50,6 +55,10 @@ def add_model_options(parser: argparse.ArgumentParser, streams_default: int = 16
 def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Check the shared options before any work (one line on stderr and exit 2 for a bad one)."""
     check_at_least(parser, args, {"beam": 1, "max_streams": 1, "threads": 1})
+    if args.word_beam is not None and args.word_beam < 1:
+        parser.error(f"--word-beam must be >= 1, got {args.word_beam}")
+    if args.word_beam is not None and args.language_model == "none":
+        parser.error("--word-beam sets the word search, which --language-model none turns off")
     if args.chunk_size is not None and args.chunk_size < 1:
         parser.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
     if args.num_left_chunks is not None and args.num_left_chunks < -1:
@@ -79,7 +88,8 @@ def check_transducer_options(parser: argparse.ArgumentParser, args: argparse.Nam
                                             ("--chunk-size", args.chunk_size is not None),
                                             ("--num-left-chunks", args.num_left_chunks is not None),
                                             ("--kv-cache-dtype auto", args.kv_cache_dtype == "auto"),
-                                            ("--beam", args.beam != parser.get_default("beam"))) if given]
+                                            ("--beam", args.beam != parser.get_default("beam")),
+                                            ("--word-beam", args.word_beam is not None)) if given]
     if unsupported:
         parser.error(f"--model {args.model}: a transducer checkpoint does not take {', '.join(unsupported)} "
                      f"(its chunk is set by --lookahead; greedy RNN-T decoding)")
@@ -118,11 +128,15 @@ def recognizer(args: argparse.Namespace, **extra):
     import torch
 
     from oasr.asr.recognizer import Recognizer
+    from oasr.ctc.words import WordSearchConfig
 
     torch.set_num_threads(args.threads)
     return Recognizer(args.model, twin=args.twin, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
                       chunk_size=args.chunk_size, num_left_chunks=args.num_left_chunks, rescore=args.rescore,
-                      full_context=args.full_context, beam_size=args.beam, max_streams=args.max_streams, **extra)
+                      full_context=args.full_context, beam_size=args.beam, max_streams=args.max_streams,
+                      language_model=None if args.language_model == "none" else "auto",
+                      word_config=None if args.word_beam is None else WordSearchConfig(beam_size=args.word_beam),
+                      **extra)
 
 
 def transducer_recognizer(args: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -151,4 +165,6 @@ def configuration(args: argparse.Namespace, rec) -> dict:
     return {"model": str(Path(args.model)) if args.model else "shipped", "twin": args.twin, "device": args.device,
             "kv_cache_dtype": args.kv_cache_dtype or "model", "chunk_size": cfg.chunk_size if streaming else None,
             "num_left_chunks": cfg.num_left_chunks if streaming else None, "rescore": args.rescore,
-            "full_context": args.full_context, "beam": args.beam}
+            "full_context": args.full_context, "beam": args.beam,
+            "language_model": None if rec.word_pass is None else rec.word_pass.spec.to_info(),
+            "word_beam": None if rec.word_pass is None else rec.word_pass.search.config.beam_size}

@@ -175,6 +175,10 @@ def main(argv=None) -> int:
             "init": None if args.init is None else Path(args.init).name,
             "schedule": f"warmup 400 steps, then a cosine from lr {args.lr:g} to 5% of it at step {args.steps}; "
                         f"batches of at most {args.max_frames} padded frames"}
+    if not options["legacy"]:  # the word search's language model: text drawn from the training text's generator
+        from oasr.asr.language import LanguageSpec
+
+        info["language_model"] = LanguageSpec(seed=args.seed, open_share=args.open_share).to_info()
     save_checkpoint(work / "model.safetensors", out["encoder"], out["decoder"], out["spec"], out["cmvn"], info,
                     weights="float16")  # half the file; the shipped model's WER is measured on these weights
     print(f"recipe: synthesis {synth_seconds / 60:.1f} min, training {out['seconds'] / 60:.1f} min "

@@ -166,6 +166,7 @@ class StreamingEngine(StreamsMixin, AdmissionMixin, TickMixin, ResultsMixin, Ses
         self.keep_log_probs = keep_log_probs
         # set True to get each chunk's CTC speech probability (1 - p(blank)) in StepOutput.speech_probs
         self.emit_speech_probs = False
+        self.emit_log_probs = False  # StepOutput.log_probs: each tick's chunk (for a search outside the engine)
         # the runtime of the declared kind (oasr.engine.streaming_backend); a paged one checks the geometry
         self.backend = backend_cls.for_engine(model, config, self.ops)
         self.chunk_input_frames = self.backend.chunk_input_frames

@@ -71,6 +71,8 @@ class StepOutput:
     partial: list = field(default_factory=list)
     # with ``engine.emit_speech_probs``: ``1 - p(blank)`` of this tick's ``num_frames`` frames (the endpointer's input)
     speech_probs: torch.Tensor | None = None
+    # with ``engine.emit_log_probs``: this tick's ``[num_frames, vocab]`` CTC log-probs (a word search's input)
+    log_probs: torch.Tensor | None = None
 
 
 @dataclass

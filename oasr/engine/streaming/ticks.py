@@ -124,7 +124,8 @@ class TickMixin:
             kept = _common_prefix(s.partial, partials[row])
             outputs[sid] = StepOutput(sid, partials[row][kept:], n, retracted=len(s.partial) - kept,
                                       partial=list(partials[row]),
-                                      speech_probs=None if speech is None else speech[row, :n].clone())
+                                      speech_probs=None if speech is None else speech[row, :n].clone(),
+                                      log_probs=chunks[row].clone() if self.emit_log_probs else None)
             s.partial = list(partials[row])
             if s.ended and s.num_pending < self.rate:
                 self._finish(s, "eos", outputs)
