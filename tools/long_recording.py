@@ -1,6 +1,7 @@
 """A long recording of the shipped clips with pauses, and the WER of its live turns against the clips one by one.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tools/long_recording.py [--limit N] [--seed S] [--json OUT]
+        [--model PATH] [--language-model auto|none]
 
 The recording: every shipped clip in order, ``--lead`` seconds of silence first, then a pause drawn uniformly from
 ``[--min-pause, --max-pause]`` seconds after each clip (seeded), ``--tail`` seconds at the end (120 clips with
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-segmenter", action="store_true")
     parser.add_argument("--lead-frames", type=int, default=None, help="the gate's lead (feature frames)")
     parser.add_argument("--threshold-db", type=float, default=None, help="the gate's energy threshold")
+    parser.add_argument("--model", default=None, help="a checkpoint (default: the shipped model)")
+    parser.add_argument("--language-model", choices=("auto", "none"), default="auto",
+                        help="the word search: the model's (auto) or none")
     args = parser.parse_args(argv)
 
     import torch
@@ -80,12 +84,13 @@ def main(argv=None) -> int:
     print(f"recording: {len(clips)} clips, {len(pcm) / SAMPLE_RATE:.1f} s")
     out = {"clips": len(clips), "seconds": round(len(pcm) / SAMPLE_RATE, 1)}
 
-    rec = Recognizer()
+    lm = None if args.language_model == "none" else "auto"
+    rec = Recognizer(args.model, language_model=lm)
     alone = [t.text for t in rec.transcribe(clips)]
     out["clips_wer"] = error_rates([" ".join(refs)], [" ".join(alone)])["wer"]
 
     t0 = time.perf_counter()
-    live_rec = Recognizer(endpointing=EndpointConfig())
+    live_rec = Recognizer(args.model, endpointing=EndpointConfig(), language_model=lm)
     if args.lead_frames is not None:
         live_rec.turns.lead_frames = args.lead_frames
     if args.threshold_db is not None:

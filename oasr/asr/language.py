@@ -8,7 +8,7 @@ and the training side of the held-out split: no sentence of a shipped test set i
 used. The text is a pure function of the spec, so nothing is shipped: the model is rebuilt in a few
 seconds and kept for the process (``lru_cache``).
 
-A checkpoint names its spec in its metadata (``info["language_model"]``); ``Recognizer(words="auto")`` uses
+A checkpoint names its spec in its metadata (``info["language_model"]``); ``Recognizer(language_model="auto")`` uses
 it when present. ``spec_from_info`` reads and checks it.
 """
 

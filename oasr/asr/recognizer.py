@@ -10,8 +10,10 @@ updates each stream's partial transcript. ``stage_clock`` (the engine's ``StageC
 where the time goes. ``transcribe(clips)`` is the whole loop for a list of files or PCM
 arrays, at most ``max_streams`` at once.
 
-Decoding is the engine's CTC prefix beam search; ``rescore=True`` adds the attention decoder's
-second pass over the CTC n-best when a stream ends. ``full_context=True`` does not stream: each
+Decoding is the engine's CTC prefix beam search, and, when the model names a language model
+(``language_model="auto"``, the default; ``oasr.asr.word_pass``), the word search over the same log-probs,
+whose words are the text; ``rescore=True`` instead adds the attention decoder's second pass over the CTC
+n-best when a stream ends. ``full_context=True`` does not stream: each
 utterance is encoded whole with unrestricted attention, then decoded the same way (the accuracy
 ceiling the streaming configurations are measured against).
 
@@ -67,7 +69,8 @@ class Transcript:
     partials: list = field(default_factory=list)  # (audio seconds consumed, text) each time the text changed
     latencies: list = field(default_factory=list)  # seconds, one per chunk
     segments: list = field(default_factory=list)  # with endpointing: the turns (oasr.asr.segments.Segment)
-    words: list = field(default_factory=list)  # oasr.asr.words.Word from the CTC alignment (not after rescoring)
+    words: list = field(default_factory=list)  # oasr.asr.words.Word: the word search's, or the CTC alignment's
+    # (none after rescoring)
 
 
 class AudioStream:
