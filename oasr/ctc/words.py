@@ -263,6 +263,31 @@ def check_snapshot(where: str, snapshot) -> None:
         raise ValueError(f"{where}: malformed word-search snapshot ({exc})") from None
 
 
+def check_snapshot_fits(where: str, snapshot, lm: WordLM, vocab_size: int) -> None:
+    """``ValueError`` unless a ``check_snapshot``-valid snapshot fits this search: every hypothesis's last word
+    an id of ``lm`` (``<s>``/``</s>`` included) and last token an id of the vocabulary (not the blank), every
+    word (committed or not) a lexicon word, every partial a lexicon prefix, and every integer a signed 64-bit
+    one (what a snapshot of this lexicon can hold; both twins refuse the same snapshots)."""
+    ints = [snapshot["frame"]]
+    for word, first, last in snapshot["committed"]:
+        if word not in lm.index:
+            raise ValueError(f"{where}: committed word {word!r} is not in the lexicon")
+        ints += (first, last)
+    for h in snapshot["beams"]:
+        words, partial, pstart, pend, _, _, _, n, last_word, last_token = h
+        if not 0 <= last_word <= lm.start_id or (last_token is not None and not 0 < last_token < vocab_size):
+            raise ValueError(f"{where}: a hypothesis's last word or token is out of range")
+        for word, first, last in words:
+            if word not in lm.index:
+                raise ValueError(f"{where}: hypothesis word {word!r} is not in the lexicon")
+            ints += (first, last)
+        if partial not in lm.lookahead:
+            raise ValueError(f"{where}: partial word {partial!r} is not a prefix of a lexicon word")
+        ints += (pstart, pend, n)
+    if any(not -(2**63) <= v < 2**63 for v in ints):
+        raise ValueError(f"{where}: a frame or count does not fit in 64 bits")
+
+
 def _check_word(w) -> None:
     word, first, last = w
     if not isinstance(word, str) or not isinstance(first, int) or not isinstance(last, int):
