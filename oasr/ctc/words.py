@@ -226,13 +226,14 @@ def token_chars(symbols, alphabet: str) -> list:
 
 
 def check_chunk(where: str, log_probs, vocab_size: int) -> np.ndarray:
-    """A chunk of log-probs as float64 ``[T, vocab_size]``; ``ValueError`` for another shape or a NaN."""
+    """A chunk of log-probs as float64 ``[T, vocab_size]``; ``ValueError`` for another shape, a NaN or a
+    ``+inf`` (which would make NaN scores, and a NaN has no rank); ``-inf`` is a zero probability."""
     array = np.asarray(log_probs.detach().cpu().numpy() if hasattr(log_probs, "detach") else log_probs,
                        dtype=np.float64)
     if array.ndim != 2 or array.shape[1] != vocab_size:
         raise ValueError(f"{where}: log-probs must be [frames, {vocab_size}], got shape {tuple(array.shape)}")
-    if np.isnan(array).any():
-        raise ValueError(f"{where}: log-probs contain NaN")
+    if not (array < np.inf).all():
+        raise ValueError(f"{where}: log-probs contain " + ("NaN" if np.isnan(array).any() else "+inf"))
     return array
 
 
