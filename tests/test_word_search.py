@@ -442,3 +442,38 @@ def test_the_twins_agree_on_the_recipe_language_model(recipe):
         assert result == ref.finalize(r) and len(result.words) > 10
         assert all(w.word in lm.index for w in result.words)
     assert any(ref.snapshot(r)["committed"] for r in rs)
+
+
+def test_without_a_compiler_the_fast_twin_says_so_and_runs_the_python_rule(tmp_path):
+    """No g++ (CXX names none, an empty kernel cache): ``native="auto"`` falls back and says why in
+    ``execution``; ``native=True`` refuses with the reason."""
+    import os
+    import subprocess
+    import sys
+
+    code = """if True:
+        import numpy as np
+        from oasr.ctc.words import WordLM
+        from oasr.fast.word_search import WordSearch
+        from oasr.tokenizers.char import CharTokenizer
+        tok = CharTokenizer(" act")
+        lm = WordLM.from_sentences(["a cat"], ["a", "cat"], tok.alphabet)
+        search = WordSearch(lm, tok.symbols)
+        print(search.execution)
+        state = search.new_state()
+        search.decode([state], [np.log(np.full((4, tok.vocab_size), 1.0 / tok.vocab_size))])
+        print(type(state).__module__)
+        try:
+            WordSearch(lm, tok.symbols, native=True)
+        except RuntimeError as exc:
+            print("refused:", exc)
+    """
+    env = {**os.environ, "CXX": "no-such-compiler-oasr", "OASR_KERNEL_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("python (the reference rule; the native word search needs a C++17 compiler")
+    assert lines[1] == "oasr.reference.word_search"
+    assert lines[2].startswith("refused: WordSearch(native=True): the native word search needs a C++17 compiler: "
+                               "'no-such-compiler-oasr'")

@@ -111,8 +111,8 @@ class WordSearchState:
         return out.tolist()
 
     def _read(self, lo: int, hi: int) -> list:
-        """Sync the committed words; hypotheses lo .. hi - 1 as [words (WordTime), partial, pstart, pend, pb,
-        pnb, lm, n, last word, last token]."""
+        """Sync the committed words; hypotheses lo .. hi - 1 as [words ([word, first, last] each), partial node,
+        pstart, pend, pb, pnb, lm, n, last word, last token] (a snapshot's beam, but the partial's node)."""
         model = self._model
         _, n_committed, _, n_words = self._sizes(lo, hi)
         since = len(self._committed)
@@ -123,10 +123,10 @@ class WordSearchState:
         model.lib.oasr_word_export(self._handle, since, lo, hi, committed.ctypes.data, ints.ctypes.data,
                                    floats.ctypes.data, words.ctypes.data)
         self._committed.extend(WordTime(model.words[w], a, b) for w, a, b in committed.tolist())
-        words, at, out = words.tolist(), 0, []
+        names, words, at, out = model.words, words.tolist(), 0, []
         for (count, partial, pstart, pend, n, last_word, last_token), (pb, pnb, lm) in zip(
                 ints.tolist(), floats.tolist(), strict=True):
-            hyp_words = [WordTime(model.words[w], a, b) for w, a, b in words[at : at + count]]
+            hyp_words = [[names[w], a, b] for w, a, b in words[at : at + count]]
             at += count
             out.append([hyp_words, partial, pstart, pend, pb, pnb, lm, n, last_word,
                         None if last_token < 0 else last_token])
@@ -221,7 +221,7 @@ class WordSearch:
         if self._python is not None:
             return self._python.best(state)
         h = state._read(0, 1)[0]
-        words = [*state._committed, *h[0]]
+        words = [*state._committed, *(WordTime(*w) for w in h[0])]
         if h[1]:
             words.append(WordTime(state._model.prefixes[h[1]], h[2], h[3]))
         return _result(words)
@@ -234,7 +234,7 @@ class WordSearch:
         i = self._model.lib.oasr_word_finalize(self._model.handle, float(cfg.lm_weight), float(cfg.word_bonus),
                                                state._handle)
         h = state._read(i, i + 1)[0]
-        words = [*state._committed, *h[0]]
+        words = [*state._committed, *(WordTime(*w) for w in h[0])]
         if h[1] and self._model.node_word[h[1]] >= 0:
             words.append(WordTime(state._model.prefixes[h[1]], h[2], h[3]))
         return _result(words)
@@ -250,8 +250,7 @@ class WordSearch:
         prefixes = state._model.prefixes
         return {"version": SNAPSHOT_VERSION, "frame": state.frame,
                 "committed": [[w.word, w.first_frame, w.last_frame] for w in state._committed],
-                "beams": [[[[w.word, w.first_frame, w.last_frame] for w in h[0]], prefixes[h[1]], *h[2:]]
-                          for h in beams]}
+                "beams": [[h[0], prefixes[h[1]], *h[2:]] for h in beams]}
 
     def restore(self, snapshot):
         """A state from ``snapshot`` (``ValueError`` for a malformed one, or words this lexicon lacks)."""
