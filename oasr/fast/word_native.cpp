@@ -326,7 +326,7 @@ void collect(State& s) {
   s.arena.swap(arena);
 }
 
-const size_t COLLECT_AT = 1 << 16;  // arena nodes before a mid-chunk collection
+const int64_t COLLECT_EVERY = 64;  // frames of a long chunk between collections (at most beam nodes a frame)
 
 }  // namespace
 
@@ -381,7 +381,7 @@ void oasr_word_decode(const void* model, int64_t beam_size, int64_t token_topk, 
     State& s = *reinterpret_cast<State*>(states[r]);
     for (int64_t row = offsets[r]; row < offsets[r + 1]; ++row) {
       advance(m, c, s, f, lp + row * V, V);
-      if (s.arena.size() > COLLECT_AT) collect(s);
+      if ((row - offsets[r]) % COLLECT_EVERY == COLLECT_EVERY - 1) collect(s);
     }
     commit_and_collect(s);
   }
