@@ -20,6 +20,7 @@ SECTIONS = {
     "attention": ("oasr.bench.attention", "section", True),
     "stream_cost": ("oasr.bench.stream_cost", "section", False),
     "ctc": ("oasr.bench.ctc", "section", False),
+    "word_search": ("oasr.bench.word_search", "section", False),  # lexicon + word bigram search, the recipe LM
     "fp8": ("oasr.bench.fp8", "section", True),
     "kv_formats": ("oasr.bench.kv_formats", "section", True),
     "launcher": ("oasr.bench.launcher", "section", True),  # the attention launcher's host us per call

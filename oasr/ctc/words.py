@@ -226,13 +226,14 @@ def token_chars(symbols, alphabet: str) -> list:
 
 
 def check_chunk(where: str, log_probs, vocab_size: int) -> np.ndarray:
-    """A chunk of log-probs as float64 ``[T, vocab_size]``; ``ValueError`` for another shape or a NaN."""
+    """A chunk of log-probs as float64 ``[T, vocab_size]``; ``ValueError`` for another shape, a NaN or a
+    ``+inf`` (which would make NaN scores, and a NaN has no rank); ``-inf`` is a zero probability."""
     array = np.asarray(log_probs.detach().cpu().numpy() if hasattr(log_probs, "detach") else log_probs,
                        dtype=np.float64)
     if array.ndim != 2 or array.shape[1] != vocab_size:
         raise ValueError(f"{where}: log-probs must be [frames, {vocab_size}], got shape {tuple(array.shape)}")
-    if np.isnan(array).any():
-        raise ValueError(f"{where}: log-probs contain NaN")
+    if not (array < np.inf).all():
+        raise ValueError(f"{where}: log-probs contain " + ("NaN" if np.isnan(array).any() else "+inf"))
     return array
 
 
@@ -261,6 +262,31 @@ def check_snapshot(where: str, snapshot) -> None:
                 raise ValueError("scores")
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{where}: malformed word-search snapshot ({exc})") from None
+
+
+def check_snapshot_fits(where: str, snapshot, lm: WordLM, vocab_size: int) -> None:
+    """``ValueError`` unless a ``check_snapshot``-valid snapshot fits this search: every hypothesis's last word
+    an id of ``lm`` (``<s>``/``</s>`` included) and last token an id of the vocabulary (not the blank), every
+    word (committed or not) a lexicon word, every partial a lexicon prefix, and every integer a signed 64-bit
+    one (what a snapshot of this lexicon can hold; both twins refuse the same snapshots)."""
+    ints = [snapshot["frame"]]
+    for word, first, last in snapshot["committed"]:
+        if word not in lm.index:
+            raise ValueError(f"{where}: committed word {word!r} is not in the lexicon")
+        ints += (first, last)
+    for h in snapshot["beams"]:
+        words, partial, pstart, pend, _, _, _, n, last_word, last_token = h
+        if not 0 <= last_word <= lm.start_id or (last_token is not None and not 0 < last_token < vocab_size):
+            raise ValueError(f"{where}: a hypothesis's last word or token is out of range")
+        for word, first, last in words:
+            if word not in lm.index:
+                raise ValueError(f"{where}: hypothesis word {word!r} is not in the lexicon")
+            ints += (first, last)
+        if partial not in lm.lookahead:
+            raise ValueError(f"{where}: partial word {partial!r} is not a prefix of a lexicon word")
+        ints += (pstart, pend, n)
+    if any(not -(2**63) <= v < 2**63 for v in ints):
+        raise ValueError(f"{where}: a frame or count does not fit in 64 bits")
 
 
 def _check_word(w) -> None:

@@ -24,6 +24,7 @@ from oasr.ctc.words import (
     WordTime,
     check_chunk,
     check_snapshot,
+    check_snapshot_fits,
     lae,
     token_chars,
 )
@@ -168,11 +169,7 @@ class WordSearch:
     def restore(self, snapshot) -> WordSearchState:
         """A state from ``snapshot`` (``ValueError`` for a malformed one, or words this lexicon lacks)."""
         check_snapshot("WordSearch.restore", snapshot)
-        for h in snapshot["beams"]:
-            last_word, last_token = h[8], h[9]
-            if not 0 <= last_word <= self.lm.start_id or (last_token is not None
-                                                           and not 0 < last_token < self.vocab_size):
-                raise ValueError("WordSearch.restore: a hypothesis's last word or token is out of range")
+        check_snapshot_fits("WordSearch.restore", snapshot, self.lm, self.vocab_size)
         state = WordSearchState(self.lm.start_id)
         state.frame = snapshot["frame"]
         state.committed = [list(w) for w in snapshot["committed"]]
