@@ -93,8 +93,8 @@ print(f"WER on these {len(clips)} clips: token search {100 * wer_tokens:.1f}%, w
 assert wer_words < wer_tokens
 
 # %% [markdown]
-# The reference twin gives the same words, and so does a stream suspended halfway and resumed: the
-# search's state travels with the stream (exact floats).
+# The reference twin gives the same words. (`tests/test_word_pass.py` also suspends streams halfway and
+# resumes them on the other twin: the search's state travels with the stream, exact floats, to the same words.)
 
 # %%
 ref_words = Recognizer(max_streams=12, twin="reference").transcribe([c.path for c in clips])

