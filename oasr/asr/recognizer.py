@@ -474,8 +474,12 @@ class Recognizer:
                 if on_error is None:
                     raise
                 on_error(sid, exc)
-        if self.word_pass is not None:
+        words_seconds = 0.0
+        if self.word_pass is not None:  # the word search counts as decode time (it is a search of the log-probs)
+            started = time.perf_counter()
             self._advance_words(outputs, now, on_error)
+            words_seconds = time.perf_counter() - started
+            self.stage_clock.add("decode", words_seconds)
         if self.turns is not None:  # endpoints end turns (new engine streams) before finished streams are read
             self.turns.advance(self, outputs)
         for sid, out in outputs.items():
@@ -487,7 +491,7 @@ class Recognizer:
                     raise
                 on_error(sid, exc)  # this stream's work failed; the others' outputs are still taken
         delivered = time.perf_counter()
-        self.stage_clock.add("delivery", delivered - now)
+        self.stage_clock.add("delivery", delivered - now - words_seconds)
         self.busy_seconds += delivered - t0
         return done
 

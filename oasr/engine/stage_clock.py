@@ -5,7 +5,8 @@ The stages of one stream-chunk's trip through a ``Recognizer`` and its engine::
     ingest       AudioStream.accept: check the piece, copy it into the stream's PCM buffer
     front_end    fbank of every stream whose buffered audio completes a chunk (one batched call), CMVN, push
     model        the engine's model step (inputs staged, the step or graph replay, caches committed, readback)
-    decode       the CTC prefix beam search of the cohort and the partial hypotheses read back
+    decode       the CTC prefix beam search of the cohort and the partial hypotheses read back (and, in a
+                 ``Recognizer`` with a language model, the word search over the same log-probs)
     bookkeeping  the rest of the tick: admission, picking the cohort, finishing streams, statistics
     delivery     the recognizer's side of a tick's outputs: latencies, partial texts, finished transcripts
 
