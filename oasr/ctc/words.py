@@ -73,13 +73,14 @@ depth exceeds ``m``,
 3. then the shared words are committed.
 
 The beam keeps its order; the best is never dropped (its depth is at most ``h`` after step 1), and every
-hypothesis's depth is at most ``m`` after every frame (so at most ``m`` uncommitted words after a chunk): an
-hour of audio holds what a few seconds do. Dropping is the one place the bounded search may differ from an
-unbounded one (directly, and through the beam places it frees, in what is kept later): step 1 touches only
-alternatives that parted from the best more than ``h`` of its words ago (32 words at the default, over ten
-seconds of speech), step 2 only one that spelled more than ``m - h`` words more than the best since they
-parted (a rare, heavily split spelling). A restored snapshot may hold deeper beams (saved with a larger
-``max_words``): it is valid, and the bound applies from its next frame.
+hypothesis's depth is at most ``m`` after every frame (so at most ``m`` uncommitted words after a chunk):
+past its committed words (the transcript itself), an hour of audio holds what a few seconds do. Dropping is
+the one place the bounded search may differ from an unbounded one (directly, and through the beam places it
+frees, in what is kept later): step 1 touches only alternatives that parted from the best more than ``h`` of
+its words ago (32 words at the default, over ten seconds of speech), step 2 only one that spelled more than
+``m - h`` words more than the best since they parted (a rare, heavily split spelling). A restored snapshot
+may hold deeper beams (saved with a larger ``max_words``): it is valid, and the bound applies from its next
+frame.
 
 Snapshots (``snapshot(state)``, ``restore(snapshot)``) are JSON-able dicts with floats written exactly, so a
 stream suspended in one process continues in another (either twin) with the same bits.
