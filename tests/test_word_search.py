@@ -479,3 +479,197 @@ def test_without_a_compiler_the_fast_twin_says_so_and_runs_the_python_rule(tmp_p
     assert lines[1] == "oasr.reference.word_search"
     assert lines[2].startswith("refused: WordSearch(native=True): the native word search needs a C++17 compiler: "
                                "'no-such-compiler-oasr'")
+
+
+# ---- the bound on uncommitted words (module docstring of oasr.ctc.words: bounded memory) ------------------
+def unbounded(config: WordSearchConfig | None = None, lm: WordLM = LM, symbols=None) -> ReferenceWordSearch:
+    """The oracle: the reference with the bound switched off (the search before the bound existed)."""
+    search = ReferenceWordSearch(lm, TOKENIZER.symbols if symbols is None else symbols, config)
+    search._bound = lambda state: None
+    return search
+
+
+def depths(snapshot: dict) -> list:
+    """Uncommitted finished words per hypothesis."""
+    return [len(h[0]) for h in snapshot["beams"]]
+
+
+def every_word_list(snapshot: dict) -> list:
+    """Per hypothesis, all its finished words (committed ones first): what no commit changes."""
+    return [[*snapshot["committed"], *h[0]] for h in snapshot["beams"]]
+
+
+@pytest.mark.parametrize("bad", [1, 0, -3, True, 2.0, "64", None])
+def test_max_words_must_be_an_int_of_at_least_two(bad):
+    with pytest.raises(ValueError, match="max_words must be an int >= 2"):
+        WordSearchConfig(max_words=bad)
+    assert WordSearchConfig(max_words=2).max_words == 2 and WordSearchConfig().max_words == 64
+
+
+def _spelled(text: str, ambiguous=None) -> np.ndarray:
+    """Peaky frames spelling ``text`` (each character a frame, a blank after it); ``ambiguous``: a
+    ``{character: probability}`` frame first (its word's first letter, e.g. c or r)."""
+    rows = [_row(**ambiguous), _row(blank=0.9)] if ambiguous else []
+    for ch in text:
+        rows += [_row(**{"space" if ch == " " else ch: 0.9}), _row(blank=0.9)]
+    return np.stack(rows)
+
+
+LONG_AGO = _spelled("at sat at a dog a sad dog a red rose a cat sat at a tree ", ambiguous={"c": 0.45, "r": 0.45})
+
+
+@pytest.mark.parametrize("twin", TWINS)
+def test_an_alternative_that_parted_long_ago_is_dropped_and_the_twins_agree(twin):
+    """"cat ..." and "rat ..." differ in their first word only: the unbounded search holds both to the end; with
+    max_words = 4 the "rat" alternatives go once the best holds 5 words, the best is kept, and the twins agree
+    bit for bit after every chunk (snapshots of every chunk size, so the drop lands inside chunks too)."""
+    config = WordSearchConfig(beam_size=8, token_topk=4, max_words=4)
+    oracle, ref, search = unbounded(config), make("reference", config), make(twin, config)
+    whole = oracle.new_state()
+    oracle.decode([whole], [LONG_AGO])
+    unbounded_snap = oracle.snapshot(whole)
+    assert not unbounded_snap["committed"] and max(depths(unbounded_snap)) > 10
+    assert {h[0][0][0] for h in unbounded_snap["beams"]} == {"cat", "rat"}  # both held to the end
+    for step in (1, 7, 40):
+        r, s = ref.new_state(), search.new_state()
+        for at in range(0, len(LONG_AGO), step):
+            ref.decode([r], [LONG_AGO[at : at + step]])
+            search.decode([s], [LONG_AGO[at : at + step]])
+            assert_same(search.snapshot(s), ref.snapshot(r))
+            assert max(depths(search.snapshot(s))) <= 4
+        snap = search.snapshot(s)
+        first = unbounded_snap["beams"][0][0][0][0]  # the best's first word: kept; the others' alternatives: gone
+        assert {words[0][0] for words in every_word_list(snap)} == {first}
+        assert search.finalize(s) == oracle.finalize(whole)
+        assert search.best(s) == oracle.best(whole)
+
+
+@pytest.mark.parametrize("twin", ["fast-native", "fast-python"])
+@pytest.mark.parametrize("max_words", [2, 3, 5])
+@pytest.mark.parametrize("beam,topk,kind", [(4, 3, "mixed"), (32, 8, "flat"), (32, 8, "peaky"), (32, 3, "mixed"),
+                                            (4, 2, "ties")])
+def test_with_a_small_max_words_the_twins_agree_after_every_chunk(twin, max_words, beam, topk, kind):
+    """Random streams where the bound drops often: equal snapshots after every call, depths within the bound."""
+    weights = {"lm_weight": 0.0, "word_bonus": 0.0} if kind == "ties" else {}
+    config = WordSearchConfig(beam_size=beam, token_topk=topk, max_words=max_words, **weights)
+    ref, fast, oracle = make("reference", config), make(twin, config), unbounded(config)
+    rng = np.random.default_rng(max_words * 1000 + beam * 10 + topk)
+    streams = [frames_of(kind, rng, 300) for _ in range(3)]
+    at = [0, 0, 0]
+    rs, fs, olds = ([search.new_state() for _ in streams] for search in (ref, fast, oracle))
+    deepest, dropped = 0, 0
+    while min(at) < 300:
+        chunks = []
+        for i, lp in enumerate(streams):
+            step = int(rng.integers(0, 41))
+            chunks.append(lp[at[i] : at[i] + step])
+            at[i] = min(300, at[i] + step)
+        ref.decode(rs, chunks)
+        fast.decode(fs, chunks)
+        oracle.decode(olds, chunks)
+        for r, f, o in zip(rs, fs, olds, strict=True):
+            assert_same(ref.snapshot(r), fast.snapshot(f))
+            assert max(depths(fast.snapshot(f))) <= max_words
+            assert ref.finalize(r) == fast.finalize(f)
+            deepest = max(deepest, *depths(oracle.snapshot(o)))
+            dropped += every_word_list(ref.snapshot(r)) != every_word_list(oracle.snapshot(o))
+    print(f"unbounded depth {deepest}, chunks where the bounded search differs {dropped}")
+    if kind != "ties":  # the bound did something here (random letters and -inf finish few words)
+        assert deepest > max_words and dropped
+
+
+@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("max_words,kind", [(2, "peaky"), (3, "mixed"), (4, "flat")])
+def test_with_a_small_max_words_any_split_gives_the_same_answer(twin, max_words, kind):
+    search = make(twin, WordSearchConfig(beam_size=8, token_topk=4, max_words=max_words))
+    rng = np.random.default_rng(50 + max_words)
+    lp = frames_of(kind, rng, 300)
+    whole = search.new_state()
+    search.decode([whole], [lp])
+    for most in (1, 9, 64):
+        state = search.new_state()
+        for a, b in random_splits(rng, len(lp), most):
+            search.decode([state], [lp[a:b]])
+        assert_same(search.snapshot(state), search.snapshot(whole))
+        assert search.finalize(state) == search.finalize(whole)
+
+
+@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("beam,topk,kind", [(4, 3, "flat"), (32, 8, "peaky"), (32, 3, "mixed")])
+def test_a_max_words_beyond_the_stream_is_the_unbounded_search(twin, beam, topk, kind):
+    """No hypothesis outgrows max_words: the same hypotheses, scores and answers as the unbounded search."""
+    config = WordSearchConfig(beam_size=beam, token_topk=topk, max_words=1000)
+    search, oracle = make(twin, config), unbounded(config)
+    rng = np.random.default_rng(beam + topk)
+    lp = frames_of(kind, rng, 400)
+    state, old = search.new_state(), oracle.new_state()
+    for a, b in random_splits(rng, len(lp), 40):
+        search.decode([state], [lp[a:b]])
+        oracle.decode([old], [lp[a:b]])
+        assert_same(search.snapshot(state), oracle.snapshot(old))
+        assert search.finalize(state) == oracle.finalize(old)
+
+
+@pytest.mark.parametrize("source", TWINS[:2])
+@pytest.mark.parametrize("target", TWINS)
+def test_a_snapshot_deeper_than_the_bound_restores_and_the_bound_applies_from_the_next_frame(source, target):
+    """Saved with a large max_words, restored under max_words = 3: valid as it is (a call with no frames
+    changes nothing), the bound holds after the next frame, and the twins agree from there on."""
+    deep = make(source, WordSearchConfig(beam_size=8, token_topk=4, max_words=1000))
+    state = deep.new_state()
+    deep.decode([state], [LONG_AGO[:-20]])
+    snap = json.loads(json.dumps(deep.snapshot(state)))
+    assert max(depths(snap)) > 3
+    config = WordSearchConfig(beam_size=8, token_topk=4, max_words=3)
+    ref, search = make("reference", config), make(target, config)
+    r, s = ref.restore(copy.deepcopy(snap)), search.restore(copy.deepcopy(snap))
+    search.decode([s], [LONG_AGO[:0]])
+    assert_same(search.snapshot(s), snap)
+    for at in range(len(LONG_AGO) - 20, len(LONG_AGO)):
+        ref.decode([r], [LONG_AGO[at : at + 1]])
+        search.decode([s], [LONG_AGO[at : at + 1]])
+        assert_same(search.snapshot(s), ref.snapshot(r))
+        assert max(depths(search.snapshot(s))) <= 3
+
+
+LONG_FRAMES, LONG_CHUNK = 3200, 32
+
+
+@pytest.fixture(scope="module")
+def long_recipe_stream(recipe):
+    """One 3,200-frame stream spelling recipe text (the bench's posteriors), on which the unbounded search
+    holds 191 words at its deepest; and the reference's snapshots (JSON) after every 32-frame chunk."""
+    from oasr.bench.word_search import spoken_posteriors
+
+    tokenizer, lm = recipe
+    lp = spoken_posteriors(tokenizer, 5, LONG_FRAMES, seed=5)[4]
+    ref = ReferenceWordSearch(lm, tokenizer.symbols)
+    state, snapshots = ref.new_state(), []
+    for at in range(0, LONG_FRAMES, LONG_CHUNK):
+        ref.decode([state], [lp[at : at + LONG_CHUNK]])
+        snapshots.append(json.dumps(ref.snapshot(state)))
+    return lp, snapshots, ref.finalize(state)
+
+
+@pytest.mark.parametrize("twin", TWINS)
+def test_a_long_recipe_stream_holds_at_most_max_words_and_the_twins_agree(twin, recipe, long_recipe_stream):
+    """The default bound (64) on the real language model: after every chunk no hypothesis holds more than 64
+    uncommitted words (the unbounded search goes far past it on this stream), and every twin's snapshot is
+    the reference's."""
+    tokenizer, lm = recipe
+    lp, snapshots, answer = long_recipe_stream
+    if twin == "fast-native":  # the unbounded search (the native twin with a bound it never reaches) for scale
+        deep = make(twin, WordSearchConfig(max_words=10**9), lm=lm, symbols=tokenizer.symbols)
+        state, deepest = deep.new_state(), 0
+        for at in range(0, LONG_FRAMES, LONG_CHUNK):
+            deep.decode([state], [lp[at : at + LONG_CHUNK]])
+            deepest = max(deepest, *depths(deep.snapshot(state)))
+        assert deepest > 128
+    search = make(twin, lm=lm, symbols=tokenizer.symbols)
+    state = search.new_state()
+    for i, at in enumerate(range(0, LONG_FRAMES, LONG_CHUNK)):
+        search.decode([state], [lp[at : at + LONG_CHUNK]])
+        snap = search.snapshot(state)
+        assert max(depths(snap)) <= 64
+        assert json.dumps(snap) == snapshots[i]
+    assert search.finalize(state) == answer and len(answer.words) > 150

@@ -58,9 +58,29 @@ word finishes it (its ``logp`` added, ``n + 1``), one spelling a non-word drops 
 ``logp(last word, </s>)``; the best final score wins (ties: beam order). ``best(state)`` is the current top
 hypothesis with its partial shown as a word (no ``</s>``, nothing dropped): the live partial text.
 
-**Bounded memory**: after each chunk, the finished words that every hypothesis shares from its start (same
-words, same frames) move to the state's committed list; an hour of audio holds what a few seconds do. This
-changes no score.
+**Bounded memory**: the finished words that every hypothesis shares from its start (same words, same frames)
+are *shared*; moving them to the state's committed list changes no score and no answer. After each chunk all
+of them have moved (a twin may move some earlier, inside a chunk: nothing shows it). A hypothesis's *depth* is
+the number of its finished words past the shared ones (what it holds uncommitted after a chunk). The bound,
+``max_words`` (``WordSearchConfig``; ``m`` here, ``h = m // 2``), applies **after every frame** (after the
+ranking, before the next frame; so any split of the same frames gives the same result): if some hypothesis's
+depth exceeds ``m``,
+
+1. with ``k`` = the best's (beam rank 0's) depth minus ``h``: if ``k > 0``, every hypothesis whose first ``k``
+   words past the shared ones (word and both frames) are not the best's first ``k`` is dropped (one holding
+   fewer than ``k`` words included);
+2. then every hypothesis whose depth (past the words the remaining ones share) still exceeds ``m`` is dropped;
+3. then the shared words are committed.
+
+The beam keeps its order; the best is never dropped (its depth is at most ``h`` after step 1), and every
+hypothesis's depth is at most ``m`` after every frame (so at most ``m`` uncommitted words after a chunk):
+past its committed words (the transcript itself), an hour of audio holds what a few seconds do. Dropping is
+the one place the bounded search may differ from an unbounded one (directly, and through the beam places it
+frees, in what is kept later): step 1 touches only alternatives that parted from the best more than ``h`` of
+its words ago (32 words at the default, over ten seconds of speech), step 2 only one that spelled more than
+``m - h`` words more than the best since they parted (a rare, heavily split spelling). A restored snapshot
+may hold deeper beams (saved with a larger ``max_words``): it is valid, and the bound applies from its next
+frame.
 
 Snapshots (``snapshot(state)``, ``restore(snapshot)``) are JSON-able dicts with floats written exactly, so a
 stream suspended in one process continues in another (either twin) with the same bits.
@@ -92,7 +112,9 @@ class WordSearchConfig:
     """The word search's numbers (module docstring).
 
     ``beam_size`` hypotheses kept per frame; ``token_topk`` candidates per frame at most, each above
-    ``prune_log`` (natural log); ``lm_weight`` scales the language model, ``word_bonus`` is added per word.
+    ``prune_log`` (natural log); ``lm_weight`` scales the language model, ``word_bonus`` is added per word;
+    ``max_words`` (an int >= 2) bounds the uncommitted words a hypothesis holds (module docstring: bounded
+    memory).
     """
 
     beam_size: int = 32
@@ -100,6 +122,7 @@ class WordSearchConfig:
     prune_log: float = -12.0
     lm_weight: float = 0.5
     word_bonus: float = 0.5
+    max_words: int = 64
 
     def __post_init__(self):
         for name in ("beam_size", "token_topk"):
@@ -112,6 +135,8 @@ class WordSearchConfig:
                 raise ValueError(f"WordSearchConfig: {name} must be a finite number, got {value!r}")
         if self.lm_weight < 0:
             raise ValueError(f"WordSearchConfig: lm_weight must be >= 0, got {self.lm_weight}")
+        if isinstance(self.max_words, bool) or not isinstance(self.max_words, int) or self.max_words < 2:
+            raise ValueError(f"WordSearchConfig: max_words must be an int >= 2, got {self.max_words!r}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 // The fast word search's native path: the rule of oasr/ctc/words.py (reference: oasr/reference/word_search.py,
-// WordSearch._frame / _commit / finalize) in C++, one call per cohort.
+// WordSearch._frame / _bound / _commit / finalize) in C++, one call per cohort.
 //
 // The model (oasr_word_model_new) is the WordLM as flat arrays: a lexicon trie (node 0 = the empty prefix;
 // children in CSR form sorted by letter; per node its lookahead and its word id or -1), the bigram tables of
@@ -7,8 +7,9 @@
 // stream's state (oasr_word_state_new) owns its beam, its committed words and an arena of word nodes: a
 // hypothesis's uncommitted words are a linked list from its newest word back to the oldest (nodes shared
 // between hypotheses), so extending by a word is one node, and a key comparison walks two lists only until
-// they meet. After each chunk the common first words move to the committed list and the arena is rebuilt
-// from the live hypotheses (garbage collected), so its size is bounded by the beam, not by the stream.
+// they meet. After each chunk (and when the bound on uncommitted words applies, after a frame) the common
+// first words move to the committed list and the arena is rebuilt from the live hypotheses (garbage
+// collected), so its size is bounded by beam * max_words, not by the stream.
 //
 // Bit-equality with the reference: every score is computed with the same double operations in the same
 // order (lae = a + log1p(exp(b - a)) with a >= b; glibc exp/log1p, as Python's math module calls), built
@@ -304,6 +305,40 @@ void commit_and_collect(State& s) {
   s.arena.swap(arena);
 }
 
+inline int32_t deepest(const State& s) {
+  int32_t most = 0;
+  for (const Hyp& h : s.beams) most = std::max(most, words_depth(s, h.words));
+  return most;
+}
+
+// The bound on uncommitted words after a frame (oasr/ctc/words.py; WordSearch._bound): O(beam) unless some
+// hypothesis holds more than max_words words, then commits (which also collects the arena) and drops.
+void bound(State& s, int64_t max_words) {
+  if (deepest(s) <= max_words) return;
+  commit_and_collect(s);  // depths are counted past the shared words (committing them changes nothing)
+  if (deepest(s) <= max_words) return;
+  const int64_t k = (int64_t)words_depth(s, s.beams[0].words) - max_words / 2;
+  if (k > 0) {  // 1. alternatives that parted from the best more than max_words / 2 of its words ago
+    std::vector<int32_t> first, list;
+    word_list(s, s.beams[0].words, first);
+    size_t kept = 0;
+    for (size_t i = 0; i < s.beams.size(); ++i) {
+      word_list(s, s.beams[i].words, list);
+      bool same = (int64_t)list.size() >= k;
+      for (int64_t j = 0; same && j < k; ++j)
+        same = list[j] == first[j] || same_record(s.arena[list[j]], s.arena[first[j]]);
+      if (same) s.beams[kept++] = s.beams[i];
+    }
+    s.beams.resize(kept);
+    commit_and_collect(s);
+  }
+  size_t kept = 0;  // 2. hypotheses still deeper than max_words (never the best)
+  for (size_t i = 0; i < s.beams.size(); ++i)
+    if (words_depth(s, s.beams[i].words) <= max_words) s.beams[kept++] = s.beams[i];
+  s.beams.resize(kept);
+  commit_and_collect(s);
+}
+
 // Drop unreachable nodes without committing (a long chunk's garbage).
 void collect(State& s) {
   std::vector<WordNode> arena;
@@ -370,10 +405,10 @@ void oasr_word_state_free(void* state) { delete static_cast<State*>(state); }
 void* oasr_word_state_clone(const void* state) { return new State(*static_cast<const State*>(state)); }
 
 // Advance R states (in order; one state may appear twice) over their chunks: rows offsets[r] .. offsets[r + 1]
-// of lp [*, V]; after each state's chunk, the commit.
+// of lp [*, V]; after each frame the bound, after each state's chunk the commit.
 void oasr_word_decode(const void* model, int64_t beam_size, int64_t token_topk, double prune_log, double lm_weight,
-                      double word_bonus, int64_t R, const int64_t* states, const double* lp, const int64_t* offsets,
-                      int64_t V) {
+                      double word_bonus, int64_t max_words, int64_t R, const int64_t* states, const double* lp,
+                      const int64_t* offsets, int64_t V) {
   const Model& m = *static_cast<const Model*>(model);
   const Config c{beam_size, token_topk, prune_log, lm_weight, word_bonus};
   Frame f;
@@ -381,6 +416,7 @@ void oasr_word_decode(const void* model, int64_t beam_size, int64_t token_topk, 
     State& s = *reinterpret_cast<State*>(states[r]);
     for (int64_t row = offsets[r]; row < offsets[r + 1]; ++row) {
       advance(m, c, s, f, lp + row * V, V);
+      bound(s, max_words);
       if ((row - offsets[r]) % COLLECT_EVERY == COLLECT_EVERY - 1) collect(s);
     }
     commit_and_collect(s);

@@ -30,7 +30,7 @@ _SIGNATURES = {
     "oasr_word_state_new": (_P, [_I64]),
     "oasr_word_state_free": (None, [_P]),
     "oasr_word_state_clone": (_P, [_P]),
-    "oasr_word_decode": (None, [_P, _I64, _I64, _D, _D, _D, _I64, _P, _P, _P, _I64]),
+    "oasr_word_decode": (None, [_P, _I64, _I64, _D, _D, _D, _I64, _I64, _P, _P, _P, _I64]),
     "oasr_word_sizes": (None, [_P, _I64, _I64, _P]),
     "oasr_word_export": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P]),
     "oasr_word_import": (None, [_P, _I64, _I64, _P, _I64, _P, _P, _P]),

@@ -10,7 +10,8 @@ twin restores the other's). ``WordSearch(lm, symbols, config, native="auto")``:
   the native model once per (``WordLM``, symbols), so searches over one model share it, and their states;
 * a ``WordSearchState`` is an opaque handle to the C++ state (beam, committed words, a word-node arena),
   freed with the Python object; ``decode(states, chunks)`` checks every chunk (the reference's errors),
-  stacks them, and makes one call that runs every state's frames and commit;
+  stacks them, and makes one call that runs every state's frames (each followed by the bound on
+  uncommitted words) and commit;
 * ``best`` / ``finalize`` / ``snapshot`` read the state back (word ids and trie nodes become text here);
   ``restore`` checks a snapshot exactly as the reference does and writes it in.
 
@@ -211,8 +212,8 @@ class WordSearch:
         cfg = self.config
         self._model.lib.oasr_word_decode(
             self._model.handle, min(cfg.beam_size, 2**62), min(cfg.token_topk, self.vocab_size), float(cfg.prune_log),
-            float(cfg.lm_weight), float(cfg.word_bonus), len(states), handles.ctypes.data, lp.ctypes.data,
-            offsets.ctypes.data, self.vocab_size)
+            float(cfg.lm_weight), float(cfg.word_bonus), min(cfg.max_words, 2**62), len(states), handles.ctypes.data,
+            lp.ctypes.data, offsets.ctypes.data, self.vocab_size)
         return None
 
     # ---- answers --------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class WordSearch:
             for row in lp:
                 state.beams = self._frame(state.beams, row, state.frame)
                 state.frame += 1
+                self._bound(state)
             self._commit(state)
 
     def _score(self, h) -> float:
@@ -117,6 +118,22 @@ class WordSearch:
                 entry[PNB] = lae(entry[PNB], source + row[c])
         ranked = sorted(new.values(), key=self._score, reverse=True)  # stable: ties keep generation order
         return ranked[: self.config.beam_size]
+
+    def _bound(self, state: WordSearchState) -> None:
+        """The bound on uncommitted words after a frame (module docstring of ``oasr.ctc.words``)."""
+        most = self.config.max_words
+        if max(len(h[WORDS]) for h in state.beams) <= most:
+            return
+        self._commit(state)  # depths are counted past the shared words (committing them changes nothing)
+        if max(len(h[WORDS]) for h in state.beams) <= most:
+            return
+        first = state.beams[0][WORDS]
+        k = len(first) - most // 2
+        if k > 0:  # 1. alternatives that parted from the best more than max_words // 2 of its words ago
+            state.beams = [h for h in state.beams if tuple(h[WORDS][:k]) == tuple(first[:k])]
+            self._commit(state)
+        state.beams = [h for h in state.beams if len(h[WORDS]) <= most]  # 2. (never the best)
+        self._commit(state)
 
     @staticmethod
     def _commit(state: WordSearchState) -> None:
