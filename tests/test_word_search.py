@@ -299,6 +299,27 @@ def test_the_search_spells_lexicon_words_where_the_greedy_path_does_not(twin):
 
 
 @pytest.mark.parametrize("twin", TWINS)
+def test_a_hypothesis_in_the_middle_of_a_non_word_cannot_finish(twin):
+    """The audio ends with "car", in the middle of "card": were its partial dropped, the empty answer would win
+    (no price for a last word; the old rule did that); it cannot finish, so the answer is "card" (the weak
+    final "d" taken)."""
+    lp = np.stack([_row(c=0.9), _row(a=0.9), _row(r=0.9), _row(d=0.05, blank=0.9)])
+    search = make(twin, WordSearchConfig(beam_size=16, token_topk=4, word_bonus=0.0))
+    state = search.new_state()
+    search.decode([state], [lp])
+    top = search.snapshot(state)["beams"][0]
+    assert top[1] == "car" and "car" not in LEXICON  # the best hypothesis is in the middle of a non-word
+    assert search.best(state).text == "car"  # the live text shows it as it is
+    assert search.finalize(state).text == "card"
+    # nothing can finish: the top hypothesis's finished words (here none)
+    only = np.stack([_row(c=0.9), _row(a=0.9), _row(r=0.9), _row(blank=0.99)])
+    search = make(twin, WordSearchConfig(beam_size=1, token_topk=1))
+    state = search.new_state()
+    search.decode([state], [only])
+    assert search.snapshot(state)["beams"][0][1] == "car" and search.finalize(state).text == ""
+
+
+@pytest.mark.parametrize("twin", TWINS)
 def test_every_finished_word_is_a_lexicon_word(twin):
     search = make(twin, WordSearchConfig(beam_size=8, token_topk=8))
     rng = np.random.default_rng(2)
@@ -328,9 +349,12 @@ def _valid(text: str) -> bool:
 
 
 def _final(text: str, config: WordSearchConfig):
-    """The docstring's finishing rule: (words, the lm part of the final score, n)."""
+    """The docstring's finishing rule: (words, the lm part of the final score); None for a text in the middle
+    of a non-word (it cannot finish)."""
     *done, partial = text.split(" ")
-    words = done + ([partial] if partial in TINY_LM.index else [])
+    if partial and partial not in TINY_LM.index:
+        return None
+    words = done + ([partial] if partial else [])
     ids = [TINY_LM.start_id, *(TINY_LM.index[w] for w in words), TINY_LM.end_id]
     lm = sum(TINY_LM.logp(u, w) for u, w in itertools.pairwise(ids))
     return words, config.lm_weight * lm + config.word_bonus * len(words)
@@ -369,7 +393,7 @@ def test_a_wide_beam_finds_the_brute_force_optimum(twin, frames, seed, lm_weight
     assert held.keys() == exact.keys()  # every valid spelling, exactly once
     for text, value in exact.items():
         assert math.isclose(held[text], value, rel_tol=1e-12, abs_tol=1e-12), text
-    scores = {text: value + _final(text, config)[1] for text, value in exact.items()}
+    scores = {text: value + _final(text, config)[1] for text, value in exact.items() if _final(text, config)}
     best = max(scores, key=scores.get)
     assert search.finalize(state).text == " ".join(_final(best, config)[0])
 

@@ -54,9 +54,12 @@ One frame with log-probs ``lp``:
 * the new beam is the ``beam_size`` best by score, ties in generation order (a stable sort).
 
 ``NEG`` (``-1e30``) stands for ``-inf`` in the scores. **Finishing** a stream: a hypothesis spelling a lexicon
-word finishes it (its ``logp`` added, ``n + 1``), one spelling a non-word drops its partial; every one adds
-``logp(last word, </s>)``; the best final score wins (ties: beam order). ``best(state)`` is the current top
-hypothesis with its partial shown as a word (no ``</s>``, nothing dropped): the live partial text.
+word finishes it (its ``logp`` added, ``n + 1``); one with an empty partial is finished as it is; one in the
+middle of a non-word (a lexicon prefix that is no word) cannot finish and takes no part (dropping its partial
+would let it skip the language model's price for its last word and win for it). Every taking part adds
+``logp(last word, </s>)``; the best final score wins (ties: beam order). If none can finish, the answer is the
+top hypothesis's finished words. ``best(state)`` is the current top hypothesis with its partial shown as a
+word (no ``</s>``, nothing dropped): the live partial text.
 
 **Bounded memory**: the finished words that every hypothesis shares from its start (same words, same frames)
 are *shared*; moving them to the state's committed list changes no score and no answer. After each chunk all

@@ -487,7 +487,8 @@ void oasr_word_import(void* state, int64_t frame, int64_t n_committed, const int
   }
 }
 
-// WordSearch.finalize's choice: the index of the hypothesis with the best final score (ties: beam order).
+// WordSearch.finalize's choice: the index of the hypothesis with the best final score (ties: beam order), or -1
+// when every hypothesis is in the middle of a non-word (none can finish).
 int64_t oasr_word_finalize(const void* model, double lm_weight, double word_bonus, const void* state) {
   const Model& m = *static_cast<const Model*>(model);
   const State& s = *static_cast<const State*>(state);
@@ -497,7 +498,8 @@ int64_t oasr_word_finalize(const void* model, double lm_weight, double word_bonu
     const Hyp& h = s.beams[i];
     double lms = h.lm;
     int64_t n = h.n, last_word = h.last_word;
-    if (h.partial != 0 && m.node_word[h.partial] >= 0) {
+    if (h.partial != 0 && m.node_word[h.partial] < 0) continue;  // in the middle of a non-word: cannot finish
+    if (h.partial != 0) {
       const int64_t wid = m.node_word[h.partial];
       lms = lms + m.logp(last_word, wid);
       n = n + 1;

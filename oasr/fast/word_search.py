@@ -234,9 +234,9 @@ class WordSearch:
         cfg = self.config
         i = self._model.lib.oasr_word_finalize(self._model.handle, float(cfg.lm_weight), float(cfg.word_bonus),
                                                state._handle)
-        h = state._read(i, i + 1)[0]
+        h = state._read(max(i, 0), max(i, 0) + 1)[0]  # i < 0: none can finish, the top one's finished words
         words = [*state._committed, *(WordTime(*w) for w in h[0])]
-        if h[1] and self._model.node_word[h[1]] >= 0:
+        if i >= 0 and h[1] and self._model.node_word[h[1]] >= 0:
             words.append(WordTime(state._model.prefixes[h[1]], h[2], h[3]))
         return _result(words)
 

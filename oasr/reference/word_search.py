@@ -166,7 +166,9 @@ class WordSearch:
         best, best_score = None, None
         for h in state.beams:
             words, lms, n, last_word = list(h[WORDS]), h[LM], h[N], h[LAST_WORD]
-            if h[PARTIAL] and h[PARTIAL] in lm.index:
+            if h[PARTIAL]:
+                if h[PARTIAL] not in lm.index:
+                    continue  # in the middle of a non-word: it cannot finish
                 wid = lm.index[h[PARTIAL]]
                 lms, n, last_word = lms + lm.logp(last_word, wid), n + 1, wid
                 words.append((h[PARTIAL], h[PSTART], h[PEND]))
@@ -174,6 +176,8 @@ class WordSearch:
             score = lae(h[PB], h[PNB]) + cfg.lm_weight * lms + cfg.word_bonus * n
             if best_score is None or score > best_score:
                 best, best_score = words, score
+        if best is None:  # every hypothesis is in the middle of a non-word: the top one's finished words
+            best = list(state.beams[0][WORDS])
         return _result([*state.committed, *best])
 
     # ---- sessions -------------------------------------------------------------------------------------------
