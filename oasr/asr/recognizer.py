@@ -52,8 +52,8 @@ from oasr.features.fbank import FRAME_LENGTH, FRAME_SHIFT, SAMPLE_RATE
 from oasr.layers import Linear
 
 # Recognizer(matmul_dtype=): the encoder's projections in fp32 (None, torch's numerics) or bfloat16
-# (oasr.layers.Linear.set_compute_dtype; on a CPU with AVX512-BF16 ~3x the fp32 GEMM; the shipped model's
-# transcripts of the 120 shipped clips are the same either way, tests/test_capacity.py)
+# (oasr.layers.Linear.set_compute_dtype; on a CPU with AVX512-BF16 ~3x the fp32 GEMM; bfloat16 rounding may
+# change a word where two are close: one of the shipped model's 120 shipped clips, tests/test_capacity.py)
 MATMUL_DTYPES = {None: None, "bfloat16": torch.bfloat16}
 STREAM_MAGIC = b"OASRAUD1"  # a suspended AudioStream (Recognizer.suspend)
 
