@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import struct
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from oasr.layers import Linear
 # (oasr.layers.Linear.set_compute_dtype; on a CPU with AVX512-BF16 ~3x the fp32 GEMM; bfloat16 rounding may
 # change a word where two are close: one of the shipped model's 120 shipped clips, tests/test_capacity.py)
 MATMUL_DTYPES = {None: None, "bfloat16": torch.bfloat16}
+logger = logging.getLogger("oasr.asr")
 STREAM_MAGIC = b"OASRAUD1"  # a suspended AudioStream (Recognizer.suspend)
 
 
@@ -214,7 +216,18 @@ class Recognizer:
         word_pass = WordPass(spec, recipe_lm(spec, self.tokenizer.alphabet), self.tokenizer.symbols, word_config,
                              self.twin, frame_seconds)
         self.engine.emit_log_probs = True
+        logger.info("Recognizer word search: %s", word_pass.execution)
         return word_pass
+
+    @property
+    def execution_note(self) -> str:
+        """What runs, in one line: the engine's note (model step, CTC search) and the word search's path."""
+        note = self.engine.execution_note
+        if self.word_pass is not None:
+            spec = self.word_pass.spec
+            note += (f"; word search: {self.word_pass.execution}, bigram of {spec.sentences:,} recipe sentences "
+                     f"(seed {spec.seed}), {len(self.word_pass.search.lm.words):,} words")
+        return note
 
     def enable_endpointing(self, config=None) -> None:
         """Make live turns available (``config``: an ``oasr.vad.EndpointConfig``, default its defaults) to
