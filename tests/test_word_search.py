@@ -128,7 +128,11 @@ def test_fast_twin_equals_reference_after_every_chunk(twin, beam, topk, kind):
 def test_any_split_of_the_frames_gives_the_same_answer(twin, beam, topk, kind):
     search = make(twin, WordSearchConfig(beam_size=beam, token_topk=topk))
     rng = np.random.default_rng(7 + beam)
-    lp = frames_of(kind, rng, 240)
+    assert_any_split_agrees(search, frames_of(kind, rng, 240), rng)
+
+
+def assert_any_split_agrees(search, lp: np.ndarray, rng) -> None:
+    """``lp`` decoded whole and in random pieces (at most 1, 9, 64 frames): the same state and answers."""
     whole = search.new_state()
     search.decode([whole], [lp])
     for most in (1, 9, 64):
@@ -607,15 +611,7 @@ def test_with_a_small_max_words_the_twins_agree_after_every_chunk(twin, max_word
 def test_with_a_small_max_words_any_split_gives_the_same_answer(twin, max_words, kind):
     search = make(twin, WordSearchConfig(beam_size=8, token_topk=4, max_words=max_words))
     rng = np.random.default_rng(50 + max_words)
-    lp = frames_of(kind, rng, 300)
-    whole = search.new_state()
-    search.decode([whole], [lp])
-    for most in (1, 9, 64):
-        state = search.new_state()
-        for a, b in random_splits(rng, len(lp), most):
-            search.decode([state], [lp[a:b]])
-        assert_same(search.snapshot(state), search.snapshot(whole))
-        assert search.finalize(state) == search.finalize(whole)
+    assert_any_split_agrees(search, frames_of(kind, rng, 300), rng)
 
 
 @pytest.mark.parametrize("twin", TWINS)
