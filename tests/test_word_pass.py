@@ -185,3 +185,29 @@ def test_every_word_of_both_shipped_sets_is_in_the_recipe_lexicon():
     lm = recipe_lm(SPEC, CharTokenizer().alphabet)  # the sets use the vocabulary the recipe trains on
     for clip in [*load_testset(), *load_testset(shipped_testset_dir("testset2"))]:
         assert all(w in lm.index for w in clip.text.split()), clip.text
+
+
+def test_a_bad_chunk_fails_its_own_stream_only(recognizer, clips):
+    rec = recognizer
+    good, bad = rec.open_stream(), rec.open_stream()
+    for stream in (good, bad):
+        stream.accept(clips[0][: 6 * PIECE])
+    real_step = rec.engine.step
+
+    def poisoned():
+        outputs = real_step()
+        if bad.id in outputs and outputs[bad.id].log_probs is not None:
+            outputs[bad.id].log_probs = torch.full_like(outputs[bad.id].log_probs, float("nan"))
+        return outputs
+
+    rec.engine.step = poisoned
+    failed = []
+    try:
+        for _ in range(4):
+            rec.step(on_error=lambda sid, exc: failed.append((sid, str(exc))))
+    finally:
+        del rec.engine.step
+    assert failed and {sid for sid, _ in failed} == {bad.id} and "NaN" in failed[0][1]
+    assert good.text  # the other stream's words went on
+    for stream in (good, bad):
+        rec.cancel(stream.id)

@@ -513,12 +513,15 @@ class Recognizer:
         live = {sid: out for sid, out in outputs.items() if sid in self.streams}
         try:
             ids = self.word_pass.advance(live)
-        except Exception as exc:
+        except Exception:
             if on_error is None:
                 raise
-            for sid in live:  # the batched call names no stream: every stream it held failed
-                on_error(sid, exc)
-            return
+            ids = []  # the call is all or nothing: no state moved; each stream again alone, so one bad chunk
+            for sid, out in live.items():  # fails its own stream only
+                try:
+                    ids += self.word_pass.advance({sid: out})
+                except Exception as exc:
+                    on_error(sid, exc)
         for sid in ids:
             stream = self.streams[sid]
             text = self.word_pass.text(sid)
