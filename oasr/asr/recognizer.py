@@ -663,9 +663,7 @@ class Recognizer:
         tokens = list(nbest[0].tokens) if nbest else []
         first = self.tokenizer.decode(tokens)
         if self.word_pass is not None:  # the whole utterance's log-probs through the word search
-            self.word_pass.open(clip_id)
-            self.word_pass.search.decode([self.word_pass.states[clip_id]], [log_probs[0]])
-            text, words = self.word_pass.finish(clip_id, 0.0)
+            text, words = self.word_pass.whole(log_probs[0])
             self.busy_seconds += time.perf_counter() - t0
             return Transcript(clip_id, text, text, len(pcm) / SAMPLE_RATE, words=words)
         if self.rescore and nbest:

@@ -57,6 +57,13 @@ class WordPass:
         result = self.search.finalize(self.states.pop(stream_id))
         return result.text, self._words(result, offset_seconds)
 
+    def whole(self, log_probs) -> tuple[str, list]:
+        """Text and words of one utterance's log-probs searched at once (full context: no stream is involved)."""
+        state = self.search.new_state()
+        self.search.decode([state], [log_probs])
+        result = self.search.finalize(state)
+        return result.text, self._words(result, 0.0)
+
     def cut(self, stream_id, cut_frame: int, offset_seconds: float) -> tuple[str, list]:
         """End a turn at encoder frame ``cut_frame`` (of the turn): the words that began before it, and a
         fresh search for the next turn."""
