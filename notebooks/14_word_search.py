@@ -22,7 +22,7 @@
 import numpy as np
 import torch
 
-from oasr.ctc.words import WordLM, WordSearchConfig
+from oasr.ctc.words import WordLM
 from oasr.fast.word_search import WordSearch as FastWordSearch
 from oasr.reference.word_search import WordSearch
 from oasr.tokenizers.char import CharTokenizer
@@ -85,7 +85,7 @@ tokens = Recognizer(max_streams=12, language_model=None)
 print(words.word_pass.spec, "|", words.word_pass.execution)
 with_words = words.transcribe([c.path for c in clips])
 without = tokens.transcribe([c.path for c in clips])
-for c, a, b in list(zip(clips, without, with_words))[:5]:
+for c, a, b in list(zip(clips, without, with_words, strict=True))[:5]:
     print(f"ref:    {c.text}\ntokens: {a.text}\nwords:  {b.text}\n")
 wer_tokens = error_rates([c.text for c in clips], [t.text for t in without])["wer"]
 wer_words = error_rates([c.text for c in clips], [t.text for t in with_words])["wer"]
