@@ -149,7 +149,7 @@ def capacity(device: str = "cpu", latency_budget_ms: float = 250.0, start: int =
         held, n = n, 2 * n
     rows.append({"section": "capacity", "case": "capacity", "device": device_name(device),
                  "latency_budget_ms": latency_budget_ms, "max_streams_held": held,
-                 "matmul": matmul_dtype or "float32", "note": rec.engine.execution_note})
+                 "matmul": matmul_dtype or "float32", "note": rec.execution_note})
     return rows
 
 
