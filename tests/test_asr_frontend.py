@@ -1,5 +1,7 @@
 """The speech front end: audio loading and its refusals, streaming fbank == offline, tokenizer, error rates."""
 
+import struct
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -108,6 +110,31 @@ def test_bad_audio_is_one_clear_error(tmp_path, case):
     with pytest.raises(AudioError, match=match):
         load_audio(path)
     assert issubclass(AudioError, ValueError)
+
+
+@pytest.mark.parametrize("riff, data", [(0x7FFFF024, 0x7FFFF000), (0xFFFFFFFF, 0xFFFFFFFF), (0x24, 0)])
+def test_a_streamed_wav_reads_to_its_end(tmp_path, riff, data):
+    """A streaming writer (``espeak-ng --stdout``, a pipe) cannot fill in the sizes: placeholders are not a cut."""
+    path = tmp_path / "streamed.wav"
+    pcm = (np.sin(np.arange(8000) / 7.0) * 0.3).astype(np.float32)
+    sf.write(path, pcm, SAMPLE_RATE, subtype="PCM_16")
+    raw = bytearray(path.read_bytes())
+    assert raw[36:40] == b"data"
+    struct.pack_into("<I", raw, 4, riff)
+    struct.pack_into("<I", raw, 40, data)
+    path.write_bytes(bytes(raw))
+    back = load_audio(path)
+    assert len(back) == len(pcm) and np.abs(back - pcm).max() < 1e-3
+
+
+def test_a_huge_data_size_under_a_real_riff_size_is_a_cut(tmp_path):
+    path = tmp_path / "cut.wav"
+    sf.write(path, np.zeros(8000, np.float32), SAMPLE_RATE, subtype="PCM_16")
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<I", raw, 40, 0x7FFFF000)  # the RIFF size stays the file's own
+    path.write_bytes(bytes(raw))
+    with pytest.raises(AudioError, match="truncated WAV"):
+        load_audio(path)
 
 
 def test_stereo_is_mixed_down_or_one_channel_is_taken(tmp_path):

@@ -67,23 +67,55 @@ def check_pcm(pcm, sample_rate: int, what: str = "audio") -> np.ndarray:
     return x
 
 
-def wav_truncation(head: bytes, size: int) -> int:
-    """Bytes a RIFF/WAVE file of ``size`` bytes lacks, from its first bytes ``head`` (0: whole, or not a WAV).
+STREAMED_SIZE = 0x7FFFF000  # a WAV size this large (data and RIFF both) is a streaming writer's placeholder
 
-    Walks the chunks to ``data``; a data size of 0 or 0xFFFFFFFF (written by a stream that could
-    not seek back) says nothing and counts as whole.
-    """
+
+def wav_data_chunk(head: bytes):
+    """``(offset of the data chunk's header, its declared size, the RIFF size)`` of a RIFF/WAVE file from its
+    first bytes ``head``; ``None`` when it is no WAV or the data chunk is not within ``head``."""
     if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-        return 0
+        return None
     pos = 12
     while pos + 8 <= len(head):
         chunk, length = struct.unpack_from("<4sI", head, pos)
         if chunk == b"data":
-            if length in (0, 0xFFFFFFFF):
-                return 0
-            return max(0, pos + 8 + length - size)
+            return pos, length, struct.unpack_from("<I", head, 4)[0]
         pos += 8 + length + (length & 1)
-    return 0
+    return None
+
+
+def wav_streamed(head: bytes) -> bool:
+    """Whether a WAV's data size is a streaming writer's placeholder (it could not seek back to fill it in):
+    0, 0xFFFFFFFF, or 0x7FFFF000 and up with a RIFF size of that range too (``espeak-ng --stdout`` writes
+    0x7FFFF000 and 0x7FFFF024). Such a file's data runs to its end."""
+    found = wav_data_chunk(head)
+    if found is None:
+        return False
+    _, length, riff = found
+    return length in (0, 0xFFFFFFFF) or (length >= STREAMED_SIZE and riff >= STREAMED_SIZE)
+
+
+def wav_truncation(head: bytes, size: int) -> int:
+    """Bytes a RIFF/WAVE file of ``size`` bytes lacks, from its first bytes ``head`` (0: whole, not a WAV, or a
+    streamed one: ``wav_streamed``)."""
+    found = wav_data_chunk(head)
+    if found is None or wav_streamed(head):
+        return 0
+    pos, length, _ = found
+    return max(0, pos + 8 + length - size)
+
+
+def wav_with_sizes(data: bytes) -> bytes:
+    """A streamed WAV's bytes with its RIFF and data sizes set to what the file holds (whole sample frames)."""
+    pos, _, _ = wav_data_chunk(data)
+    body = len(data) - (pos + 8)
+    block = struct.unpack_from("<H", data, 32)[0] if len(data) >= 34 and data[12:16] == b"fmt " else 0
+    if block > 1:
+        body -= body % block
+    out = bytearray(data[: pos + 8 + body])
+    struct.pack_into("<I", out, 4, len(out) - 8)
+    struct.pack_into("<I", out, pos + 4, body)
+    return bytes(out)
 
 
 def pick_channel(pcm: np.ndarray, channel, what: str) -> np.ndarray:
@@ -113,6 +145,13 @@ def decode_audio(source, name: str, channel: int | None = None) -> np.ndarray:
         source.seek(start)
     if size == 0:
         raise AudioError(f"{name}: the file is empty (0 bytes)")
+    if wav_streamed(head):  # the data runs to the end: give the decoder the sizes the writer could not
+        if isinstance(source, str):
+            data = Path(source).read_bytes()
+        else:
+            data = source.read()
+            source.seek(start)
+        source, start = io.BytesIO(wav_with_sizes(data)), 0
     missing = wav_truncation(head, size)
     if missing:
         raise AudioError(f"{name}: truncated WAV: its data chunk runs {missing} bytes past the end of the file")
