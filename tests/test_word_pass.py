@@ -169,13 +169,36 @@ def test_language_model_arguments_are_checked():
 
 
 def test_language_specs_are_checked_and_read_from_checkpoint_info():
-    for bad in ({"seed": "1"}, {"open_share": 1.5}, {"sentences": 0}, {"sentences": True}):
+    for bad in ({"seed": "1"}, {"open_share": 1.5}, {"sentences": 0}, {"sentences": True}, {"english_repeat": -1},
+                {"english_repeat": True}, {"english_repeat": "3"}, {"english_repeat": 1001}):
         with pytest.raises(ValueError, match="LanguageSpec"):
             LanguageSpec(**bad)
     assert spec_from_info({}) is None
     assert spec_from_info({"language_model": SPEC.to_info()}) == SPEC
+    written_before = {k: v for k, v in SPEC.to_info().items() if k != "english_repeat"}
+    assert spec_from_info({"language_model": written_before}) == LanguageSpec(sentences=20_000, english_repeat=0)
     with pytest.raises(ValueError, match="recipe_text_bigram"):
         spec_from_info({"language_model": {"kind": "trigram"}})
+
+
+def test_the_shipped_english_sentences_are_clean_and_steer_the_model():
+    from oasr.asr.language import load_english, normalize_sentence
+    from oasr.asr.testset import shipped_testset_dir
+    from oasr.tokenizers.char import CharTokenizer
+
+    english = load_english()
+    assert len(english) > 40_000 and len(set(english)) == len(english)
+    assert all(normalize_sentence(t) == t for t in english)  # what the tokenizer spells, 2-30 words
+    tested = {c.text for c in [*load_testset(), *load_testset(shipped_testset_dir("testset2"))]}
+    assert not tested & set(english)  # no sentence of a shipped test set is counted
+    alphabet = CharTokenizer().alphabet
+    with_english = recipe_lm(SPEC, alphabet)
+    without = recipe_lm(LanguageSpec(sentences=20_000, english_repeat=0), alphabet)
+    assert with_english.words == without.words  # the lexicon stays the recipe's
+    hold, your = with_english.index["hold"], with_english.index["your"]  # "hold your breath" is an example
+    assert with_english.logp(hold, your) > without.logp(hold, your) + 1.0
+    assert normalize_sentence("Don't tread on me!") == "don't tread on me"
+    assert normalize_sentence("call 911") is None and normalize_sentence("hello") is None
 
 
 def test_every_word_of_both_shipped_sets_is_in_the_recipe_lexicon():

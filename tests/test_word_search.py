@@ -534,6 +534,17 @@ def test_max_words_must_be_an_int_of_at_least_two(bad):
     assert WordSearchConfig(max_words=2).max_words == 2 and WordSearchConfig().max_words == 64
 
 
+def test_a_counted_sentence_is_that_sentence_repeated():
+    repeated = WordLM.from_sentences([*SENTENCES, "a cat sat", "a cat sat", "a red rose"], LEXICON, TOKENIZER.alphabet)
+    counted = WordLM.from_sentences([*SENTENCES[1:], ("a cat sat", 3), ("a red rose", 1)], LEXICON,
+                                    TOKENIZER.alphabet)
+    assert np.array_equal(repeated.unigram, counted.unigram)
+    assert repeated.bigram == counted.bigram and repeated.backoff == counted.backoff
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="count must be a positive int"):
+            WordLM.from_sentences([("a cat", bad)], LEXICON, TOKENIZER.alphabet)
+
+
 def _spelled(text: str, ambiguous=None) -> np.ndarray:
     """Peaky frames spelling ``text`` (each character a frame, a blank after it); ``ambiguous``: a
     ``{character: probability}`` frame first (its word's first letter, e.g. c or r)."""

@@ -181,10 +181,12 @@ class WordLM:
     @classmethod
     def from_sentences(cls, sentences, lexicon, alphabet: str, discount: float = 0.7,
                        add_k: float = 0.05) -> WordLM:
-        """Count ``sentences`` (strings of space-separated words) over ``lexicon`` (an iterable of words).
+        """Count ``sentences`` (strings of space-separated words, or ``(string, times)`` pairs: that sentence
+        counted ``times`` times, a positive int) over ``lexicon`` (an iterable of words).
 
-        ``ValueError`` for a word outside the alphabet (or empty, or with a space), and for a sentence
-        word outside the lexicon: a model that could predict a word the search cannot spell is a mistake."""
+        ``ValueError`` for a word outside the alphabet (or empty, or with a space), for a sentence word outside
+        the lexicon (a model that could predict a word the search cannot spell is a mistake), and for a
+        ``times`` that is no positive int."""
         if not 0.0 < discount < 1.0 or not add_k > 0.0:
             raise ValueError(f"WordLM: discount must be in (0, 1) and add_k > 0, got {discount}, {add_k}")
         letters = set(alphabet) - {" "}
@@ -198,14 +200,25 @@ class WordLM:
         uni = collections.Counter()
         pairs = collections.Counter()
         for sentence in sentences:
+            times = 1
+            if isinstance(sentence, tuple):
+                sentence, times = sentence
+                if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+                    raise ValueError(f"WordLM: a sentence's count must be a positive int, got {times!r}")
             ids = []
             for w in sentence.split():
                 if w not in index:
                     raise ValueError(f"WordLM: sentence word {w!r} is not in the lexicon ({sentence!r})")
                 ids.append(index[w])
             ids.append(end)
-            uni.update(ids)
-            pairs.update(zip([start, *ids[:-1]], ids, strict=True))
+            if times == 1:
+                uni.update(ids)
+                pairs.update(zip([start, *ids[:-1]], ids, strict=True))
+            else:
+                for key in ids:
+                    uni[key] += times
+                for key in zip([start, *ids[:-1]], ids, strict=True):
+                    pairs[key] += times
         total = sum(uni.values())
         unigram = np.array([math.log((uni.get(i, 0) + add_k) / (total + add_k * (W + 1))) for i in range(W + 1)])
         context = collections.Counter()
