@@ -1,5 +1,6 @@
 """The speech front end: audio loading and its refusals, streaming fbank == offline, tokenizer, error rates."""
 
+import io
 import struct
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from oasr.asr.audio import AudioError, check_pcm, load_audio
+from oasr.asr.audio import AudioError, check_pcm, decode_audio, load_audio
 from oasr.asr.metrics import edit_distance, error_rates
 from oasr.asr.testset import load_testset
 from oasr.features.fbank import SAMPLE_RATE, OnlineFbank, fbank, num_frames
@@ -122,9 +123,12 @@ def test_a_streamed_wav_reads_to_its_end(tmp_path, riff, data):
     assert raw[36:40] == b"data"
     struct.pack_into("<I", raw, 4, riff)
     struct.pack_into("<I", raw, 40, data)
-    path.write_bytes(bytes(raw))
+    path.write_bytes(bytes(raw) + b"\x01")  # and half a sample frame at the end (a pipe cut mid-frame)
     back = load_audio(path)
     assert len(back) == len(pcm) and np.abs(back - pcm).max() < 1e-3
+    upload = io.BytesIO(b"xx" + path.read_bytes())  # a file object read from where it stands (an upload)
+    upload.seek(2)
+    assert np.array_equal(decode_audio(upload, "upload.wav"), back)
 
 
 def test_a_huge_data_size_under_a_real_riff_size_is_a_cut(tmp_path):
