@@ -225,8 +225,9 @@ class Recognizer:
         note = self.engine.execution_note
         if self.word_pass is not None:
             spec = self.word_pass.spec
+            english = f" and the English examples x{spec.english_repeat}" if spec.english_repeat else ""
             note += (f"; word search: {self.word_pass.execution}, bigram of {spec.sentences:,} recipe sentences "
-                     f"(seed {spec.seed}), {len(self.word_pass.search.lm.words):,} words")
+                     f"(seed {spec.seed}){english}, {len(self.word_pass.search.lm.words):,} words")
         return note
 
     def enable_endpointing(self, config=None) -> None:
