@@ -71,9 +71,9 @@ assert fast.finalize(states[1]) == answer and fast.snapshot(states[1]) == refere
 # The shipped model names its language model in its header: 200,000 sentences drawn from the recipe's
 # own training-text generator (never a test sentence: the held-out split) and WordNet's everyday usage
 # examples (shipped; the generator draws each word on its own, so only the examples teach word order),
-# counted into a bigram over a 60,000-word lexicon. The recognizer builds it on first use (a few seconds) and runs the word search
-# live, chunk by chunk, beside the engine's token search. Here are a few clips of the second test set
-# (sentence forms and voices no recipe produces) decoded both ways.
+# counted into a bigram over a 60,000-word lexicon. The recognizer builds it on first use (a few
+# seconds) and runs the word search live, chunk by chunk, beside the engine's token search. Here are a
+# few clips of the second test set (sentence forms and voices no recipe produces) decoded both ways.
 
 # %%
 from oasr.asr.metrics import error_rates
