@@ -1,17 +1,17 @@
-"""The recognizer's language model: the word bigram of the recipe's own training text, rebuilt on demand.
+"""The recognizer's language model: a word bigram of the recipe's training text and English examples, rebuilt on demand.
 
 A model trained by ``python -m oasr train`` heard sentences of ``MixedSentenceGenerator`` (``oasr.asr.opentext``:
 templates and open text, ``open_share`` of it open), each shard from its own seed. ``recipe_lm(LanguageSpec(...))``
 counts ``sentences`` drawn from that generator under ``seed`` (so the same distribution as the training text,
 and the training side of the held-out split: no sentence of a shipped test set is ever among them) into an
 ``oasr.ctc.words.WordLM`` whose lexicon is the shipped open vocabulary and names plus every word the text
-used. The text is a pure function of the spec, so nothing is shipped: the model is rebuilt in a few
+used. That text is a pure function of the spec, so none of it is shipped: the model is rebuilt in a few
 seconds and kept for the process (``lru_cache``).
 
 **English sentences.** The generator's open text is built to teach the acoustic model every word (its
 word sequences and free shapes draw each slot independently), so it teaches a language model nothing
 about which word follows which: after ``a`` any of 60,000 words is about as likely. ``english_repeat``
-adds the usage examples of WordNet 3.0 (``english.txt.gz`` under ``oasr/assets/lm``: 47,637 everyday
+adds the usage examples of WordNet 3.0 (``english.txt.gz`` under ``oasr/assets/lm``: 47,512 everyday
 sentences such as "hold your breath" or "inhale the fresh mountain air", extracted once by
 ``build_english_text`` from Debian's ``wordnet-base``; WordNet's license is shipped beside it), each counted
 ``english_repeat`` times; a sentence with a word outside the lexicon is left out (the lexicon stays the
