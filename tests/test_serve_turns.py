@@ -23,7 +23,6 @@ from oasr.serve import protocol  # noqa: E402
 from oasr.serve.app import ServeOptions, ServerThread, create_app  # noqa: E402
 from oasr.serve.client import realtime_url  # noqa: E402
 from oasr.serve.worker import EngineWorker  # noqa: E402
-from tests.text_match import same_words  # noqa: E402
 
 GAPS = [0.1, 2.0, 3.0]
 
@@ -61,8 +60,7 @@ def test_verbose_json_with_chunking_strategy_has_one_segment_per_turn(server, jo
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
     verbose = client.audio.transcriptions.create(model="oasr", file=("long.wav", _wav(pcm)),
                                                  response_format="verbose_json", chunking_strategy="auto")
-    assert same_words([s.text for s in verbose.segments], alone)  # tests/text_match.py
-    assert verbose.text == " ".join(s.text for s in verbose.segments)
+    assert [s.text for s in verbose.segments] == alone and verbose.text == " ".join(alone)
     assert [s.id for s in verbose.segments] == [0, 1, 2]
     for seg, start in zip(verbose.segments, starts, strict=True):
         assert start - 0.1 <= seg.start < start + 0.6 < seg.end
@@ -100,10 +98,10 @@ def test_websocket_turn_detection_events(server, joined):
         "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
         "conversation.item.input_audio_transcription.completed")]
     completed = [e for e in events if e["type"].endswith(".completed")]
-    assert same_words([e["transcript"] for e in completed], alone)  # tests/text_match.py
+    assert [e["transcript"] for e in completed] == alone
     for e, start in zip(completed, starts, strict=True):
         assert start * 1000 - 100 <= e["audio_start_ms"] < e["audio_end_ms"]
-    for n, text in enumerate(e["transcript"] for e in completed):  # each turn's deltas add up to its text
+    for n, text in enumerate(alone):  # each turn's deltas add up to its text
         assert "".join(e["delta"] for e in events if e["type"].endswith(".delta")
                        and e["item_id"] == f"{sid}-turn{n}") == text
 
@@ -123,7 +121,7 @@ def test_word_timestamps_from_the_ctc_alignment(server, joined):
                                                  response_format="verbose_json", chunking_strategy="auto",
                                                  timestamp_granularities=["word", "segment"])
     words = verbose.words
-    assert " ".join(w.word for w in words) == verbose.text and same_words([verbose.text], [" ".join(alone)])
+    assert " ".join(w.word for w in words) == verbose.text == " ".join(alone)
     assert all(a.end <= b.start for a, b in zip(words, words[1:], strict=False))  # in order, disjoint
     for seg in verbose.segments:  # a turn's words lie inside its clip's speech
         inside = [w for w in words if seg.start - 0.05 <= w.start and w.end <= seg.end + 0.1]

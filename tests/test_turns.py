@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from oasr.vad import EndpointConfig
-from tests.text_match import same_words
 
 GAPS = [0.1, 2.0, 3.0, 2.5]  # a small lead, then the pause before each following clip
 
@@ -47,8 +46,8 @@ def test_one_segment_per_clip_equal_to_the_clip_alone(clips_and_alone, turns):
     x, starts = _joined(clips)
     assert not plain.transcribe([x])[0].segments  # without turns: one text, no segments
     t = turns.transcribe([x])[0]
-    assert same_words([s.text for s in t.segments], alone)  # one segment per clip, its words (tests/text_match.py)
-    assert t.text == " ".join(s.text for s in t.segments)
+    assert [s.text for s in t.segments] == alone
+    assert t.text == " ".join(alone)
     for seg, start, clip in zip(t.segments, starts, clips, strict=True):  # times on the stream's own clock
         assert start - 0.1 <= seg.start < start + 0.6 and start + len(clip) / 16000 - 0.8 < seg.end
         assert seg.end <= start + len(clip) / 16000 + 0.1
@@ -75,7 +74,7 @@ def test_a_stream_fed_in_odd_pieces_keeps_its_id_and_reports_every_turn(clips_an
     while not done:
         done += turns.step()
     (t,) = done
-    assert t.id == "caller-7" and same_words([s.text for s in t.segments], alone[:3])
+    assert t.id == "caller-7" and [s.text for s in t.segments] == alone[:3]
     kinds = [e[0] for e in stream.turn_events]
     assert kinds == ["speech_started", "speech_stopped", "segment"] * 3
     times = [e[1] for e in stream.turn_events if e[0] != "segment"]
@@ -120,7 +119,7 @@ def test_more_open_streams_than_slots_grow_the_endpointer_bank(clips_and_alone):
     done = []
     while len(done) < 3:
         done += rec.step()
-    assert all(same_words([seg.text for seg in t.segments], alone[:2]) for t in done)
+    assert all([seg.text for seg in t.segments] == alone[:2] for t in done)
 
 
 def test_word_times_group_tokens_into_words():

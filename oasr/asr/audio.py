@@ -88,7 +88,10 @@ def wav_streamed(head: bytes) -> bool:
     """Whether a WAV's data size is a streaming writer's placeholder (it could not seek back to fill it in):
     0, 0xFFFFFFFF, or 0x7FFFF000 and up with a RIFF size of that range too (``espeak-ng --stdout`` writes
     0x7FFFF000 and 0x7FFFF024). Such a file's data runs to its end."""
-    found = wav_data_chunk(head)
+    return _placeholder(wav_data_chunk(head))
+
+
+def _placeholder(found) -> bool:
     if found is None:
         return False
     _, length, riff = found
@@ -99,7 +102,7 @@ def wav_truncation(head: bytes, size: int) -> int:
     """Bytes a RIFF/WAVE file of ``size`` bytes lacks, from its first bytes ``head`` (0: whole, not a WAV, or a
     streamed one: ``wav_streamed``)."""
     found = wav_data_chunk(head)
-    if found is None or wav_streamed(head):
+    if found is None or _placeholder(found):
         return 0
     pos, length, _ = found
     return max(0, pos + 8 + length - size)

@@ -118,8 +118,7 @@ def main(argv=None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, ws="websockets-sansio",
                             timeout_graceful_shutdown=30)
     saved = worker.saved_sessions()
-    note = getattr(rec, "execution_note", None) or rec.engine.execution_note
-    print(f"oasr serve: {rec.twin} twin on {args.device}, {worker.max_streams} stream slots, {note}"
+    print(f"oasr serve: {rec.twin} twin on {args.device}, {worker.max_streams} stream slots, {rec.execution_note}"
           + (f"; {len(saved)} suspended stream(s) in {args.state_dir} wait for their clients" if saved else ""),
           flush=True)
     OasrServer(config, announce=True, exit_deadline=args.shutdown_timeout).run()

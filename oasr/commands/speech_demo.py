@@ -152,7 +152,7 @@ def main(argv=None) -> int:
           f"({cfg.num_layers} layers) + {sum(p.numel() for p in rec.decoder.parameters()):,}-parameter attention "
           f"decoder; chunk {cfg.chunk_size} frames ({cfg.chunk_size * 40} ms), left context "
           f"{'unlimited' if cfg.num_left_chunks < 0 else f'{cfg.num_left_chunks} chunks'}; twin {rec.twin}; "
-          f"{getattr(rec, 'execution_note', None) or rec.engine.execution_note}")
+          f"{rec.execution_note}")
     transcripts, run = play(rec, audio, args.concurrency, max(1, args.piece_ms * 16), args.realtime)
     refs = [c.text for c in clips]
     rates = error_rates(refs, [t.text for t in transcripts])
