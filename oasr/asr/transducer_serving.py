@@ -165,6 +165,11 @@ class ServedTransducer:
         self.busy_seconds = 0.0
         self._ids = 0
 
+    @property
+    def execution_note(self) -> str:
+        """What runs, in one line (``Recognizer.execution_note``'s counterpart): the engine facts' note."""
+        return self.engine.execution_note
+
     # ---- streams ---------------------------------------------------------------------------------------------
     def open_stream(self, stream_id=None) -> TransducerAudioStream:
         """Start a stream (``stream_id`` or a fresh one); ``ValueError`` for an id in use, the slot pool's error
