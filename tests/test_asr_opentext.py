@@ -10,6 +10,7 @@ from oasr.asr.opentext import (
     FUNCTION,
     MixedSentenceGenerator,
     OpenSentenceGenerator,
+    english_sentences,
     past,
     plural_of,
     present_participle,
@@ -62,6 +63,29 @@ def test_the_mix_follows_the_open_share():
     assert outside > 400
     with pytest.raises(ValueError, match="open_share"):
         MixedSentenceGenerator(0, open_share=1.5)
+
+
+def test_english_examples_join_the_mix_on_their_own_random_stream():
+    """``english_share``: that share of the sentences are English examples of the split's side, every word in the
+    training vocabulary; 0 leaves the stream exactly as it was (the shards made before it stay reproducible)."""
+    assert _take(MixedSentenceGenerator(9, english_share=0.0), 400) == _take(MixedSentenceGenerator(9), 400)
+    examples = set(english_sentences())
+    vocabulary = training_vocabulary()
+    assert len(examples) > 30000 and all(set(t.split()) <= vocabulary for t in examples)
+    texts = _take(MixedSentenceGenerator(9, english_share=0.5), 2000)
+    english = [t for t in texts if t in examples]
+    assert 850 < len(english) < 1150  # binomial(2000, 0.5): 1000 +- 22
+    assert not any(is_held_out(t) for t in texts)
+    # the rest is the stream without examples, in order (its draws are untouched by the English ones)
+    others = [t for t in texts if t not in examples]
+    assert others[:200] == [t for t in _take(MixedSentenceGenerator(9), 1200) if t not in examples][:200]
+    held = _take(MixedSentenceGenerator(9, held_out=True, english_share=1.0), 300)
+    assert all(t in examples and is_held_out(t) for t in held)
+    # no sentence of either shipped test set is an example: the English shards cannot teach a test sentence
+    for name in ("testset", "testset2"):
+        assert not {c.text for c in load_testset(shipped_testset_dir(name))} & examples, name
+    with pytest.raises(ValueError, match="english_share"):
+        MixedSentenceGenerator(0, english_share=-0.1)
 
 
 def test_the_tokenizer_covers_every_training_and_test_word():

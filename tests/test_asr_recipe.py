@@ -142,10 +142,13 @@ def test_open_recipe_smoke(tmp_path, capsys):
     b = make_shard(tmp_path / "b", 0, 4, 7, open_share=0.6, conditions=cfg)
     with np.load(a) as za, np.load(b) as zb:
         assert all(np.array_equal(za[k], zb[k]) for k in za.files)
-    argv = ["--work", str(tmp_path / "w"), "--shards", "1", "--extra-voice-shards", "1", "--shard-size", "3",
-            "--steps", "2", "--dev-size", "2", "--workers", "1", "--threads", "1", "--max-frames", "1000"]
+    argv = ["--work", str(tmp_path / "w"), "--shards", "1", "--extra-voice-shards", "1", "--english-shards", "1",
+            "--shard-size", "3", "--steps", "2", "--dev-size", "2", "--workers", "1", "--threads", "1",
+            "--max-frames", "1000"]
     assert train_main(argv) == 0
     assert (tmp_path / "w" / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "w" / "train").glob("shard_*.npz")) == [
+        "shard_0000.npz", "shard_0001.npz", "shard_en_0000.npz"]
     from oasr.asr.checkpoint import load_checkpoint
     from oasr.asr.language import LanguageSpec, spec_from_info
 
@@ -155,6 +158,29 @@ def test_open_recipe_smoke(tmp_path, capsys):
     assert train_main(argv) == 0 and "resumed at step 2" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         train_main([*argv, "--open-share", "0.3"])
+
+
+def test_data_records_written_before_the_english_shards_still_match():
+    """A ``data.json`` without ``english_share`` (its shards made before the English ones existed, which have
+    names and seeds of their own) belongs to today's run with the same options; any other difference does not."""
+    from oasr.commands.train import build_parser, data_options, same_data
+
+    options = json.loads(json.dumps(data_options(build_parser().parse_args(["--work", "w"]))))
+    assert options["english_share"] == 0.5
+    old = {k: v for k, v in options.items() if k != "english_share"}
+    assert same_data(old, options) and same_data(options, options)
+    assert not same_data({**old, "open_share": 0.3}, options)
+    assert not same_data({**options, "english_share": 0.25}, options)
+    legacy = json.loads(json.dumps(data_options(build_parser().parse_args(["--work", "w", "--legacy-data"]))))
+    assert "english_share" not in legacy and same_data(legacy, legacy) and not same_data(legacy, options)
+
+
+def test_english_shards_are_refused_with_the_legacy_data(capsys):
+    from oasr.commands.train import main as train_main
+
+    with pytest.raises(SystemExit):
+        train_main(["--work", "w", "--legacy-data", "--english-shards", "2"])
+    assert "--english-shards 2: --legacy-data" in capsys.readouterr().err
 
 
 @pytest.mark.cuda

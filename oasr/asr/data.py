@@ -19,14 +19,19 @@ from oasr.asr.text import SentenceGenerator
 from oasr.features.fbank import fbank
 
 
-def shard_path(directory, index: int) -> Path:
-    """The path of training shard ``index`` in ``directory``."""
-    return Path(directory) / f"shard_{index:04d}.npz"
+def shard_path(directory, index: int, english: bool = False) -> Path:
+    """The path of training shard ``index`` in ``directory`` (an English shard's indices are its own)."""
+    return Path(directory) / (f"shard_en_{index:04d}.npz" if english else f"shard_{index:04d}.npz")
 
 
 def make_shard(directory, index: int, count: int, seed: int, held_out: bool = False,
-               more_voices: bool = False, open_share: float = 0.0, conditions=None) -> Path:
+               more_voices: bool = False, open_share: float = 0.0, conditions=None,
+               english_share: float = 0.0) -> Path:
     """Synthesize shard ``index`` (``count`` utterances) into ``directory``; skips an existing one.
+
+    ``english_share > 0`` makes an *English shard* (``shard_en_NNNN.npz``, its own seed stream): that share of
+    its sentences are the shipped English examples (``MixedSentenceGenerator``'s ``english_share``); it needs
+    ``conditions``.
 
     Training shards are spoken by ``TRAIN_VARIANTS`` (with ``more_voices``: those and
     ``MORE_TRAIN_VARIANTS``), held-out ones by ``TEST_VARIANTS``. With ``conditions`` (a
@@ -44,18 +49,21 @@ def make_shard(directory, index: int, count: int, seed: int, held_out: bool = Fa
 
     if held_out and more_voices:
         raise ValueError("make_shard: a held-out shard is spoken by the test voices only (more_voices=False)")
-    path = shard_path(directory, index)
+    if english_share and conditions is None:
+        raise ValueError("make_shard: english_share needs conditions (the open recipe's data path)")
+    path = shard_path(directory, index, english=bool(english_share))
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(f"{seed}/{index}")
+    rng = random.Random(f"{seed}/en/{index}" if english_share else f"{seed}/{index}")
     variants = TEST_VARIANTS if held_out else TRAIN_VARIANTS + (MORE_TRAIN_VARIANTS if more_voices else [])
     if conditions is None:
         if open_share:
             raise ValueError("make_shard: open_share needs conditions (the open recipe's data path)")
         sentences = SentenceGenerator(rng.getrandbits(32), held_out=held_out)
     else:
-        sentences = MixedSentenceGenerator(rng.getrandbits(32), open_share, held_out=held_out)
+        sentences = MixedSentenceGenerator(rng.getrandbits(32), open_share, held_out=held_out,
+                                           english_share=english_share)
     feats, lens, texts, voices = [], [], [], []
     for _ in range(count):
         if conditions is None:

@@ -11,8 +11,12 @@ forms, and a model trained only on it learns the forms. ``OpenSentenceGenerator`
   has to hear every word);
 * **numbers, dates and names** on their own (years, digit strings, counts, ordinals, full names).
 
-``MixedSentenceGenerator(seed, open_share)`` draws each sentence from the open generator with probability
-``open_share`` and from the templates otherwise, and keeps the held-out split of ``oasr.asr.text``: with
+``MixedSentenceGenerator(seed, open_share, english_share=...)`` draws each sentence from the shipped English
+usage examples (``english_sentences``: WordNet's, those whose every word is in ``training_vocabulary``) with
+probability ``english_share`` (0 by default), otherwise from the open generator with probability
+``open_share`` and from the templates otherwise. The English examples bring what neither generator has: real
+word order and sentence openings (questions, requests, pronouns), so a model does not learn that an utterance
+starts the way a template does. Every draw keeps the held-out split of ``oasr.asr.text``: with
 ``held_out=False`` it never yields a sentence for which ``is_held_out(text)`` is true, so no sentence of a
 shipped test set (all of them held out by that hash: ``tests/test_asr_opentext.py`` checks it) is ever
 generated for training. Everything is lower-case ``a-z``, apostrophes and single spaces: the character
@@ -202,22 +206,31 @@ class OpenSentenceGenerator:
 
 
 class MixedSentenceGenerator:
-    """Templates and open sentences, ``open_share`` of them open, on one side of the held-out split."""
+    """English examples (``english_share`` of the sentences), then templates and open sentences (``open_share`` of
+    the rest open), on one side of the held-out split. With ``english_share=0`` the stream is exactly the one
+    before the English examples existed (their draws use a random stream of their own)."""
 
-    def __init__(self, seed: int, open_share: float = 0.6, held_out: bool = False):
+    def __init__(self, seed: int, open_share: float = 0.6, held_out: bool = False, english_share: float = 0.0):
         if not 0.0 <= open_share <= 1.0:
             raise ValueError(f"MixedSentenceGenerator: open_share must be in [0, 1], got {open_share}")
+        if not 0.0 <= english_share <= 1.0:
+            raise ValueError(f"MixedSentenceGenerator: english_share must be in [0, 1], got {english_share}")
         root = random.Random(f"mixed/{seed}")
         self.random = random.Random(root.getrandbits(64))
         self.templates = SentenceGenerator(root.getrandbits(32), held_out=held_out)
         self.open = OpenSentenceGenerator(root.getrandbits(32))
         self.open_share = open_share
         self.held_out = held_out
+        self.english_share = english_share
+        self.english_random = random.Random(f"mixed/{seed}/english")
+        self.english = [t for t in english_sentences() if is_held_out(t) == held_out] if english_share else []
 
     def __iter__(self):
         return self
 
     def __next__(self) -> str:
+        if self.english_share and self.english_random.random() < self.english_share:
+            return self.english_random.choice(self.english)
         if self.random.random() >= self.open_share:
             return next(self.templates)
         while True:
@@ -232,6 +245,16 @@ def template_vocabulary() -> frozenset[str]:
     from oasr.asr.text import vocabulary
 
     return frozenset(vocabulary())
+
+
+@lru_cache(maxsize=1)
+def english_sentences() -> tuple[str, ...]:
+    """The shipped English usage examples (``oasr.asr.language.load_english``) whose every word is in
+    ``training_vocabulary``, in file order (both sides of the held-out split)."""
+    from oasr.asr.language import load_english
+
+    vocabulary = training_vocabulary()
+    return tuple(t for t in load_english() if all(w in vocabulary for w in t.split()))
 
 
 def training_vocabulary() -> set[str]:

@@ -9,13 +9,17 @@ The data (the open recipe, the default): ``--open-share`` of the sentences from 
 (``oasr.asr.opentext``: word sequences and free slot sequences over 52,000 words, numbers, dates, names),
 the rest from the templates; every utterance through the recording conditions of
 ``oasr.asr.conditions`` (0-3 s silences, pauses between phrases, noise at 0-35 dB SNR, 8 kHz copies,
-silence- and noise-only utterances with empty text). ``--legacy-data`` makes the template-only shards
+silence- and noise-only utterances with empty text). ``--english-shards`` more shards (16 by default) draw
+half their sentences from the shipped English usage examples (``oasr.asr.opentext.english_sentences``): real
+word order and sentence openings, which neither generator has. ``--legacy-data`` makes the template-only shards
 the shipped model was trained on: ``--legacy-data --shards 12 --extra-voice-shards 6 --shard-size 2000
 --steps 24000`` is that model's recipe. ``WORK/data.json`` records the data options and a
-rerun with different ones is refused (its shards would mix two recipes).
+rerun with different ones is refused (its shards would mix two recipes; a record written before the English
+shards existed lacks their field and still matches: those shards are unchanged).
 
-The next model's training run (estimated at about 95 minutes on two idle CPU cores: synthesis about 11,
-training about 83, from side-by-side measurements against the shipped recipe; see MODEL_CARD.md):
+The next model's training run (estimated at about 100 minutes on two idle CPU cores: synthesis about 17
+(the 16 English shards took 6.5 of them), training about 83, from side-by-side measurements against the
+shipped recipe; see MODEL_CARD.md):
 
     python -m oasr train --work /tmp/oasr-train      # seeded; rerun the same line to resume
 
@@ -34,6 +38,8 @@ from pathlib import Path
 
 from oasr.commands import CommandParser, check_at_least
 
+ENGLISH_SHARE = 0.5  # of an English shard's sentences (``data.json``: ``english_share``)
+
 
 def build_parser() -> CommandParser:
     """The parser of ``python -m oasr train``, every option with its default."""
@@ -42,6 +48,10 @@ def build_parser() -> CommandParser:
     parser.add_argument("--shards", type=int, default=16, help="training shards to synthesize")
     parser.add_argument("--extra-voice-shards", type=int, default=8,
                         help="more training shards after those, spoken by the base and a wider second voice set")
+    parser.add_argument("--english-shards", type=int, default=None,
+                        help=f"English shards after those (a share of {ENGLISH_SHARE:g} of their sentences the shipped "
+                             "English usage examples, the rest as in the other shards; the wider voice set); "
+                             "default 16, none with --legacy-data")
     parser.add_argument("--shard-size", type=int, default=1500, help="utterances per shard")
     parser.add_argument("--steps", type=int, default=20000, help="optimizer steps")
     parser.add_argument("--open-share", type=float, default=0.6,
@@ -98,30 +108,45 @@ def data_options(args) -> dict:
     if args.legacy_data:
         return {"seed": args.seed, "shard_size": args.shard_size, "legacy": True}
     return {"seed": args.seed, "shard_size": args.shard_size, "legacy": False, "open_share": args.open_share,
-            "conditions": ConditionConfig().to_dict()}
+            "english_share": ENGLISH_SHARE, "conditions": ConditionConfig().to_dict()}
+
+
+def same_data(recorded: dict, options: dict) -> bool:
+    """Whether shards recorded with ``recorded`` (a ``data.json``) belong to a run with ``options``. A record
+    written before the English shards existed lacks ``english_share``: its shards are the same as today's (the
+    English ones have their own names and seeds), so it matches and is rewritten with the field."""
+    if not recorded.get("legacy") and "english_share" not in recorded:
+        recorded = {**recorded, "english_share": options.get("english_share")}
+    return recorded == options
 
 
 def _shard(job):
     from oasr.asr.conditions import ConditionConfig
     from oasr.asr.data import make_shard
 
-    directory, index, size, seed, more_voices, options = job
+    directory, index, size, seed, more_voices, english, options = job
     t0 = time.time()
     if options["legacy"]:
         make_shard(directory, index, size, seed, more_voices=more_voices)
     else:
         make_shard(directory, index, size, seed, more_voices=more_voices, open_share=options["open_share"],
                    conditions=ConditionConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                                 for k, v in options["conditions"].items()}))
-    return index, time.time() - t0
+                                                 for k, v in options["conditions"].items()}),
+                   english_share=options["english_share"] if english else 0.0)
+    return ("English shard " if english else "shard ") + str(index), time.time() - t0
 
 
 def main(argv=None) -> int:
     """Run ``python -m oasr train`` with ``argv`` (the process's arguments by default); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_at_least(parser, args, {"shards": 1, "extra_voice_shards": 0, "shard_size": 1, "steps": 1, "workers": 1,
-                                  "threads": 1, "max_frames": 1000, "dev_size": 1})
+    if args.english_shards is None:
+        args.english_shards = 0 if args.legacy_data else 16
+    check_at_least(parser, args, {"shards": 1, "extra_voice_shards": 0, "english_shards": 0, "shard_size": 1,
+                                  "steps": 1, "workers": 1, "threads": 1, "max_frames": 1000, "dev_size": 1})
+    if args.legacy_data and args.english_shards:
+        parser.error(f"--english-shards {args.english_shards}: --legacy-data makes the template-only shards, "
+                     "which have no English examples")
     if not 0.0 <= args.serving_share < 1.0:
         parser.error(f"--serving-share must be in [0, 1), got {args.serving_share}")
     if not args.lr > 0:
@@ -145,16 +170,17 @@ def main(argv=None) -> int:
     (work / "train").mkdir(parents=True, exist_ok=True)
     options = json.loads(json.dumps(data_options(args)))  # as data.json holds it (tuples become lists)
     recorded = work / "data.json"
-    if recorded.exists() and json.loads(recorded.read_text()) != options:
+    if recorded.exists() and not same_data(json.loads(recorded.read_text()), options):
         parser.error(f"{work} holds shards made with other data options ({recorded}); use a new --work or the "
                      "same options")
     recorded.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n")
     t0 = time.time()
-    jobs = [(work / "train", i, args.shard_size, args.seed, i >= args.shards, options)
+    jobs = [(work / "train", i, args.shard_size, args.seed, i >= args.shards, False, options)
             for i in range(args.shards + args.extra_voice_shards)]
+    jobs += [(work / "train", i, args.shard_size, args.seed, True, True, options) for i in range(args.english_shards)]
     with Pool(args.workers) as pool:
-        for index, seconds in pool.imap_unordered(_shard, jobs):
-            print(f"shard {index}: {args.shard_size} utterances in {seconds:.0f} s", flush=True)
+        for name, seconds in pool.imap_unordered(_shard, jobs):
+            print(f"{name}: {args.shard_size} utterances in {seconds:.0f} s", flush=True)
     if options["legacy"]:
         make_shard(work / "dev", 0, args.dev_size, args.seed + 1, held_out=True)
     else:  # held-out sentences and voices, in the same conditions as the training data
@@ -169,7 +195,7 @@ def main(argv=None) -> int:
                 log=lambda s: print(s, flush=True))
     params = sum(p.numel() for m in (out["encoder"], out["decoder"]) for p in m.parameters())
     info = {"steps": out["step"], "train_seconds": round(out["seconds"]), "synth_seconds": round(synth_seconds),
-            "utterances": (args.shards + args.extra_voice_shards) * args.shard_size, "seed": args.seed,
+            "utterances": len(jobs) * args.shard_size, "seed": args.seed,
             "threads": args.threads, "parameters": params, "serving_share": args.serving_share,
             "device": args.device, "size": args.size, "data": options,
             "init": None if args.init is None else Path(args.init).name,
