@@ -25,6 +25,16 @@ def _tiny_shards(directory, n=6):
              voices=np.array(["{}"] * n), sum=allf.sum(0), sum_sq=(allf**2).sum(0), frames=np.int64(len(allf)))
 
 
+def test_a_shard_still_being_written_is_not_read(tmp_path):
+    """Shards synthesized while a run trains join at its next epoch; one half written (``*.tmp.npz`` until the
+    rename) must not be read then."""
+    from oasr.asr.data import ShardSet
+
+    _tiny_shards(tmp_path / "train")
+    (tmp_path / "train" / "shard_en_0003.tmp.npz").write_bytes(b"PK\x03\x04 half a zip")
+    assert len(ShardSet(tmp_path / "train")) == 6
+
+
 def test_recipe_lowers_the_loss_and_resumes(tmp_path):
     torch.set_num_threads(1)
     _tiny_shards(tmp_path / "train")

@@ -89,7 +89,8 @@ class ShardSet:
     """All utterances of the shards in a directory, held in memory as float16 features."""
 
     def __init__(self, directory):
-        paths = sorted(Path(directory).glob("shard_*.npz"))
+        # a shard still being written is ``shard_*.tmp.npz`` until its rename: not a shard yet
+        paths = sorted(p for p in Path(directory).glob("shard_*.npz") if not p.name.endswith(".tmp.npz"))
         if not paths:
             raise ValueError(f"no shards in {directory}")
         feats, lens, self.texts = [], [], []
