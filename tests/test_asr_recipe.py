@@ -35,6 +35,24 @@ def test_a_shard_still_being_written_is_not_read(tmp_path):
     assert len(ShardSet(tmp_path / "train")) == 6
 
 
+def test_shards_load_as_their_concatenation(tmp_path):
+    """``ShardSet`` reads every shard into one preallocated array: the same rows, lengths, texts and statistics
+    as concatenating them, in name order (English shards after the others)."""
+    from oasr.asr.data import ShardSet
+
+    _tiny_shards(tmp_path / "train")
+    with np.load(tmp_path / "train" / "shard_0000.npz") as z:
+        one = {k: z[k] for k in z.files}
+    np.savez(tmp_path / "train" / "shard_en_0000.npz", **{**one, "feats": one["feats"][::-1].copy(),
+                                                          "texts": one["texts"][::-1].copy()})
+    data = ShardSet(tmp_path / "train")
+    assert np.array_equal(data.feats, np.concatenate([one["feats"], one["feats"][::-1]]))
+    assert np.array_equal(data.lens, np.concatenate([one["lens"], one["lens"]]))
+    assert data.texts == one["texts"].tolist() + one["texts"][::-1].tolist()
+    assert np.array_equal(data.utterance(0), one["feats"][: one["lens"][0]])
+    assert np.allclose(data.stats[0], 2 * one["sum"]) and data.stats[2] == 2 * int(one["frames"])
+
+
 def test_recipe_lowers_the_loss_and_resumes(tmp_path):
     torch.set_num_threads(1)
     _tiny_shards(tmp_path / "train")

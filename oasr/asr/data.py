@@ -16,7 +16,7 @@ import numpy as np
 
 from oasr.asr.opentext import MixedSentenceGenerator
 from oasr.asr.text import SentenceGenerator
-from oasr.features.fbank import fbank
+from oasr.features.fbank import NUM_MEL_BINS, fbank
 
 
 def shard_path(directory, index: int, english: bool = False) -> Path:
@@ -86,26 +86,38 @@ def make_shard(directory, index: int, count: int, seed: int, held_out: bool = Fa
 
 
 class ShardSet:
-    """All utterances of the shards in a directory, held in memory as float16 features."""
+    """All utterances of the shards in a directory, held in memory as float16 features.
+
+    The features are read into one array sized first from the shards' lengths, so loading holds one copy,
+    not the shards and their concatenation (120,000 utterances are 8.8 GB)."""
 
     def __init__(self, directory):
         # a shard still being written is ``shard_*.tmp.npz`` until its rename: not a shard yet
         paths = sorted(p for p in Path(directory).glob("shard_*.npz") if not p.name.endswith(".tmp.npz"))
         if not paths:
             raise ValueError(f"no shards in {directory}")
-        feats, lens, self.texts = [], [], []
-        total = total_sq = 0.0
-        frames = 0
+        lens = []
         for p in paths:
             with np.load(p) as z:
-                feats.append(z["feats"])
                 lens.append(z["lens"])
+        self.lens = np.concatenate(lens)
+        self.feats = np.empty((int(self.lens.sum()), NUM_MEL_BINS), np.float16)
+        self.texts = []
+        total = total_sq = 0.0
+        frames = at = 0
+        for p in paths:
+            with np.load(p) as z:
+                f = z["feats"]
+                self.feats[at : at + len(f)] = f
+                at += len(f)
+                del f
                 self.texts.extend(z["texts"].tolist())
                 total = total + z["sum"]
                 total_sq = total_sq + z["sum_sq"]
                 frames += int(z["frames"])
-        self.feats = np.concatenate(feats)
-        self.lens = np.concatenate(lens)
+        if at != len(self.feats):
+            raise ValueError(f"{directory}: the shards' feature rows ({at}) do not add up to their lengths "
+                             f"({len(self.feats)})")
         self.starts = np.concatenate([[0], np.cumsum(self.lens)[:-1]])
         self.stats = (total, total_sq, frames)
 
