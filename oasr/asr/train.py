@@ -205,7 +205,6 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
                     "torch_rng": torch.get_rng_state(), "augment_rng": g.get_state()}, work / "state.tmp")
         (work / "state.tmp").replace(state_path)
 
-    data = None
     while step < end:
         data = None  # the last epoch's features go before the next epoch's are read (two copies: twice the memory)
         data = ShardSet(work / "train")  # shards still being synthesized join at the next epoch
