@@ -170,13 +170,30 @@ def test_open_recipe_smoke(tmp_path, capsys):
     b = make_shard(tmp_path / "b", 0, 4, 7, open_share=0.6, conditions=cfg)
     with np.load(a) as za, np.load(b) as zb:
         assert all(np.array_equal(za[k], zb[k]) for k in za.files)
+    # a random-voice shard: the same bytes twice too, each utterance's drawn variant file in its description,
+    # and the installed espeak-ng data left as it was (the variants live in a private folder, removed after)
+    from oasr.asr.synth import RandomVoices, installed_data_dir
+
+    installed = set((Path(installed_data_dir()) / "voices" / "!v").iterdir())
+    c = make_shard(tmp_path / "c", 0, 3, 7, open_share=0.6, conditions=cfg, english_share=0.5, random_voices=True)
+    d = make_shard(tmp_path / "d", 0, 3, 7, open_share=0.6, conditions=cfg, english_share=0.5, random_voices=True)
+    assert c.name == "shard_rv_0000.npz"
+    with np.load(c) as zc, np.load(d) as zd:
+        assert all(np.array_equal(zc[k], zd[k]) for k in zc.files)
+        descs = [json.loads(v) for v in zc["voices"]]
+    spoken = [v for v in descs if "voice" in v]
+    assert spoken and all(v["voice"].endswith("+" + RandomVoices.NAME) and v["variant_file"].startswith(
+        "language variant") for v in spoken)
+    assert set((Path(installed_data_dir()) / "voices" / "!v").iterdir()) == installed
+    with pytest.raises(ValueError, match="random_voices"):
+        make_shard(tmp_path / "e", 0, 3, 7, held_out=True, open_share=0.6, conditions=cfg, random_voices=True)
     argv = ["--work", str(tmp_path / "w"), "--shards", "1", "--extra-voice-shards", "1", "--english-shards", "1",
-            "--shard-size", "3", "--steps", "2", "--dev-size", "2", "--workers", "1", "--threads", "1",
-            "--max-frames", "1000"]
+            "--random-voice-shards", "1", "--shard-size", "3", "--steps", "2", "--dev-size", "2", "--workers", "1",
+            "--threads", "1", "--max-frames", "1000"]
     assert train_main(argv) == 0
     assert (tmp_path / "w" / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "w" / "train").glob("shard_*.npz")) == [
-        "shard_0000.npz", "shard_0001.npz", "shard_en_0000.npz"]
+        "shard_0000.npz", "shard_0001.npz", "shard_en_0000.npz", "shard_rv_0000.npz"]
     from oasr.asr.checkpoint import load_checkpoint
     from oasr.asr.language import LanguageSpec, spec_from_info
 
@@ -203,12 +220,47 @@ def test_data_records_written_before_the_english_shards_still_match():
     assert "english_share" not in legacy and same_data(legacy, legacy) and not same_data(legacy, options)
 
 
-def test_english_shards_are_refused_with_the_legacy_data(capsys):
+@pytest.mark.parametrize("option", ["--english-shards", "--random-voice-shards"])
+def test_open_data_shards_are_refused_with_the_legacy_data(capsys, option):
     from oasr.commands.train import main as train_main
 
     with pytest.raises(SystemExit):
-        train_main(["--work", "w", "--legacy-data", "--english-shards", "2"])
-    assert "--english-shards 2: --legacy-data" in capsys.readouterr().err
+        train_main(["--work", "w", "--legacy-data", option, "2"])
+    assert f"{option} 2: --legacy-data" in capsys.readouterr().err
+
+
+def test_random_variants_stay_in_their_documented_ranges():
+    """``random_variant`` (no espeak-ng needed): seeded, varied, every setting within the span its docstring
+    gives, formants 0-5 moved together by one tract scale, and never the Klatt type only a test variant uses."""
+    import random
+
+    from oasr.asr.synth import random_variant
+
+    assert random_variant(random.Random(3)) == random_variant(random.Random(3))
+    rng = random.Random(0)
+    files = [random_variant(rng) for _ in range(400)]
+    assert len(set(files)) == 400
+    seen = {"tone": 0, "breath": 0, "echo": 0, "klatt": 0}
+    spreads = []
+    for text in files:
+        lines = text.splitlines()
+        assert lines[:2] == ["language variant", "name oasr-random"]
+        settings = [line.split() for line in lines[2:]]
+        formants = {int(f[1]): [int(x) for x in f[2:]] for f in settings if f[0] == "formant"}
+        assert sorted(formants) == list(range(9))
+        for k, (freq, strength, width) in formants.items():
+            assert 40 <= freq <= 150 and 0 <= strength <= 160 and 50 <= width <= 180, (k, freq, strength, width)
+        low = [formants[k][0] for k in range(6)]
+        spreads.append(max(low) / min(low))
+        values = {f[0]: [int(x) for x in f[1:]] for f in settings if f[0] != "formant"}
+        base, top = values["pitch"]
+        assert 55 <= base <= 240 and base + 10 <= top <= base + 120
+        assert 30 <= values["voicing"][0] <= 200 and all(55 <= c <= 150 for c in values["consonants"])
+        assert values.get("klatt", [1]) != [2]
+        for key in seen:
+            seen[key] += key in values
+    assert max(spreads) <= 1.1 / 0.9 + 0.03  # one scale, each formant jittered by at most 10%
+    assert all(40 < n < 200 for n in seen.values()), seen  # the optional settings: sometimes, not always
 
 
 @pytest.mark.cuda

@@ -8,6 +8,7 @@ and in parallel, with the same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -19,19 +20,22 @@ from oasr.asr.text import SentenceGenerator
 from oasr.features.fbank import NUM_MEL_BINS, fbank
 
 
-def shard_path(directory, index: int, english: bool = False) -> Path:
-    """The path of training shard ``index`` in ``directory`` (an English shard's indices are its own)."""
-    return Path(directory) / (f"shard_en_{index:04d}.npz" if english else f"shard_{index:04d}.npz")
+def shard_path(directory, index: int, english: bool = False, random_voices: bool = False) -> Path:
+    """The path of training shard ``index`` in ``directory`` (English and random-voice shards number their own)."""
+    prefix = "shard_rv_" if random_voices else "shard_en_" if english else "shard_"
+    return Path(directory) / f"{prefix}{index:04d}.npz"
 
 
 def make_shard(directory, index: int, count: int, seed: int, held_out: bool = False,
                more_voices: bool = False, open_share: float = 0.0, conditions=None,
-               english_share: float = 0.0) -> Path:
+               english_share: float = 0.0, random_voices: bool = False) -> Path:
     """Synthesize shard ``index`` (``count`` utterances) into ``directory``; skips an existing one.
 
     ``english_share > 0`` makes an *English shard* (``shard_en_NNNN.npz``, its own seed stream): that share of
     its sentences are the shipped English examples (``MixedSentenceGenerator``'s ``english_share``); it needs
-    ``conditions``.
+    ``conditions``. ``random_voices`` makes a *random-voice shard* (``shard_rv_NNNN.npz``, its own seed stream):
+    every utterance spoken by a variant drawn by ``oasr.asr.synth.random_variant`` instead of a shipped one; it
+    needs ``conditions`` and is never held out.
 
     Training shards are spoken by ``TRAIN_VARIANTS`` (with ``more_voices``: those and
     ``MORE_TRAIN_VARIANTS``), held-out ones by ``TEST_VARIANTS``. With ``conditions`` (a
@@ -43,6 +47,7 @@ def make_shard(directory, index: int, count: int, seed: int, held_out: bool = Fa
         MORE_TRAIN_VARIANTS,
         TEST_VARIANTS,
         TRAIN_VARIANTS,
+        RandomVoices,
         draw_conditioned_utterance,
         draw_utterance,
     )
@@ -51,11 +56,14 @@ def make_shard(directory, index: int, count: int, seed: int, held_out: bool = Fa
         raise ValueError("make_shard: a held-out shard is spoken by the test voices only (more_voices=False)")
     if english_share and conditions is None:
         raise ValueError("make_shard: english_share needs conditions (the open recipe's data path)")
-    path = shard_path(directory, index, english=bool(english_share))
+    if random_voices and (conditions is None or held_out):
+        raise ValueError("make_shard: random_voices needs conditions and a training shard (held_out=False)")
+    path = shard_path(directory, index, english=bool(english_share), random_voices=random_voices)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(f"{seed}/en/{index}" if english_share else f"{seed}/{index}")
+    stream = "rv/" if random_voices else "en/" if english_share else ""
+    rng = random.Random(f"{seed}/{stream}{index}")
     variants = TEST_VARIANTS if held_out else TRAIN_VARIANTS + (MORE_TRAIN_VARIANTS if more_voices else [])
     if conditions is None:
         if open_share:
@@ -65,17 +73,19 @@ def make_shard(directory, index: int, count: int, seed: int, held_out: bool = Fa
         sentences = MixedSentenceGenerator(rng.getrandbits(32), open_share, held_out=held_out,
                                            english_share=english_share)
     feats, lens, texts, voices = [], [], [], []
-    for _ in range(count):
-        if conditions is None:
-            text = next(sentences)
-            pcm, desc = draw_utterance(rng, text, variants)
-        else:
-            pcm, text, desc = draw_conditioned_utterance(rng, sentences, variants, conditions)
-        f = fbank(pcm)
-        feats.append(f)
-        lens.append(len(f))
-        texts.append(text)
-        voices.append(json.dumps(desc))
+    with contextlib.ExitStack() as stack:
+        bank = stack.enter_context(RandomVoices()) if random_voices else None
+        for _ in range(count):
+            if conditions is None:
+                text = next(sentences)
+                pcm, desc = draw_utterance(rng, text, variants)
+            else:
+                pcm, text, desc = draw_conditioned_utterance(rng, sentences, variants, conditions, bank)
+            f = fbank(pcm)
+            feats.append(f)
+            lens.append(len(f))
+            texts.append(text)
+            voices.append(json.dumps(desc))
     allf = np.concatenate(feats).astype(np.float64)
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, feats=np.concatenate(feats).astype(np.float16), lens=np.array(lens, np.int64),

@@ -9,14 +9,23 @@ two: ``TRAIN_VARIANTS`` speak the training data, ``TEST_VARIANTS`` only the held
 test set is spoken by voices the model never heard. Each utterance draws its speaking rate, pitch,
 a speed perturbation (resampling by 0.9-1.1, which moves tempo and pitch together), a gain and,
 most of the time, additive noise (white or low-passed "brown" noise at 5-40 dB SNR).
+
+*Random voices* (``RandomVoices``) go beyond the shipped variants: each utterance gets a variant file of its
+own, every setting drawn independently (``random_variant``) within the span the training variants' files
+cover, so the model hears a continuum of vocal tracts, formant strengths, tone and voicing rather than 38
+fixed points. The files live in a private data directory that links to the installed espeak-ng data; the
+installed one is never written.
 """
 
 from __future__ import annotations
 
 import io
+import math
+import os
 import random
 import shutil
 import subprocess
+import tempfile
 
 import numpy as np
 
@@ -42,17 +51,101 @@ def espeak_available() -> bool:
     return shutil.which("espeak-ng") is not None
 
 
-def speak(text: str, voice: str, rate: int, pitch: int) -> np.ndarray:
-    """``text`` spoken by espeak-ng as float32 PCM at 16 kHz."""
+def speak(text: str, voice: str, rate: int, pitch: int, data_path: str | None = None) -> np.ndarray:
+    """``text`` spoken by espeak-ng as float32 PCM at 16 kHz (``data_path``: the folder holding the
+    ``espeak-ng-data`` to use, e.g. ``RandomVoices.path``; default the installed one)."""
     import soundfile as sf
     import soxr
 
     if not espeak_available():
         raise RuntimeError("the training recipe needs espeak-ng (apt-get install espeak-ng)")
-    wav = subprocess.run(["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "--stdout", text],
+    where = [] if data_path is None else [f"--path={data_path}"]
+    wav = subprocess.run(["espeak-ng", *where, "-v", voice, "-s", str(rate), "-p", str(pitch), "--stdout", text],
                          check=True, capture_output=True).stdout
     pcm, sr = sf.read(io.BytesIO(wav), dtype="float32")
     return soxr.resample(pcm, sr, SAMPLE_RATE).astype(np.float32)
+
+
+def random_variant(rng: random.Random) -> str:
+    """The text of an espeak-ng voice variant file with every setting drawn from ``rng``.
+
+    The ranges span what the training variants' own files set (``TRAIN_VARIANTS`` and ``MORE_TRAIN_VARIANTS``:
+    formant frequencies 50-150% of the default, strengths 0-160%, widths 50-180%, base pitch 50-240 Hz, voicing
+    30-200%, tone, breath, echo, flutter, roughness, the Klatt synthesizers they use). One vocal-tract scale
+    (0.8-1.3, log-uniform) moves formants 0-5 together, each jittered by +-10%, as a longer or shorter tract
+    does. No test variant's file was read to choose them, and the Klatt type only a test variant uses (2) is
+    left out."""
+    tract = math.exp(rng.uniform(math.log(0.8), math.log(1.3)))
+    lines = ["language variant", "name oasr-random"]
+    for k in range(9):
+        if k <= 5:
+            freq = min(150, max(50, round(100 * tract * rng.uniform(0.9, 1.1))))
+        else:  # the weak high formants: anywhere, or off
+            freq = rng.randint(40, 150)
+        strength = rng.randint(40, 160) if k <= 3 else rng.randint(0, 130)
+        lines.append(f"formant {k} {freq} {strength} {rng.randint(50, 180)}")
+    base = round(math.exp(rng.uniform(math.log(55), math.log(240))))
+    lines.append(f"pitch {base} {base + rng.randint(10, 120)}")
+    lines.append(f"voicing {rng.randint(30, 200)}")
+    lines.append(f"consonants {rng.randint(55, 150)} {rng.randint(55, 150)}")
+    lines.append(f"flutter {rng.randint(0, 20)}")
+    lines.append(f"roughness {rng.randint(0, 5)}")
+    if rng.random() < 0.3:
+        lines.append("tone 600 {} 1200 {} 2000 {}".format(*(rng.randint(20, 255) for _ in range(3))))
+    if rng.random() < 0.3:
+        lines.append("breath " + " ".join(str(rng.randint(0, 15)) for _ in range(8)))
+    if rng.random() < 0.2:
+        lines.append(f"echo {rng.randint(20, 140)} {rng.randint(5, 20)}")
+    if rng.random() < 0.4:
+        lines.append(f"klatt {rng.choice([1, 3, 4, 5, 6])}")
+    return "\n".join(lines) + "\n"
+
+
+def installed_data_dir() -> str:
+    """The installed ``espeak-ng-data`` folder (from ``espeak-ng --version``)."""
+    out = subprocess.run(["espeak-ng", "--version"], check=True, capture_output=True, text=True).stdout
+    if "Data at:" not in out:
+        raise RuntimeError(f"espeak-ng --version does not say where its data is: {out.strip()!r}")
+    return out.split("Data at:", 1)[1].strip()
+
+
+class RandomVoices:
+    """A private espeak-ng data directory whose variants folder holds one drawn variant at a time.
+
+    ``path`` is the folder to pass as ``speak(..., data_path=path)``; ``draw(rng)`` writes a new
+    ``random_variant`` and returns its variant name (``oasr-random``) and the file's text. Everything else in
+    the directory links to the installed data. Use it as a context manager (the folder is removed on exit);
+    one instance per process, since a draw overwrites the last."""
+
+    NAME = "oasr-random"
+
+    def __init__(self):
+        installed = installed_data_dir()
+        self.path = tempfile.mkdtemp(prefix="oasr-voices-")
+        data = os.path.join(self.path, "espeak-ng-data")
+        os.makedirs(os.path.join(data, "voices", "!v"))
+        for entry in os.listdir(installed):
+            if entry != "voices":
+                os.symlink(os.path.join(installed, entry), os.path.join(data, entry))
+        for entry in os.listdir(os.path.join(installed, "voices")):
+            if entry != "!v":
+                os.symlink(os.path.join(installed, "voices", entry), os.path.join(data, "voices", entry))
+        self._file = os.path.join(data, "voices", "!v", self.NAME)
+
+    def draw(self, rng: random.Random) -> tuple[str, str]:
+        text = random_variant(rng)
+        with open(self._file, "w") as f:
+            f.write(text)
+        return self.NAME, text
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> RandomVoices:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def perturb(pcm: np.ndarray, rng: random.Random, speed: float, noisy: bool = True) -> np.ndarray:
@@ -78,12 +171,14 @@ def perturb(pcm: np.ndarray, rng: random.Random, speed: float, noisy: bool = Tru
     return np.clip(pcm, -1.0, 1.0).astype(np.float32)
 
 
-def draw_conditioned_utterance(rng: random.Random, sentences, variants: list[str], config):
+def draw_conditioned_utterance(rng: random.Random, sentences, variants: list[str], config,
+                               voices: RandomVoices | None = None):
     """One utterance for the open recipe: ``(pcm, text, description)``.
 
     ``config.empty_share`` of them are silence or noise alone (text ``""``); ``config.long_share`` are 2 to
     ``config.max_phrases`` sentences from ``sentences`` by one voice with pauses between; the rest one sentence.
-    Then speed perturbation and ``oasr.asr.conditions.apply_conditions``."""
+    Then speed perturbation and ``oasr.asr.conditions.apply_conditions``. With ``voices`` the variant is a
+    random one drawn there (``variants`` unused; the description holds its file), else one of ``variants``."""
     import soxr
 
     from oasr.asr.conditions import apply_conditions, empty_utterance, join_phrases
@@ -93,15 +188,22 @@ def draw_conditioned_utterance(rng: random.Random, sentences, variants: list[str
         return pcm, "", desc
     n = rng.randint(2, config.max_phrases) if rng.random() < config.long_share else 1
     texts = [next(sentences) for _ in range(n)]
-    voice = f"{rng.choice(ACCENTS)}+{rng.choice(variants)}"
+    if voices is None:
+        voice, variant_file, data_path = f"{rng.choice(ACCENTS)}+{rng.choice(variants)}", None, None
+    else:
+        accent = rng.choice(ACCENTS)
+        name, variant_file = voices.draw(rng)
+        voice, data_path = f"{accent}+{name}", voices.path
     rate, pitch = rng.randint(125, 205), rng.randint(25, 75)
     speed = rng.choice([0.9, 1.0, 1.0, 1.1])
     pauses = [rng.uniform(*config.pause) for _ in range(n - 1)]
-    pcm = join_phrases([speak(t, voice, rate, pitch) for t in texts], pauses)
+    pcm = join_phrases([speak(t, voice, rate, pitch, data_path) for t in texts], pauses)
     if speed != 1.0:
         pcm = soxr.resample(pcm, SAMPLE_RATE, SAMPLE_RATE / speed).astype(np.float32)
     pcm, desc = apply_conditions(pcm, rng, config)
     desc.update(voice=voice, rate=rate, pitch=pitch, speed=speed, phrases=n)
+    if variant_file is not None:
+        desc["variant_file"] = variant_file
     return pcm, " ".join(texts), desc
 
 

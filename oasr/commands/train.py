@@ -11,7 +11,10 @@ the rest from the templates; every utterance through the recording conditions of
 ``oasr.asr.conditions`` (0-3 s silences, pauses between phrases, noise at 0-35 dB SNR, 8 kHz copies,
 silence- and noise-only utterances with empty text). ``--english-shards`` more shards (16 by default) draw
 half their sentences from the shipped English usage examples (``oasr.asr.opentext.english_sentences``): real
-word order and sentence openings, which neither generator has. ``--legacy-data`` makes the template-only shards
+word order and sentence openings, which neither generator has. ``--random-voice-shards`` more (none by
+default) are spoken by voices drawn at random (``oasr.asr.synth.random_variant``: every utterance an espeak-ng
+variant file of its own, its settings spread over the span of the training variants'), sentences as in the
+English shards. ``--legacy-data`` makes the template-only shards
 the shipped model was trained on: ``--legacy-data --shards 12 --extra-voice-shards 6 --shard-size 2000
 --steps 24000`` is that model's recipe. ``WORK/data.json`` records the data options and a
 rerun with different ones is refused (its shards would mix two recipes; a record written before the English
@@ -52,6 +55,10 @@ def build_parser() -> CommandParser:
                         help=f"English shards after those (a share of {ENGLISH_SHARE:g} of their sentences the shipped "
                              "English usage examples, the rest as in the other shards; the wider voice set); "
                              "default 16, none with --legacy-data")
+    parser.add_argument("--random-voice-shards", type=int, default=0,
+                        help="random-voice shards after those (each utterance spoken by an espeak-ng variant drawn "
+                             "at random within the span of the training variants' settings; sentences as in the "
+                             "English shards); none with --legacy-data")
     parser.add_argument("--shard-size", type=int, default=1500, help="utterances per shard")
     parser.add_argument("--steps", type=int, default=20000, help="optimizer steps")
     parser.add_argument("--open-share", type=float, default=0.6,
@@ -124,7 +131,7 @@ def _shard(job):
     from oasr.asr.conditions import ConditionConfig
     from oasr.asr.data import make_shard
 
-    directory, index, size, seed, more_voices, english, options = job
+    directory, index, size, seed, more_voices, kind, options = job  # kind: "", "English" or "random-voice"
     t0 = time.time()
     if options["legacy"]:
         make_shard(directory, index, size, seed, more_voices=more_voices)
@@ -132,8 +139,8 @@ def _shard(job):
         make_shard(directory, index, size, seed, more_voices=more_voices, open_share=options["open_share"],
                    conditions=ConditionConfig(**{k: tuple(v) if isinstance(v, list) else v
                                                  for k, v in options["conditions"].items()}),
-                   english_share=options["english_share"] if english else 0.0)
-    return ("English shard " if english else "shard ") + str(index), time.time() - t0
+                   english_share=options["english_share"] if kind else 0.0, random_voices=kind == "random-voice")
+    return f"{kind} shard {index}".lstrip(), time.time() - t0
 
 
 def main(argv=None) -> int:
@@ -142,11 +149,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.english_shards is None:
         args.english_shards = 0 if args.legacy_data else 16
-    check_at_least(parser, args, {"shards": 1, "extra_voice_shards": 0, "english_shards": 0, "shard_size": 1,
+    check_at_least(parser, args, {"shards": 1, "extra_voice_shards": 0, "english_shards": 0,
+                                  "random_voice_shards": 0, "shard_size": 1,
                                   "steps": 1, "workers": 1, "threads": 1, "max_frames": 1000, "dev_size": 1})
     if args.legacy_data and args.english_shards:
         parser.error(f"--english-shards {args.english_shards}: --legacy-data makes the template-only shards, "
                      "which have no English examples")
+    if args.legacy_data and args.random_voice_shards:
+        parser.error(f"--random-voice-shards {args.random_voice_shards}: --legacy-data makes the template-only "
+                     "shards, spoken by the shipped variants only")
     if not 0.0 <= args.serving_share < 1.0:
         parser.error(f"--serving-share must be in [0, 1), got {args.serving_share}")
     if not args.lr > 0:
@@ -175,9 +186,12 @@ def main(argv=None) -> int:
                      "same options")
     recorded.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n")
     t0 = time.time()
-    jobs = [(work / "train", i, args.shard_size, args.seed, i >= args.shards, False, options)
+    jobs = [(work / "train", i, args.shard_size, args.seed, i >= args.shards, "", options)
             for i in range(args.shards + args.extra_voice_shards)]
-    jobs += [(work / "train", i, args.shard_size, args.seed, True, True, options) for i in range(args.english_shards)]
+    jobs += [(work / "train", i, args.shard_size, args.seed, True, "English", options)
+             for i in range(args.english_shards)]
+    jobs += [(work / "train", i, args.shard_size, args.seed, False, "random-voice", options)
+             for i in range(args.random_voice_shards)]
     with Pool(args.workers) as pool:
         for name, seconds in pool.imap_unordered(_shard, jobs):
             print(f"{name}: {args.shard_size} utterances in {seconds:.0f} s", flush=True)
