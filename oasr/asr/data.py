@@ -35,7 +35,7 @@ def make_shard(directory, index: int, count: int, seed: int, held_out: bool = Fa
     its sentences are the shipped English examples (``MixedSentenceGenerator``'s ``english_share``); it needs
     ``conditions``. ``random_voices`` makes a *random-voice shard* (``shard_rv_NNNN.npz``, its own seed stream):
     every utterance spoken by a variant drawn by ``oasr.asr.synth.random_variant`` instead of a shipped one; it
-    needs ``conditions`` and is never held out.
+    needs ``conditions``. Held out, it is the recipe's *voice dev shard*: held-out sentences, random voices.
 
     Training shards are spoken by ``TRAIN_VARIANTS`` (with ``more_voices``: those and
     ``MORE_TRAIN_VARIANTS``), held-out ones by ``TEST_VARIANTS``. With ``conditions`` (a
@@ -56,8 +56,8 @@ def make_shard(directory, index: int, count: int, seed: int, held_out: bool = Fa
         raise ValueError("make_shard: a held-out shard is spoken by the test voices only (more_voices=False)")
     if english_share and conditions is None:
         raise ValueError("make_shard: english_share needs conditions (the open recipe's data path)")
-    if random_voices and (conditions is None or held_out):
-        raise ValueError("make_shard: random_voices needs conditions and a training shard (held_out=False)")
+    if random_voices and conditions is None:
+        raise ValueError("make_shard: random_voices needs conditions (the open recipe's data path)")
     path = shard_path(directory, index, english=bool(english_share), random_voices=random_voices)
     if path.exists():
         return path

@@ -134,13 +134,15 @@ def greedy_wer(encoder, tokenizer, cmvn, shards: ShardSet, count: int, chunk: in
 def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: float = 2e-3,
           warmup: int = 400, ema_decay: float = 0.999, save_every: int = 200, log_every: int = 25,
           dev_every: int = 1000, dev_dir: Path | None = None, spec: AsrSpec | None = None, serving_share: float = 0.0,
-          stop_at: int | None = None, device: str = "cpu", init=None, log=print) -> dict:
+          stop_at: int | None = None, device: str = "cpu", init=None, voice_dev_dir: Path | None = None,
+          log=print) -> dict:
     """Train for ``steps`` optimizer steps on the shards in ``work/train`` (resuming ``work/state.pt``).
 
     ``serving_share`` (0 <= share < 1) is the share of batches drawn at the serving chunking
     (``draw_chunking``). ``stop_at`` ends this call at that step with the state saved, as an interruption
     would (the learning-rate schedule still runs to ``steps``). Every ``dev_every`` steps (and at the end)
-    the EMA weights' greedy streaming WER on ``dev_dir`` is logged. ``device`` (``"cpu"`` or ``"cuda[:N]"``)
+    the EMA weights' greedy streaming WER on ``dev_dir`` is logged, and on ``voice_dev_dir`` too when given
+    (the recipe's voice dev shard: held-out English examples by random voices). ``device`` (``"cpu"`` or ``"cuda[:N]"``)
     runs the model there; batches, SpecAugment and every random draw stay on the CPU, so the data order and
     masks are those of a CPU run, and the returned networks are back on the CPU. ``init``: an exported
     checkpoint (``save_checkpoint``) of the same geometry whose weights and CMVN a fresh run starts from
@@ -192,6 +194,7 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
     log(f"encoder {n_enc:,} + decoder {n_params - n_enc:,} = {n_params:,} parameters, "
         f"{torch.get_num_threads()} threads")
     dev = ShardSet(dev_dir) if dev_dir is not None and Path(dev_dir).exists() else None
+    voice_dev = ShardSet(voice_dev_dir) if voice_dev_dir is not None and Path(voice_dev_dir).exists() else None
     serving = (spec.encoder["chunk_size"], spec.encoder["num_left_chunks"])
     t_start, seen, seen_frames = time.time(), 0, 0
     losses = []
@@ -258,11 +261,16 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
                 encoder.eval()
                 w = greedy_wer(encoder, tok, cmvn, dev, 150, spec.encoder["chunk_size"],
                                spec.encoder["num_left_chunks"], device)
+                wv = None if voice_dev is None else greedy_wer(encoder, tok, cmvn, voice_dev, 150,
+                                                               spec.encoder["chunk_size"],
+                                                               spec.encoder["num_left_chunks"], device)
                 encoder.train()
                 with torch.no_grad():
                     for p, v in zip(params, live, strict=True):
                         p.copy_(v)
                 log(f"step {step}: dev greedy streaming WER (EMA weights) {100 * w:.1f}%")
+                if wv is not None:
+                    log(f"step {step}: voice dev greedy streaming WER (EMA weights) {100 * wv:.1f}%")
         else:
             epoch += 1
             done_in_epoch = 0

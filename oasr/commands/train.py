@@ -14,9 +14,10 @@ half their sentences from the shipped English usage examples (``oasr.asr.opentex
 word order and sentence openings, which neither generator has. ``--random-voice-shards`` more (none by
 default) are spoken by voices drawn at random (``oasr.asr.synth.random_variant``: every utterance an espeak-ng
 variant file of its own, its settings spread over the span of the training variants'), sentences as in the
-English shards. ``--legacy-data`` makes the template-only shards
-the shipped model was trained on: ``--legacy-data --shards 12 --extra-voice-shards 6 --shard-size 2000
---steps 24000`` is that model's recipe. ``WORK/data.json`` records the data options and a
+English shards; with them the run also makes a *voice dev shard* (``WORK/dev_voices``: held-out English
+examples by random voices) and logs its greedy WER beside the dev shard's. ``--legacy-data`` makes the
+template-only shards the shipped model was trained on: ``--legacy-data --shards 12 --extra-voice-shards 6
+--shard-size 2000 --steps 24000`` is that model's recipe. ``WORK/data.json`` records the data options and a
 rerun with different ones is refused (its shards would mix two recipes; a record written before the English
 shards existed lacks their field and still matches: those shards are unchanged).
 
@@ -202,10 +203,15 @@ def main(argv=None) -> int:
 
         make_shard(work / "dev", 0, args.dev_size, args.seed + 1, held_out=True, open_share=args.open_share,
                    conditions=ConditionConfig())
+        if args.random_voice_shards:  # held-out English examples by random voices: the second set's proxy
+            make_shard(work / "dev_voices", 0, args.dev_size, args.seed + 1, held_out=True,
+                       open_share=args.open_share, conditions=ConditionConfig(), english_share=1.0,
+                       random_voices=True)
     synth_seconds = time.time() - t0
     torch.set_num_threads(args.threads)
     out = train(work, args.steps, seed=args.seed, max_frames=args.max_frames, lr=args.lr, dev_dir=work / "dev",
                 spec=model_spec(args.size), serving_share=args.serving_share, device=args.device, init=args.init,
+                voice_dev_dir=work / "dev_voices" if args.random_voice_shards else None,
                 log=lambda s: print(s, flush=True))
     params = sum(p.numel() for m in (out["encoder"], out["decoder"]) for p in m.parameters())
     info = {"steps": out["step"], "train_seconds": round(out["seconds"]), "synth_seconds": round(synth_seconds),
