@@ -69,6 +69,25 @@ def test_recipe_lowers_the_loss_and_resumes(tmp_path):
     assert sum(line.startswith("step ") for line in more) == 2
 
 
+def test_the_voice_dev_shard_is_checked_beside_the_dev_shard(tmp_path):
+    """With ``voice_dev_dir`` each dev check logs that shard's greedy WER too (the EMA weights, as for the dev
+    shard: the same numbers when both directories hold the same shard); without it, only the dev shard's."""
+    torch.set_num_threads(1)
+    for d in ("train", "dev", "voices"):
+        _tiny_shards(tmp_path / d)
+    logs = []
+    train(tmp_path, steps=2, seed=1, max_frames=2500, warmup=1, dev_every=1, dev_dir=tmp_path / "dev",
+          voice_dev_dir=tmp_path / "voices", spec=TINY, log=logs.append)
+    dev = [line.split()[-1] for line in logs if ": dev greedy" in line]
+    voices = [line.split()[-1] for line in logs if ": voice dev greedy" in line]
+    assert len(dev) == 2 and voices == dev
+    (tmp_path / "state.pt").unlink()
+    logs.clear()
+    train(tmp_path, steps=1, seed=1, max_frames=2500, warmup=1, dev_dir=tmp_path / "dev", spec=TINY,
+          log=logs.append)
+    assert any(": dev greedy" in line for line in logs) and not any("voice dev" in line for line in logs)
+
+
 def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
     """Stopped at step 5 (mid-epoch, between saves) and resumed, the run ends where an uninterrupted one does:
     same batches, same chunkings, same SpecAugment masks and dropout, bit for bit."""

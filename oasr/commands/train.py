@@ -11,7 +11,7 @@ the rest from the templates; every utterance through the recording conditions of
 ``oasr.asr.conditions`` (0-3 s silences, pauses between phrases, noise at 0-35 dB SNR, 8 kHz copies,
 silence- and noise-only utterances with empty text). ``--english-shards`` more shards (16 by default) draw
 half their sentences from the shipped English usage examples (``oasr.asr.opentext.english_sentences``): real
-word order and sentence openings, which neither generator has. ``--random-voice-shards`` more (none by
+word order and sentence openings, which neither generator has. ``--random-voice-shards`` more (16 by
 default) are spoken by voices drawn at random (``oasr.asr.synth.random_variant``: every utterance an espeak-ng
 variant file of its own, its settings spread over the span of the training variants'), sentences as in the
 English shards; with them the run also makes a *voice dev shard* (``WORK/dev_voices``: held-out English
@@ -21,9 +21,9 @@ template-only shards the shipped model was trained on: ``--legacy-data --shards 
 rerun with different ones is refused (its shards would mix two recipes; a record written before the English
 shards existed lacks their field and still matches: those shards are unchanged).
 
-The next model's training run (estimated at about 100 minutes on two idle CPU cores: synthesis about 17
-(the 16 English shards took 6.5 of them), training about 83, from side-by-side measurements against the
-shipped recipe; see MODEL_CARD.md):
+The next model's training run (estimated at about 106 minutes on two idle CPU cores: synthesis about 23
+(the 16 English shards took 6.5 of them, 16 random-voice shards about 5.5), training about 83, from
+side-by-side measurements against the shipped recipe; see MODEL_CARD.md):
 
     python -m oasr train --work /tmp/oasr-train      # seeded; rerun the same line to resume
 
@@ -56,10 +56,10 @@ def build_parser() -> CommandParser:
                         help=f"English shards after those (a share of {ENGLISH_SHARE:g} of their sentences the shipped "
                              "English usage examples, the rest as in the other shards; the wider voice set); "
                              "default 16, none with --legacy-data")
-    parser.add_argument("--random-voice-shards", type=int, default=0,
+    parser.add_argument("--random-voice-shards", type=int, default=None,
                         help="random-voice shards after those (each utterance spoken by an espeak-ng variant drawn "
                              "at random within the span of the training variants' settings; sentences as in the "
-                             "English shards); none with --legacy-data")
+                             "English shards); default 16, none with --legacy-data")
     parser.add_argument("--shard-size", type=int, default=1500, help="utterances per shard")
     parser.add_argument("--steps", type=int, default=20000, help="optimizer steps")
     parser.add_argument("--open-share", type=float, default=0.6,
@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.english_shards is None:
         args.english_shards = 0 if args.legacy_data else 16
+    if args.random_voice_shards is None:
+        args.random_voice_shards = 0 if args.legacy_data else 16
     check_at_least(parser, args, {"shards": 1, "extra_voice_shards": 0, "english_shards": 0,
                                   "random_voice_shards": 0, "shard_size": 1,
                                   "steps": 1, "workers": 1, "threads": 1, "max_frames": 1000, "dev_size": 1})
