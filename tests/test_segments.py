@@ -49,6 +49,9 @@ def test_regions_are_padded_disjoint_and_a_long_turn_is_cut():
     x = np.concatenate([np.zeros(8000, np.float32), burst, np.zeros(3200, np.float32), burst])
     regions = speech_regions(x, config=SegmenterConfig(min_silence_seconds=0.1, pad_seconds=0.5))
     assert len(regions) == 2 and regions[0][1] <= regions[1][0]  # 0.2 s apart: they meet halfway
-    assert regions[0][0] == 8000 - 800 and regions[1][1] == len(x)
+    assert regions[0][0] == 8000 and regions[1][1] == len(x)  # the lead's 800 samples are zeros: none is lead
+    hiss = (1e-4 * np.random.default_rng(2).standard_normal(8000)).astype(np.float32)  # quiet, not digital
+    regions = speech_regions(np.concatenate([hiss, burst]), config=SegmenterConfig(min_silence_seconds=0.1))
+    assert regions[0][0] == 8000 - 800
     long = speech_regions(np.tile(burst, 4), config=SegmenterConfig(max_segment_seconds=1.5))
     assert len(long) == 3

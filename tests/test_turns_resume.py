@@ -261,7 +261,7 @@ def test_an_endpoint_gives_the_next_turn_every_frame_after_its_cut(data):
     stream = Stream()
     stream.frames_done = 1000 + encoded_frames * 4
     stream.recent = torch.arange(kept, dtype=torch.float32)[:, None].repeat(1, 80) + (pushed - kept)
-    stream.recent_db = np.where(loud, -20.0, -np.inf)
+    stream.recent_db = np.where(loud, -20.0, -80.0)  # quiet, not digital silence (which is never lead)
     tracker.slots["s"] = 0
     engine = _FakeEngine("s", buffered, tokens, frames)
 
@@ -286,3 +286,25 @@ def test_an_endpoint_gives_the_next_turn_every_frame_after_its_cut(data):
     assert stream.turn_offset == 1000 + at + dropped
     assert stream.frames_done == 1000 + encoded_frames * 4 - max(0, encoded_frames * 4 - at) + dropped
     assert stream.turn_pushed == len(given) and stream.text == ""
+
+
+def test_the_gate_never_gives_digital_silence_as_lead():
+    """Up to ``lead_frames`` frames before the first loud one are lead, but not frames of digital silence (exact
+    zeros, -inf dB): between a pause of zeros and a recording's own quiet start the shipped model wrote short
+    words. Quiet frames that are not zeros stay lead; the dropped ones move the stream's clock."""
+    import torch
+
+    from oasr.asr.turns import TurnTracker
+
+    tracker = TurnTracker(EndpointConfig(), subsampling_rate=4, max_streams=1)
+
+    class Stream:
+        turn_offset, frames_done, gated, gate_tail = 0, 0, True, None
+
+    feats = torch.arange(12, dtype=torch.float32)[:, None].repeat(1, 80)
+    for db, first in ([-np.inf] * 6 + [-80.0] * 2 + [-20.0] * 4, 6),  ([-np.inf] * 8 + [-20.0] * 4, 8), \
+                     ([-80.0] * 8 + [-20.0] * 4, 8 - tracker.lead_frames):
+        stream = Stream()
+        kept, _ = tracker._gate_frames(stream, feats, np.array(db))
+        assert kept[:, 0].long().tolist() == list(range(first, 12)), db
+        assert stream.turn_offset == first and stream.frames_done == first and not stream.gated

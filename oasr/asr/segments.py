@@ -53,7 +53,8 @@ class Segment:
 
 
 def speech_regions(pcm, sample_rate: int = SAMPLE_RATE, config: SegmenterConfig | None = None) -> list[tuple]:
-    """``[(start_sample, end_sample), ...]`` of the speech in ``pcm`` (1-D float), padded, in order, disjoint."""
+    """``[(start_sample, end_sample), ...]`` of the speech in ``pcm`` (1-D float), padded, in order, disjoint.
+    A region's lead never starts with digital silence (exact zeros): it begins at the first sound in it."""
     config = config or SegmenterConfig()
     x = np.asarray(pcm, dtype=np.float32).reshape(-1)
     detector = EnergyDetector(sample_rate, config.frame_seconds, config.threshold_db)
@@ -68,6 +69,8 @@ def speech_regions(pcm, sample_rate: int = SAMPLE_RATE, config: SegmenterConfig 
         hi = min(len(x), end + pad) if i == len(turns) - 1 else min(end + pad, (end + turns[i + 1][0]) // 2)
         if i and lo < regions[-1][1]:
             lo = regions[-1][1]
+        sound = np.flatnonzero(x[lo:start])  # digital silence is never lead (as in ``oasr.asr.turns``)
+        lo = lo + int(sound[0]) if sound.size else max(lo, start)
         regions.append((lo, hi))
     return regions
 
