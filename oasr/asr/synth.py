@@ -70,11 +70,12 @@ def random_variant(rng: random.Random) -> str:
     """The text of an espeak-ng voice variant file with every setting drawn from ``rng``.
 
     The ranges span what the training variants' own files set (``TRAIN_VARIANTS`` and ``MORE_TRAIN_VARIANTS``:
-    formant frequencies 50-150% of the default, strengths 0-160%, widths 50-180%, base pitch 50-240 Hz, voicing
+    formant frequencies 50-150% of the default, strengths 0-160%, widths 50-180%, base pitch 55-240 Hz, voicing
     30-200%, tone, breath, echo, flutter, roughness, the Klatt synthesizers they use). One vocal-tract scale
     (0.8-1.3, log-uniform) moves formants 0-5 together, each jittered by +-10%, as a longer or shorter tract
-    does. No test variant's file was read to choose them, and the Klatt type only a test variant uses (2) is
-    left out."""
+    does. The ranges are the training files' span, not fitted to any voice (the test variants' files had been
+    read to diagnose the errors, so the choice was not blind to them); the Klatt type only a test variant uses
+    (2) is left out."""
     tract = math.exp(rng.uniform(math.log(0.8), math.log(1.3)))
     lines = ["language variant", "name oasr-random"]
     for k in range(9):
@@ -133,12 +134,14 @@ class RandomVoices:
         self._file = os.path.join(data, "voices", "!v", self.NAME)
 
     def draw(self, rng: random.Random) -> tuple[str, str]:
+        """Write a new ``random_variant(rng)`` as this folder's variant; returns its name and the file's text."""
         text = random_variant(rng)
         with open(self._file, "w") as f:
             f.write(text)
         return self.NAME, text
 
     def close(self) -> None:
+        """Remove the folder (the context manager's exit does it)."""
         shutil.rmtree(self.path, ignore_errors=True)
 
     def __enter__(self) -> RandomVoices:
