@@ -193,8 +193,8 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
     n_enc = sum(p.numel() for p in encoder.parameters())
     log(f"encoder {n_enc:,} + decoder {n_params - n_enc:,} = {n_params:,} parameters, "
         f"{torch.get_num_threads()} threads")
-    dev = ShardSet(dev_dir) if dev_dir is not None and Path(dev_dir).exists() else None
-    voice_dev = ShardSet(voice_dev_dir) if voice_dev_dir is not None and Path(voice_dev_dir).exists() else None
+    checks = [(name, ShardSet(d)) for name, d in (("dev", dev_dir), ("voice dev", voice_dev_dir))
+              if d is not None and Path(d).exists()]
     serving = (spec.encoder["chunk_size"], spec.encoder["num_left_chunks"])
     t_start, seen, seen_frames = time.time(), 0, 0
     losses = []
@@ -253,24 +253,20 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
                     f"{seen / el:.1f} utt/s {seen_frames / 100 / el:.1f}x audio elapsed {el / 60:.1f} min")
             if step % save_every == 0:
                 save()
-            if dev is not None and (step % dev_every == 0 or step == end):
+            if checks and (step % dev_every == 0 or step == end):
                 live = [p.detach().clone() for p in params]
                 with torch.no_grad():
                     for p, e in zip(params, ema, strict=True):
                         p.copy_(e)
                 encoder.eval()
-                w = greedy_wer(encoder, tok, cmvn, dev, 150, spec.encoder["chunk_size"],
-                               spec.encoder["num_left_chunks"], device)
-                wv = None if voice_dev is None else greedy_wer(encoder, tok, cmvn, voice_dev, 150,
-                                                               spec.encoder["chunk_size"],
-                                                               spec.encoder["num_left_chunks"], device)
+                wers = [(name, greedy_wer(encoder, tok, cmvn, shards, 150, *serving, device))
+                        for name, shards in checks]
                 encoder.train()
                 with torch.no_grad():
                     for p, v in zip(params, live, strict=True):
                         p.copy_(v)
-                log(f"step {step}: dev greedy streaming WER (EMA weights) {100 * w:.1f}%")
-                if wv is not None:
-                    log(f"step {step}: voice dev greedy streaming WER (EMA weights) {100 * wv:.1f}%")
+                for name, w in wers:
+                    log(f"step {step}: {name} greedy streaming WER (EMA weights) {100 * w:.1f}%")
         else:
             epoch += 1
             done_in_epoch = 0
