@@ -170,15 +170,22 @@ def test_language_model_arguments_are_checked():
 
 def test_language_specs_are_checked_and_read_from_checkpoint_info():
     for bad in ({"seed": "1"}, {"open_share": 1.5}, {"sentences": 0}, {"sentences": True}, {"english_repeat": -1},
-                {"english_repeat": True}, {"english_repeat": "3"}, {"english_repeat": 1001}):
+                {"english_repeat": True}, {"english_repeat": "3"}, {"english_repeat": 1001},
+                {"held_out_english": 1}):
         with pytest.raises(ValueError, match="LanguageSpec"):
             LanguageSpec(**bad)
     assert spec_from_info({}) is None
     assert spec_from_info({"language_model": SPEC.to_info()}) == SPEC
-    written_before = {k: v for k, v in SPEC.to_info().items() if k != "english_repeat"}
-    assert spec_from_info({"language_model": written_before}) == LanguageSpec(sentences=20_000, english_repeat=0)
+    written_before = {k: v for k, v in SPEC.to_info().items() if k not in ("english_repeat", "held_out_english")}
+    assert spec_from_info({"language_model": written_before}) == LanguageSpec(sentences=20_000, english_repeat=0,
+                                                                              held_out_english=True)
     with pytest.raises(ValueError, match="recipe_text_bigram"):
         spec_from_info({"language_model": {"kind": "trigram"}})
+
+
+def _sentence_logp(lm, text: str) -> float:
+    ids = [lm.start_id, *(lm.index[w] for w in text.split()), lm.end_id]
+    return sum(lm.logp(a, b) for a, b in zip(ids[:-1], ids[1:], strict=True))
 
 
 def test_the_shipped_english_sentences_are_clean_and_steer_the_model():
@@ -197,6 +204,12 @@ def test_the_shipped_english_sentences_are_clean_and_steer_the_model():
     assert with_english.words == without.words  # the lexicon stays the recipe's
     hold, your = with_english.index["hold"], with_english.index["your"]  # "hold your breath" is an example
     assert with_english.logp(hold, your) > without.logp(hold, your) + 1.0
+    from oasr.asr.text import is_held_out
+
+    held = next(t for t in english if is_held_out(t) and len(t.split()) > 3  # an example only the voice dev speaks
+                and all(w in with_english.index for w in t.split()))
+    counted = recipe_lm(LanguageSpec(sentences=20_000, held_out_english=True), alphabet)
+    assert _sentence_logp(counted, held) > _sentence_logp(with_english, held) + 3.0, held  # out unless asked for
     assert normalize_sentence("Don't tread on me!") == "don't tread on me"
     assert normalize_sentence("call 911") is None and normalize_sentence("hello") is None
 

@@ -16,7 +16,10 @@ sentences such as "hold your breath" or "inhale the fresh mountain air", extract
 ``build_english_text`` from Debian's ``wordnet-base``; WordNet's license is shipped beside it), each counted
 ``english_repeat`` times; a sentence with a word outside the lexicon is left out (the lexicon stays the
 recipe's). ``english_repeat=0`` is the generator's text alone (a checkpoint that does not name the field
-means that).
+means that). The examples the recipe holds out (``oasr.asr.text.is_held_out``: one in 16, what the voice dev
+shard speaks) are left out too, so that shard scores the word search on sentences its model never counted;
+``held_out_english=True`` counts them as well, which is what a checkpoint that does not name the field was
+built with.
 
 A checkpoint names its spec in its metadata (``info["language_model"]``); ``Recognizer(language_model="auto")`` uses
 it when present. ``spec_from_info`` reads and checks it.
@@ -36,13 +39,14 @@ WORDNET_DIR = "/usr/share/wordnet"  # Debian's wordnet-base
 
 @dataclass(frozen=True)
 class LanguageSpec:
-    """Which text the word model counts: the generator's seed and open share, how many of its sentences, and how
-    many times the shipped English sentences (module docstring; 0: none)."""
+    """Which text the word model counts: the generator's seed and open share, how many of its sentences, how
+    many times the shipped English sentences (module docstring; 0: none), and whether their held-out ones too."""
 
     seed: int = 2026
     open_share: float = 0.6
     sentences: int = 200_000
     english_repeat: int = 10
+    held_out_english: bool = False
 
     def __post_init__(self):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -56,6 +60,8 @@ class LanguageSpec:
         if isinstance(self.english_repeat, bool) or not isinstance(self.english_repeat, int) \
                 or not 0 <= self.english_repeat <= 1000:
             raise ValueError(f"LanguageSpec: english_repeat must be an int in [0, 1000], got {self.english_repeat!r}")
+        if not isinstance(self.held_out_english, bool):
+            raise ValueError(f"LanguageSpec: held_out_english must be a bool, got {self.held_out_english!r}")
 
     def to_info(self) -> dict:
         """The spec as checkpoint metadata."""
@@ -70,13 +76,15 @@ def spec_from_info(info) -> LanguageSpec | None:
     if not isinstance(entry, dict) or entry.get("kind") != "recipe_text_bigram":
         raise ValueError(f"checkpoint: language_model must be a dict of kind 'recipe_text_bigram', got {entry!r}")
     fields = {k: entry[k] for k in ("seed", "open_share", "sentences") if k in entry}
-    return LanguageSpec(**fields, english_repeat=entry.get("english_repeat", 0))  # absent: written before it
+    return LanguageSpec(**fields, english_repeat=entry.get("english_repeat", 0),  # absent: written before them
+                        held_out_english=entry.get("held_out_english", True))
 
 
 @lru_cache(maxsize=2)
 def recipe_lm(spec: LanguageSpec, alphabet: str):
     """The ``WordLM`` of ``spec``'s training text over ``alphabet`` (built once per process)."""
     from oasr.asr.opentext import MixedSentenceGenerator
+    from oasr.asr.text import is_held_out
     from oasr.asr.vocab import load_names, load_words
     from oasr.ctc.words import WordLM
 
@@ -88,7 +96,8 @@ def recipe_lm(spec: LanguageSpec, alphabet: str):
     letters = set(alphabet) - {" "}
     lexicon = {w for w in lexicon if w and set(w) <= letters}
     if spec.english_repeat:
-        sentences += [(t, spec.english_repeat) for t in load_english() if all(w in lexicon for w in t.split())]
+        sentences += [(t, spec.english_repeat) for t in load_english()
+                      if all(w in lexicon for w in t.split()) and (spec.held_out_english or not is_held_out(t))]
     return WordLM.from_sentences(sentences, lexicon, alphabet)
 
 
