@@ -207,8 +207,8 @@ def test_open_recipe_smoke(tmp_path, capsys):
     with pytest.raises(ValueError, match="random_voices"):
         make_shard(tmp_path / "e", 0, 3, 7, open_share=0.6, random_voices=True)
     argv = ["--work", str(tmp_path / "w"), "--shards", "1", "--extra-voice-shards", "1", "--english-shards", "1",
-            "--random-voice-shards", "1", "--shard-size", "3", "--steps", "2", "--dev-size", "2", "--workers", "1",
-            "--threads", "1", "--max-frames", "1000"]
+            "--random-voice-shards", "1", "--shard-size", "3", "--steps", "2", "--dev-size", "2",
+            "--voice-dev-size", "3", "--workers", "1", "--threads", "1", "--max-frames", "1000"]
     assert train_main(argv) == 0
     assert (tmp_path / "w" / "model.safetensors").exists()
     # the voice dev shard: held-out English examples (every one) by random voices, its WER logged
@@ -216,7 +216,7 @@ def test_open_recipe_smoke(tmp_path, capsys):
 
     held_out_examples = {t for t in english_sentences() if is_held_out(t)}
     with np.load(tmp_path / "w" / "dev_voices" / "shard_rv_0000.npz") as z:
-        assert all(t in held_out_examples for t in z["texts"] if t)
+        assert all(t in held_out_examples for t in z["texts"] if t) and len(z["lens"]) == 3  # --voice-dev-size
     assert "voice dev greedy streaming WER" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "w" / "train").glob("shard_*.npz")) == [
         "shard_0000.npz", "shard_0001.npz", "shard_en_0000.npz", "shard_rv_0000.npz"]

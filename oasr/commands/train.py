@@ -21,9 +21,10 @@ template-only shards the shipped model was trained on: ``--legacy-data --shards 
 rerun with different ones is refused (its shards would mix two recipes; a record written before the English
 shards existed lacks their field and still matches: those shards are unchanged).
 
-The next model's training run (estimated at about 106 minutes on two idle CPU cores: synthesis about 23
-(the 16 English shards took 6.5 of them, 16 random-voice shards about 5.5), training about 83, from
-side-by-side measurements against the shipped recipe; see MODEL_CARD.md):
+The next model's training run (estimated at about 108 minutes on two idle CPU cores: synthesis about 23
+(the 16 English shards took 6.5 of them, 16 random-voice shards about 5.5), training about 85 with its dev
+checks (the 600-utterance voice dev shard about 2.5 of them), from side-by-side measurements against the
+shipped recipe; see MODEL_CARD.md):
 
     python -m oasr train --work /tmp/oasr-train      # seeded; rerun the same line to resume
 
@@ -72,6 +73,11 @@ def build_parser() -> CommandParser:
                         help="model geometry: small (2.9 M parameters, the CPU recipe) or medium (about 3x the "
                              "compute per step: for --device cuda)")
     parser.add_argument("--dev-size", type=int, default=150, help="held-out dev utterances (greedy WER while training)")
+    parser.add_argument("--voice-dev-size", type=int, default=600,
+                        help="utterances of the voice dev shard (made with random-voice shards: held-out English "
+                             "examples by random voices), by which weights are chosen; 150 of them moved by 1-3 "
+                             "points between checks 1,000 steps apart, 750 by under one; a work folder that "
+                             "already has one keeps it")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] for training (synthesis is on the CPU)")
     parser.add_argument("--lr", type=float, default=1.2e-3, help="peak learning rate (warmup 400 steps, then cosine)")
     parser.add_argument("--seed", type=int, default=2026, help="seed of the data and the model")
@@ -154,7 +160,8 @@ def main(argv=None) -> int:
         args.random_voice_shards = 0 if args.legacy_data else 16
     check_at_least(parser, args, {"shards": 1, "extra_voice_shards": 0, "english_shards": 0,
                                   "random_voice_shards": 0, "shard_size": 1,
-                                  "steps": 1, "workers": 1, "threads": 1, "max_frames": 1000, "dev_size": 1})
+                                  "steps": 1, "workers": 1, "threads": 1, "max_frames": 1000, "dev_size": 1,
+                                  "voice_dev_size": 1})
     if args.legacy_data and args.english_shards:
         parser.error(f"--english-shards {args.english_shards}: --legacy-data makes the template-only shards, "
                      "which have no English examples")
@@ -206,7 +213,7 @@ def main(argv=None) -> int:
         make_shard(work / "dev", 0, args.dev_size, args.seed + 1, held_out=True, open_share=args.open_share,
                    conditions=ConditionConfig())
         if args.random_voice_shards:  # held-out English examples by random voices: the second set's proxy
-            make_shard(work / "dev_voices", 0, args.dev_size, args.seed + 1, held_out=True,
+            make_shard(work / "dev_voices", 0, args.voice_dev_size, args.seed + 1, held_out=True,
                        open_share=args.open_share, conditions=ConditionConfig(), english_share=1.0,
                        random_voices=True)
     synth_seconds = time.time() - t0
