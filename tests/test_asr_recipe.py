@@ -69,18 +69,30 @@ def test_recipe_lowers_the_loss_and_resumes(tmp_path):
     assert sum(line.startswith("step ") for line in more) == 2
 
 
-def test_the_voice_dev_shard_is_checked_beside_the_dev_shard(tmp_path):
+def test_the_voice_dev_shard_is_checked_beside_the_dev_shard(tmp_path, monkeypatch):
     """With ``voice_dev_dir`` each dev check logs that shard's greedy WER too (the EMA weights, as for the dev
-    shard: the same numbers when both directories hold the same shard); without it, only the dev shard's."""
+    shard: the same numbers when both directories hold the same shard), over every utterance of each shard;
+    without it, only the dev shard's."""
+    import oasr.asr.train as train_module
+
     torch.set_num_threads(1)
     for d in ("train", "dev", "voices"):
         _tiny_shards(tmp_path / d)
+    counted = []
+    real_greedy_wer = train_module.greedy_wer
+
+    def counting(encoder, tokenizer, cmvn, shards, count, *args):
+        counted.append((len(shards), count))
+        return real_greedy_wer(encoder, tokenizer, cmvn, shards, count, *args)
+
+    monkeypatch.setattr(train_module, "greedy_wer", counting)
     logs = []
     train(tmp_path, steps=2, seed=1, max_frames=2500, warmup=1, dev_every=1, dev_dir=tmp_path / "dev",
           voice_dev_dir=tmp_path / "voices", spec=TINY, log=logs.append)
     dev = [line.split()[-1] for line in logs if ": dev greedy" in line]
     voices = [line.split()[-1] for line in logs if ": voice dev greedy" in line]
     assert len(dev) == 2 and voices == dev
+    assert len(counted) == 4 and all(count == size for size, count in counted)  # a check scores the whole shard
     (tmp_path / "state.pt").unlink()
     logs.clear()
     train(tmp_path, steps=1, seed=1, max_frames=2500, warmup=1, dev_dir=tmp_path / "dev", spec=TINY,

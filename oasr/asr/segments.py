@@ -70,7 +70,7 @@ def speech_regions(pcm, sample_rate: int = SAMPLE_RATE, config: SegmenterConfig 
         if i and lo < regions[-1][1]:
             lo = regions[-1][1]
         sound = np.flatnonzero(x[lo:start])  # digital silence is never lead (as in ``oasr.asr.turns``)
-        lo = lo + int(sound[0]) if sound.size else max(lo, start)
+        lo = lo + int(sound[0]) if sound.size else start
         regions.append((lo, hi))
     return regions
 

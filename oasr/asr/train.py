@@ -259,7 +259,7 @@ def train(work: Path, steps: int, seed: int = 0, max_frames: int = 10000, lr: fl
                     for p, e in zip(params, ema, strict=True):
                         p.copy_(e)
                 encoder.eval()
-                wers = [(name, greedy_wer(encoder, tok, cmvn, shards, 150, *serving, device))
+                wers = [(name, greedy_wer(encoder, tok, cmvn, shards, len(shards), *serving, device))
                         for name, shards in checks]
                 encoder.train()
                 with torch.no_grad():
