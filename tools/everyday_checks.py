@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
+    from long_recording import build  # tools/ is on the path when this file runs as a script
 
     from oasr.asr.audio import load_audio
     from oasr.asr.metrics import error_rates
@@ -53,8 +54,7 @@ def main(argv=None) -> int:
     clips = [load_audio(c.path) for c in testset]
     out = {}
 
-    gap = np.zeros(SAMPLE_RATE, np.float32)
-    joined = np.concatenate([part for clip in clips for part in (clip, gap)][:-1])
+    joined, _ = build(clips, lead=0.0, min_pause=1.0, max_pause=1.0, tail=0.0)  # long_recording's recording
     text = rec.transcribe([joined])[0].text
     out["pauses_wer"] = error_rates([" ".join(refs)], [text])["wer"]
     print(f"pauses: 12 clips, 1 s apart ({len(joined) / SAMPLE_RATE:.0f} s), no turns: "
